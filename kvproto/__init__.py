@@ -1,0 +1,1 @@
+"""kvproto: model-checked protocols for a shared KV-cache store."""

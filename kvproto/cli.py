@@ -1,0 +1,201 @@
+"""The ``kvproto`` command line.
+
+``kvproto check`` model-checks every ``spec/*.cfg`` with TLC and compares each
+verdict with the expectation in the cfg's header (see :mod:`kvproto.tlc`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+from . import tlc
+from .statemachines.tla import TraceStep, describe_changes, format_state
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvproto`` and ``python -m kvproto``; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="kvproto", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_arguments, handler) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(command)
+        command.set_defaults(handler=handler)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+# --- check ----------------------------------------------------------------------
+
+
+def default_spec_dir() -> Path:
+    """``./spec`` if it exists, else the ``spec/`` beside the installed package."""
+    here = Path.cwd() / "spec"
+    return here if here.is_dir() else Path(__file__).resolve().parent.parent / "spec"
+
+
+def _check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spec-dir", type=Path, default=None,
+                        help="folder of .tla/.cfg files (default: ./spec, else the package's spec/)")
+    parser.add_argument("--model", action="append", default=[], metavar="SUBSTRING",
+                        help="only models whose name contains SUBSTRING (repeatable)")
+    parser.add_argument("--workers", type=int, default=1, help="TLC worker threads (default 1)")
+    parser.add_argument("--show-traces", action="store_true",
+                        help="print every counterexample, not only unexpected ones")
+
+
+def check(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run TLC on each model; exit 0 only if every verdict matched its expectation."""
+    out = out or sys.stdout
+    spec_dir = args.spec_dir or default_spec_dir()
+    try:
+        models = [m for m in tlc.discover(spec_dir)
+                  if not args.model or any(s in m.name for s in args.model)]
+    except ValueError as e:
+        print(f"kvproto check: {e}", file=sys.stderr)
+        return 2
+    if not models:
+        print(f"kvproto check: no models in {spec_dir}"
+              + (f" matching {', '.join(args.model)}" if args.model else ""), file=sys.stderr)
+        return 2
+
+    results = []
+    for model in models:
+        print(f"checking {model.name} (expect {model.expectation}) ...", file=out, flush=True)
+        progress = _ProgressDisplay(model.name, out)
+        try:
+            result = tlc.run(model, workers=args.workers, on_output=progress.line, on_tick=progress.tick)
+        except FileNotFoundError as e:
+            progress.clear()
+            print(f"kvproto check: {e}", file=sys.stderr)
+            return 2
+        progress.clear()
+        results.append(result)
+        print(_result_line(result), file=out)
+        if result.verdict == "error" and not result.matches:
+            print(_indent(_error_excerpt(result.output), "    "), file=out)
+        elif result.trace and (args.show_traces or not result.matches):
+            print("    counterexample:", file=out)
+            print(_indent(format_trace(result.trace), "      "), file=out)
+    print(file=out)
+    print(_summary(results), file=out)
+    return 0 if all(r.matches for r in results) else 1
+
+
+class _ProgressDisplay:
+    """Shows a model's progress: one rewritten line on a TTY, else occasional lines."""
+
+    HEARTBEAT_S = 10.0
+
+    def __init__(self, name: str, out: TextIO) -> None:
+        self.name = name
+        self.out = out
+        self.tty = out.isatty()
+        self.last: tlc.Progress | None = None
+        self.last_print = 0.0
+        self.dirty = False
+
+    def line(self, text: str) -> None:
+        progress = tlc.parse_progress(text)
+        if progress is None:
+            return
+        self.last = progress
+        if not self.tty:
+            print(f"  {self.name}: {text}", file=self.out, flush=True)
+
+    def tick(self, elapsed: float) -> None:
+        status = f"  {self.name}: {elapsed:.0f}s"
+        if self.last is not None:
+            status += (f", {self.last.distinct_states:,} distinct states, "
+                       f"{self.last.queued:,} queued, depth {self.last.depth}")
+        if self.tty:
+            self.out.write("\r\x1b[K" + status)
+            self.out.flush()
+            self.dirty = True
+        elif elapsed - self.last_print >= self.HEARTBEAT_S:
+            print(status + " (running)", file=self.out, flush=True)
+            self.last_print = elapsed
+
+    def clear(self) -> None:
+        if self.dirty:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+
+
+def _result_line(result: tlc.TlcResult) -> str:
+    states = "?" if result.distinct_states is None else f"{result.distinct_states:,}"
+    depth = "?" if result.depth is None else str(result.depth)
+    verdict = "as expected" if result.matches else f"UNEXPECTED (expected {result.model.expectation})"
+    return (f"  {result.model.name}: {states} distinct states, depth {depth}, "
+            f"{result.seconds:.1f}s: {result.outcome} - {verdict}")
+
+
+def format_trace(steps: list[TraceStep]) -> str:
+    """A counterexample as numbered steps, each showing only what it changed."""
+    lines = []
+    for prev, step in zip([None, *steps], steps):
+        if step.back_to is not None:
+            lines.append(f"{step.index}. {step.action}, back to state {step.back_to}")
+        elif step.action == "Stuttering":
+            lines.append(f"{step.index}. Stuttering (nothing changes from here on)")
+            continue
+        else:
+            lines.append(f"{step.index}. {step.action}")
+        if prev is None:
+            lines.append(format_state(step.state, indent="     "))
+        else:
+            changes = describe_changes(prev.state, step.state)
+            lines += [f"     {c}" for c in changes] or ["     (no variable changes)"]
+    return "\n".join(lines)
+
+
+def _error_excerpt(output: str, max_lines: int = 30) -> str:
+    """TLC's output from its first ``Error:`` line (or its tail, if there is none)."""
+    lines = output.rstrip().splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("Error:")), None)
+    return "\n".join(lines[first:first + max_lines] if first is not None else lines[-max_lines:])
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
+def _summary(results: list[tlc.TlcResult]) -> str:
+    header = ("model", "expected", "got", "distinct states", "depth", "seconds", "result")
+    rows = [header] + [
+        (
+            r.model.name,
+            r.model.expectation,
+            r.outcome,
+            "?" if r.distinct_states is None else f"{r.distinct_states:,}",
+            "?" if r.depth is None else str(r.depth),
+            f"{r.seconds:.1f}",
+            "ok" if r.matches else "UNEXPECTED",
+        )
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    right = {3, 4, 5}
+    lines = [
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                  for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
+    matched = sum(r.matches for r in results)
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append(f"{matched} of {len(results)} models as expected")
+    return "\n".join(lines)
+
+
+# --- subcommands ----------------------------------------------------------------
+
+# name -> (help, add_arguments(parser), handler(args) -> exit code).
+# The lead adds "demo", "master", "storage" and "bench" here.
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
+                             Callable[[argparse.Namespace], int]]] = {
+    "check": ("model-check the TLA+ specs with TLC and compare each verdict with its expectation",
+              _check_arguments, check),
+}

@@ -1,0 +1,143 @@
+"""Every error kvproto raises, each with a stable code on the wire.
+
+A reply frame that carries an error carries ``(code, message)``; :func:`from_wire`
+turns it back into the same type on the client. Codes are never reused or
+renumbered: add new ones at the end of their block.
+"""
+
+from __future__ import annotations
+
+
+class KvError(Exception):
+    """Base of every kvproto error. ``code`` is what travels on the wire."""
+
+    code = 1
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message or self.__class__.__doc__.strip().splitlines()[0])
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def to_wire(self) -> tuple[int, str]:
+        return (self.code, self.message)
+
+
+# --- 10..19: frame validation (the request was never applied) ----------------
+
+class MalformedFrame(KvError):
+    """The frame could not be decoded or lacks required fields."""
+    code = 10
+
+
+class UnsupportedVersion(KvError):
+    """The frame's protocol version is not spoken by this server."""
+    code = 11
+
+
+class UnknownMessage(KvError):
+    """The frame names an operation this server does not know."""
+    code = 12
+
+
+class FrameTooLarge(KvError):
+    """The frame exceeds the server's size limit."""
+    code = 13
+
+
+# --- 20..39: publish protocol ------------------------------------------------
+
+class KeyNotFound(KvError):
+    """No published object has this key (a miss)."""
+    code = 20
+
+
+class KeyExists(KvError):
+    """The key already has a published object or a put in progress."""
+    code = 21
+
+
+class StaleToken(KvError):
+    """The put attempt's token no longer owns the allocation (revoked or reclaimed)."""
+    code = 22
+
+
+class NoSpace(KvError):
+    """Not enough live segments with free space for the requested replicas."""
+    code = 23
+
+
+class ObjectBusy(KvError):
+    """The object is being read and cannot be removed now."""
+    code = 24
+
+
+class NotPublished(KvError):
+    """The object exists but is not published yet."""
+    code = 25
+
+
+class SegmentUnavailable(KvError):
+    """The storage segment named in a request is unknown or lost."""
+    code = 26
+
+
+class RegionMismatch(KvError):
+    """A storage node refused a read or write: the region is not owned by that token."""
+    code = 27
+
+
+class ChecksumMismatch(KvError):
+    """Bytes read back do not match the checksum recorded at publish."""
+    code = 28
+
+
+class InvalidArgument(KvError):
+    """A request field has the right type but an unacceptable value."""
+    code = 29
+
+
+# --- 40..49: transport -------------------------------------------------------
+
+class RequestTimeout(KvError):
+    """The peer did not answer within the caller's deadline."""
+    code = 40
+
+
+class ServerUnavailable(KvError):
+    """No server could be reached at the given address."""
+    code = 41
+
+
+class InternalError(KvError):
+    """The server failed while handling a valid request; it keeps serving."""
+    code = 99
+
+
+_BY_CODE: dict[int, type[KvError]] = {}
+
+
+def _register() -> None:
+    for obj in list(globals().values()):
+        if isinstance(obj, type) and issubclass(obj, KvError):
+            if obj.code in _BY_CODE and _BY_CODE[obj.code] is not obj:
+                raise RuntimeError(f"duplicate error code {obj.code}")
+            _BY_CODE[obj.code] = obj
+
+
+_register()
+
+
+def from_wire(code: int, message: str) -> KvError:
+    """Rebuild the typed error a peer sent; unknown codes become :class:`KvError`."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        err = KvError(message)
+        err.code = code
+        return err
+    return cls(message)
+
+
+def by_code(code: int) -> type[KvError]:
+    return _BY_CODE[code]

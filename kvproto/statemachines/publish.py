@@ -1,0 +1,857 @@
+"""The publish protocol of ``spec/Publish.tla`` as pure, sans-IO state machines.
+
+Three processes take part, each with its own state and its own step function:
+
+* the master's :class:`Directory` (objects and the space ledger), stepped by
+  :func:`master_step` — the runtime master holds exactly one of these;
+* a storage node's :class:`RegionTable` (which attempt owns which region of its
+  segment), stepped by :func:`storage_step` — one per storage segment;
+* a writer's :class:`Attempt` (the put it is carrying out).
+
+:class:`System` composes them into the closed system the spec describes; its
+actions (:data:`ACTIONS`) carry the spec's action names and are what the
+conformance test and the Hypothesis stateful test drive. Invariants carry the
+spec's invariant names (:data:`INVARIANTS`).
+
+Every step is ``(state, event) -> (state, effects)``. A refused event returns
+the state unchanged and a single :class:`Refused` effect carrying a typed error
+from :mod:`kvproto.errors`. Objects live in a persistent hash map, so a step
+costs O(log32 n) in the number of objects (except :class:`SegmentLost`, which
+walks the directory once). Where the allocator places a replica is an input
+(``PutStart.placement``), like time: the runtime's allocator chooses, the
+machine accounts.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import attrs
+import immutables
+
+from kvproto import errors
+from kvproto.statemachines.tla import Fn, ModelValue
+
+# --------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Replica:
+    """One replica's region: ``length`` bytes at ``offset`` of ``segment``."""
+
+    segment: str
+    offset: int
+    length: int
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"
+    PUBLISHED = "published"
+
+
+@attrs.frozen
+class ObjectRecord:
+    """The master's record of one key (``dir[k]`` in the spec)."""
+
+    status: Status
+    token: int
+    replicas: tuple[Replica, ...]
+    length: int
+    reads: int = 0
+
+
+@attrs.frozen
+class SegmentLedger:
+    """The master's account of one segment's space (``free[s]``, ``s \\in live``)."""
+
+    capacity: int
+    free: int
+    live: bool = True
+
+
+@attrs.frozen
+class Directory:
+    """The master's state: ``dir``, ``free``, ``live`` and ``nextToken``."""
+
+    objects: immutables.Map = immutables.Map()
+    segments: immutables.Map = immutables.Map()
+    next_token: int = 1
+
+
+@attrs.frozen
+class Region:
+    """A storage node's record of one allocated region (``store[s][i]``)."""
+
+    key: bytes
+    token: int
+    length: int
+    done: bool = False
+
+
+@attrs.frozen
+class RegionTable:
+    """A storage node's region table for its segment: offset -> :class:`Region`."""
+
+    segment: str
+    regions: immutables.Map = immutables.Map()
+
+
+# --------------------------------------------------------------------------
+# Events fed to the master (named after the spec's actions)
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AddSegment:
+    """A storage segment joins the ledger (part of the spec's ``Init``)."""
+
+    segment: str
+    capacity: int
+
+
+@attrs.frozen
+class PutStart:
+    """``PutStart``: allocate ``placement`` for ``key`` and issue a token."""
+
+    key: bytes
+    length: int
+    placement: tuple[Replica, ...]
+
+
+@attrs.frozen
+class PutEnd:
+    """``PutEnd``: publish ``key`` if ``token`` still owns its allocation."""
+
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class PutRevoke:
+    """``PutRevoke``: the writer gives up; free the allocation if it owns it."""
+
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class ReclaimAbandoned:
+    """``ReclaimAbandoned``: the master's timeout for a silent writer."""
+
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class ReadBegin:
+    """``ReadBegin``: hand out descriptors of a published object and pin it."""
+
+    key: bytes
+
+
+@attrs.frozen
+class ReadEnd:
+    """``ReadEnd``: unpin an object a reader got with ``token``."""
+
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class Remove:
+    """``Remove``: delete a published, unpinned object and free its space."""
+
+    key: bytes
+
+
+@attrs.frozen
+class SegmentLost:
+    """``SegmentLost``: a segment died with its bytes."""
+
+    segment: str
+
+
+MasterEvent = Union[AddSegment, PutStart, PutEnd, PutRevoke, ReclaimAbandoned,
+                    ReadBegin, ReadEnd, Remove, SegmentLost]
+
+# --------------------------------------------------------------------------
+# Events fed to a storage node
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class AssignRegion:
+    """Master -> storage: ``token`` now owns the region at ``offset``."""
+
+    segment: str
+    offset: int
+    length: int
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class FreeRegion:
+    """Master -> storage: the region at ``offset`` owned by ``token`` is free."""
+
+    segment: str
+    offset: int
+    token: int
+
+
+@attrs.frozen
+class WriteReplica:
+    """``WriteReplica``: bytes for the region at ``offset``, stamped with ``token``."""
+
+    segment: str
+    offset: int
+    token: int
+
+
+@attrs.frozen
+class ReadReplica:
+    """A reader's request for the bytes at ``offset`` of the object with ``token``."""
+
+    segment: str
+    offset: int
+    token: int
+
+
+StorageEvent = Union[AssignRegion, FreeRegion, WriteReplica, ReadReplica]
+
+# --------------------------------------------------------------------------
+# Effects
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Refused:
+    """The event was refused and changed nothing."""
+
+    error: errors.KvError
+
+    @property
+    def code(self) -> int:
+        return self.error.code
+
+
+@attrs.frozen
+class PutGranted:
+    key: bytes
+    token: int
+    replicas: tuple[Replica, ...]
+
+
+@attrs.frozen
+class Published:
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class Revoked:
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class ReadGranted:
+    key: bytes
+    token: int
+    replicas: tuple[Replica, ...]
+    length: int
+
+
+@attrs.frozen
+class Removed:
+    key: bytes
+    token: int
+
+
+@attrs.frozen
+class Accepted:
+    """A storage node accepted a write or read."""
+
+    segment: str
+    offset: int
+    token: int
+
+
+Effects = tuple
+
+# --------------------------------------------------------------------------
+# Master
+# --------------------------------------------------------------------------
+
+
+def _refuse(state, error: errors.KvError):
+    return state, (Refused(error),)
+
+
+def _free_effects(record: ObjectRecord) -> tuple[FreeRegion, ...]:
+    return tuple(FreeRegion(r.segment, r.offset, record.token) for r in record.replicas)
+
+
+def _release_space(segments: immutables.Map, record: ObjectRecord,
+                   skip: str | None = None) -> immutables.Map:
+    """Return ``record``'s replicas to the ledger (spec ``FreeObjects``)."""
+    with segments.mutate() as m:
+        for r in record.replicas:
+            if r.segment != skip:
+                ledger = m[r.segment]
+                m[r.segment] = attrs.evolve(ledger, free=ledger.free + r.length)
+        return m.finish()
+
+
+def _drop(state: Directory, key: bytes, record: ObjectRecord) -> Directory:
+    return attrs.evolve(state, objects=state.objects.delete(key),
+                        segments=_release_space(state.segments, record))
+
+
+def _pending_with(state: Directory, key: bytes, token: int) -> Optional[ObjectRecord]:
+    """Spec ``TokenOwns(k, t)``: the pending record ``token`` owns, if any."""
+    record = state.objects.get(key)
+    if record is not None and record.status is Status.PENDING and record.token == token:
+        return record
+    return None
+
+
+def add_segment(state: Directory, ev: AddSegment):
+    if ev.segment in state.segments:
+        return _refuse(state, errors.InvalidArgument(f"segment {ev.segment!r} already joined"))
+    if ev.capacity <= 0:
+        return _refuse(state, errors.InvalidArgument("segment capacity must be positive"))
+    ledger = SegmentLedger(capacity=ev.capacity, free=ev.capacity)
+    return attrs.evolve(state, segments=state.segments.set(ev.segment, ledger)), ()
+
+
+def put_start(state: Directory, ev: PutStart):
+    """Spec ``PutStart``: the key is absent and every replica fits on a live segment."""
+    if ev.key in state.objects:
+        return _refuse(state, errors.KeyExists(f"key {ev.key!r} exists or is being put"))
+    if ev.length <= 0 or not ev.placement:
+        return _refuse(state, errors.InvalidArgument("empty object or placement"))
+    if len({r.segment for r in ev.placement}) != len(ev.placement):
+        return _refuse(state, errors.InvalidArgument("two replicas on one segment"))
+    for r in ev.placement:
+        ledger = state.segments.get(r.segment)
+        if ledger is None or not ledger.live:
+            return _refuse(state, errors.SegmentUnavailable(f"segment {r.segment!r} is not live"))
+        if r.length != ev.length or ledger.free < r.length or r.offset < 0 \
+                or r.offset + r.length > ledger.capacity:
+            return _refuse(state, errors.NoSpace(f"segment {r.segment!r} cannot hold {ev.length} bytes"))
+    token = state.next_token
+    record = ObjectRecord(Status.PENDING, token, tuple(ev.placement), ev.length)
+    with state.segments.mutate() as m:
+        for r in ev.placement:
+            ledger = m[r.segment]
+            m[r.segment] = attrs.evolve(ledger, free=ledger.free - r.length)
+        segments = m.finish()
+    new = Directory(state.objects.set(ev.key, record), segments, token + 1)
+    assigns = tuple(AssignRegion(r.segment, r.offset, r.length, ev.key, token) for r in ev.placement)
+    return new, (PutGranted(ev.key, token, record.replicas),) + assigns
+
+
+def put_end(state: Directory, ev: PutEnd):
+    """Spec ``PutEnd``: publish only if ``TokenOwns(k, t)``; else StaleToken."""
+    record = _pending_with(state, ev.key, ev.token)
+    if record is None:
+        return _refuse(state, errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
+    record = attrs.evolve(record, status=Status.PUBLISHED)
+    return attrs.evolve(state, objects=state.objects.set(ev.key, record)), (Published(ev.key, ev.token),)
+
+
+def put_revoke(state: Directory, ev: PutRevoke):
+    """Spec ``PutRevoke``: free the allocation if ``token`` still owns it."""
+    record = _pending_with(state, ev.key, ev.token)
+    if record is None:
+        return _refuse(state, errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
+    return _drop(state, ev.key, record), (Revoked(ev.key, ev.token),) + _free_effects(record)
+
+
+def reclaim_abandoned(state: Directory, ev: ReclaimAbandoned):
+    """Spec ``ReclaimAbandoned``: the writer fell silent; free its allocation."""
+    record = _pending_with(state, ev.key, ev.token)
+    if record is None:
+        return _refuse(state, errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
+    return _drop(state, ev.key, record), (Revoked(ev.key, ev.token),) + _free_effects(record)
+
+
+def read_begin(state: Directory, ev: ReadBegin):
+    """Spec ``ReadBegin``: only a published object is readable (``Readable(k)``)."""
+    record = state.objects.get(ev.key)
+    if record is None or record.status is not Status.PUBLISHED:
+        return _refuse(state, errors.KeyNotFound(f"{ev.key!r}"))
+    pinned = attrs.evolve(record, reads=record.reads + 1)
+    return (attrs.evolve(state, objects=state.objects.set(ev.key, pinned)),
+            (ReadGranted(ev.key, record.token, record.replicas, record.length),))
+
+
+def read_end(state: Directory, ev: ReadEnd):
+    """Spec ``ReadEnd``: unpin; a read of an object that is gone changes nothing."""
+    record = state.objects.get(ev.key)
+    if record is None or record.token != ev.token or record.reads == 0:
+        return _refuse(state, errors.StaleToken(f"no read of {ev.key!r} with token {ev.token}"))
+    unpinned = attrs.evolve(record, reads=record.reads - 1)
+    return attrs.evolve(state, objects=state.objects.set(ev.key, unpinned)), ()
+
+
+def remove(state: Directory, ev: Remove):
+    """Spec ``Remove``: published and unpinned only."""
+    record = state.objects.get(ev.key)
+    if record is None:
+        return _refuse(state, errors.KeyNotFound(f"{ev.key!r}"))
+    if record.status is not Status.PUBLISHED:
+        return _refuse(state, errors.NotPublished(f"{ev.key!r} is being put"))
+    if record.reads:
+        return _refuse(state, errors.ObjectBusy(f"{ev.key!r} has {record.reads} reader(s)"))
+    return _drop(state, ev.key, record), (Removed(ev.key, record.token),) + _free_effects(record)
+
+
+def segment_lost(state: Directory, ev: SegmentLost):
+    """Spec ``SegmentLost``: revoke pending objects with a replica there, drop the
+    replica from published ones, and forget published ones left with none.
+    Walks the directory once."""
+    ledger = state.segments.get(ev.segment)
+    if ledger is None or not ledger.live:
+        return _refuse(state, errors.SegmentUnavailable(f"segment {ev.segment!r} is not live"))
+    effects: list = []
+    segments = state.segments.set(ev.segment, SegmentLedger(ledger.capacity, 0, live=False))
+    with state.objects.mutate() as objects:
+        for key, record in state.objects.items():
+            if not any(r.segment == ev.segment for r in record.replicas):
+                continue
+            kept = tuple(r for r in record.replicas if r.segment != ev.segment)
+            if record.status is Status.PENDING or not kept:
+                del objects[key]
+                segments = _release_space(segments, record, skip=ev.segment)
+                effects.append(Revoked(key, record.token) if record.status is Status.PENDING
+                               else Removed(key, record.token))
+                effects.extend(f for f in _free_effects(record) if f.segment != ev.segment)
+            else:
+                objects[key] = attrs.evolve(record, replicas=kept)
+        new = attrs.evolve(state, objects=objects.finish(), segments=segments)
+    return new, tuple(effects)
+
+
+_MASTER_HANDLERS: dict[type, Callable] = {
+    AddSegment: add_segment, PutStart: put_start, PutEnd: put_end, PutRevoke: put_revoke,
+    ReclaimAbandoned: reclaim_abandoned, ReadBegin: read_begin, ReadEnd: read_end,
+    Remove: remove, SegmentLost: segment_lost,
+}
+
+
+def master_step(state: Directory, event: MasterEvent) -> tuple[Directory, Effects]:
+    """Apply one event to the master's directory."""
+    return _MASTER_HANDLERS[type(event)](state, event)
+
+
+# --------------------------------------------------------------------------
+# Storage node
+# --------------------------------------------------------------------------
+
+
+def storage_step(table: RegionTable, event: StorageEvent) -> tuple[RegionTable, Effects]:
+    """Apply one event to a storage node's region table.
+
+    A write or read is accepted only for a region owned by the stamped token
+    (spec ``WriteReplica``: ``store[s][i].token = writer[w].token``); reads
+    additionally need the region completely written.
+    """
+    region = table.regions.get(event.offset)
+    if isinstance(event, AssignRegion):
+        if region is not None:
+            return _refuse(table, errors.RegionMismatch(f"offset {event.offset} is already owned"))
+        new = Region(event.key, event.token, event.length)
+        return attrs.evolve(table, regions=table.regions.set(event.offset, new)), ()
+    if region is None or region.token != event.token:
+        return _refuse(table, errors.RegionMismatch(
+            f"{table.segment}@{event.offset} is not owned by token {event.token}"))
+    if isinstance(event, FreeRegion):
+        return attrs.evolve(table, regions=table.regions.delete(event.offset)), ()
+    if isinstance(event, WriteReplica):
+        done = attrs.evolve(region, done=True)
+        return (attrs.evolve(table, regions=table.regions.set(event.offset, done)),
+                (Accepted(table.segment, event.offset, event.token),))
+    if isinstance(event, ReadReplica):
+        if not region.done:
+            return _refuse(table, errors.RegionMismatch(f"{table.segment}@{event.offset} is incomplete"))
+        return table, (Accepted(table.segment, event.offset, event.token),)
+    raise TypeError(f"not a storage event: {event!r}")
+
+
+def apply_to_storage(tables: immutables.Map, effects: Sequence) -> immutables.Map:
+    """Carry the master's Assign/Free effects to the storage nodes' tables
+    (a lost segment's table is gone and ignores them)."""
+    with tables.mutate() as m:
+        for eff in effects:
+            if isinstance(eff, (AssignRegion, FreeRegion)) and eff.segment in m:
+                m[eff.segment], _ = storage_step(m[eff.segment], eff)
+        return m.finish()
+
+
+# --------------------------------------------------------------------------
+# The closed system of the spec: master + storage nodes + writers
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Attempt:
+    """A writer's put in progress (``writer[w]``)."""
+
+    key: bytes
+    token: int
+    replicas: tuple[Replica, ...]
+    written: frozenset = frozenset()
+
+
+@attrs.frozen
+class System:
+    directory: Directory
+    tables: immutables.Map          # segment -> RegionTable (lost segments absent)
+    writers: immutables.Map         # writer -> Attempt | None
+    published_token: immutables.Map  # key -> token presented by the accepted PutEnd
+
+    @classmethod
+    def initial(cls, segments: Mapping[str, int], writers: Sequence[str]) -> "System":
+        directory = Directory()
+        for seg, capacity in segments.items():
+            directory, _ = master_step(directory, AddSegment(seg, capacity))
+        return cls(directory,
+                   immutables.Map({s: RegionTable(s) for s in segments}),
+                   immutables.Map({w: None for w in writers}),
+                   immutables.Map())
+
+    def _with(self, **changes) -> "System":
+        return attrs.evolve(self, **changes)
+
+    def _master(self, event) -> tuple["System", Effects]:
+        directory, effects = master_step(self.directory, event)
+        return self._with(directory=directory, tables=apply_to_storage(self.tables, effects)), effects
+
+
+def _accepted(effects: Effects) -> bool:
+    return not (effects and isinstance(effects[0], Refused))
+
+
+def sys_put_start(sys: System, w: str, key: bytes, placement: tuple[Replica, ...]) -> Optional[System]:
+    if sys.writers[w] is not None:
+        return None
+    new, effects = sys._master(PutStart(key, placement[0].length, placement))
+    if not _accepted(effects):
+        return None
+    grant = effects[0]
+    return new._with(writers=new.writers.set(w, Attempt(key, grant.token, grant.replicas)))
+
+
+def sys_write_replica(sys: System, w: str, segment: str) -> Optional[System]:
+    attempt = sys.writers[w]
+    if attempt is None or segment in attempt.written:
+        return None
+    replica = next((r for r in attempt.replicas if r.segment == segment), None)
+    table = sys.tables.get(segment)
+    if replica is None or table is None:
+        return None
+    table, effects = storage_step(table, WriteReplica(segment, replica.offset, attempt.token))
+    if not _accepted(effects):
+        return None
+    attempt = attrs.evolve(attempt, written=attempt.written | {segment})
+    return sys._with(tables=sys.tables.set(segment, table), writers=sys.writers.set(w, attempt))
+
+
+def writer_may_put_end(attempt: Attempt) -> bool:
+    """Spec ``WriterMayPutEnd``: every replica write was acknowledged."""
+    return attempt.written == frozenset(r.segment for r in attempt.replicas)
+
+
+def sys_put_end(sys: System, w: str) -> Optional[System]:
+    attempt = sys.writers[w]
+    if attempt is None or not writer_may_put_end(attempt):
+        return None
+    new, effects = sys._master(PutEnd(attempt.key, attempt.token))
+    published = new.published_token
+    if _accepted(effects):
+        published = published.set(attempt.key, attempt.token)
+    return new._with(writers=new.writers.set(w, None), published_token=published)
+
+
+def sys_put_revoke(sys: System, w: str) -> Optional[System]:
+    attempt = sys.writers[w]
+    if attempt is None:
+        return None
+    new, _ = sys._master(PutRevoke(attempt.key, attempt.token))
+    return new._with(writers=new.writers.set(w, None))
+
+
+def sys_writer_crash(sys: System, w: str) -> Optional[System]:
+    if sys.writers[w] is None:
+        return None
+    return sys._with(writers=sys.writers.set(w, None))
+
+
+def _forget(sys: System, effects: Effects) -> System:
+    """Drop the history entry of objects that were removed."""
+    gone = [e.key for e in effects if isinstance(e, Removed)]
+    if not gone:
+        return sys
+    with sys.published_token.mutate() as m:
+        for key in gone:
+            m.pop(key, None)
+        return sys._with(published_token=m.finish())
+
+
+def _on_master(event) -> Callable[[System], Optional[System]]:
+    def act(sys: System) -> Optional[System]:
+        new, effects = sys._master(event)
+        return _forget(new, effects) if _accepted(effects) else None
+    return act
+
+
+def sys_reclaim_abandoned(sys: System, key: bytes) -> Optional[System]:
+    record = sys.directory.objects.get(key)
+    if record is None:
+        return None
+    return _on_master(ReclaimAbandoned(key, record.token))(sys)
+
+
+def sys_read_begin(sys: System, key: bytes) -> Optional[System]:
+    return _on_master(ReadBegin(key))(sys)
+
+
+def sys_read_end(sys: System, key: bytes) -> Optional[System]:
+    record = sys.directory.objects.get(key)
+    if record is None:
+        return None
+    return _on_master(ReadEnd(key, record.token))(sys)
+
+
+def sys_remove(sys: System, key: bytes) -> Optional[System]:
+    return _on_master(Remove(key))(sys)
+
+
+def sys_segment_lost(sys: System, segment: str) -> Optional[System]:
+    new = _on_master(SegmentLost(segment))(sys)
+    if new is None:
+        return None
+    return new._with(tables=new.tables.delete(segment))
+
+
+#: The spec's actions, each as a function on :class:`System` that returns the
+#: successor or ``None`` when the action is not enabled.
+ACTIONS: dict[str, Callable[..., Optional[System]]] = {
+    "PutStart": sys_put_start,
+    "WriteReplica": sys_write_replica,
+    "PutEnd": sys_put_end,
+    "PutRevoke": sys_put_revoke,
+    "WriterCrash": sys_writer_crash,
+    "ReclaimAbandoned": sys_reclaim_abandoned,
+    "ReadBegin": sys_read_begin,
+    "ReadEnd": sys_read_end,
+    "Remove": sys_remove,
+    "SegmentLost": sys_segment_lost,
+}
+
+
+# --------------------------------------------------------------------------
+# Invariants (spec names in INVARIANTS)
+# --------------------------------------------------------------------------
+
+
+def type_ok(sys: System) -> bool:
+    """Spec ``TypeOK``."""
+    d = sys.directory
+    for record in d.objects.values():
+        if not (isinstance(record, ObjectRecord) and isinstance(record.status, Status)
+                and 0 < record.token < d.next_token and record.reads >= 0
+                and all(r.length == record.length for r in record.replicas)):
+            return False
+    for ledger in d.segments.values():
+        if not 0 <= ledger.free <= ledger.capacity:
+            return False
+    return all(a is None or isinstance(a, Attempt) for a in sys.writers.values())
+
+
+def only_published_readable(sys: System) -> bool:
+    """Spec ``OnlyPublishedReadable``: pinned objects are published."""
+    return all(r.status is Status.PUBLISHED for r in sys.directory.objects.values() if r.reads)
+
+
+def published_has_all_replicas_complete(sys: System) -> bool:
+    """Spec ``PublishedHasAllReplicasComplete``."""
+    for key, record in sys.directory.objects.items():
+        if record.status is not Status.PUBLISHED:
+            continue
+        for r in record.replicas:
+            table = sys.tables.get(r.segment)
+            region = None if table is None else table.regions.get(r.offset)
+            if region != Region(key, record.token, record.length, done=True):
+                return False
+    return True
+
+
+def no_overlapping_allocation(sys: System) -> bool:
+    """Spec ``NoOverlappingAllocation``: no byte belongs to two objects, and every
+    storage region table agrees with the directory."""
+    owned: dict[tuple[str, int], tuple[bytes, int]] = {}
+    extents: dict[str, list[tuple[int, int]]] = {}
+    for key, record in sys.directory.objects.items():
+        for r in record.replicas:
+            owned[(r.segment, r.offset)] = (key, record.token)
+            extents.setdefault(r.segment, []).append((r.offset, r.offset + r.length))
+    for spans in extents.values():
+        spans.sort()
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return False
+    stored = {(seg, off): (reg.key, reg.token)
+              for seg, table in sys.tables.items() for off, reg in table.regions.items()}
+    return stored == owned
+
+
+def space_accounted(sys: System) -> bool:
+    """Spec ``SpaceAccounted``: free + allocated = capacity on live segments."""
+    used: dict[str, int] = {}
+    for record in sys.directory.objects.values():
+        for r in record.replicas:
+            used[r.segment] = used.get(r.segment, 0) + r.length
+    for seg, ledger in sys.directory.segments.items():
+        if ledger.live and ledger.free + used.get(seg, 0) != ledger.capacity:
+            return False
+        if not ledger.live and (ledger.free or used.get(seg)):
+            return False
+    return True
+
+
+def one_attempt_publishes(sys: System) -> bool:
+    """Spec ``OneAttemptPublishes``: the published token is the one PutEnd presented."""
+    return all(sys.published_token.get(key) == record.token
+               for key, record in sys.directory.objects.items()
+               if record.status is Status.PUBLISHED)
+
+
+INVARIANTS: dict[str, Callable[[System], bool]] = {
+    "TypeOK": type_ok,
+    "OnlyPublishedReadable": only_published_readable,
+    "PublishedHasAllReplicasComplete": published_has_all_replicas_complete,
+    "NoOverlappingAllocation": no_overlapping_allocation,
+    "SpaceAccounted": space_accounted,
+    "OneAttemptPublishes": one_attempt_publishes,
+}
+
+
+def violated(sys: System) -> list[str]:
+    """Names of the invariants ``sys`` violates."""
+    return [name for name, check in INVARIANTS.items() if not check(sys)]
+
+
+# --------------------------------------------------------------------------
+# Model constants and the successor relation (for conformance and exploration)
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Constants:
+    """The spec's CONSTANTS. Keys, writers and segments are model-value names;
+    slot ``i`` of the spec is the region of length 1 at offset ``i - 1``."""
+
+    keys: tuple[str, ...]
+    writers: tuple[str, ...]
+    segments: tuple[str, ...]
+    slots_per_segment: int
+    replica_count: int
+    max_token: int
+    max_reads: int
+
+    def initial(self) -> System:
+        return System.initial({s: self.slots_per_segment for s in self.segments}, self.writers)
+
+
+def placements(sys: System, c: Constants) -> Iterator[tuple[Replica, ...]]:
+    """Every placement the allocator could choose: ``replica_count`` live
+    segments, one free slot on each."""
+    taken = {(r.segment, r.offset) for rec in sys.directory.objects.values() for r in rec.replicas}
+    live = [s for s in c.segments if sys.directory.segments[s].live
+            and sys.directory.segments[s].free > 0]
+    for segs in itertools.combinations(live, c.replica_count):
+        choices = [[Replica(s, i, 1) for i in range(c.slots_per_segment) if (s, i) not in taken]
+                   for s in segs]
+        yield from itertools.product(*choices)
+
+
+def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
+    """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
+    def emit(name, new):
+        if new is not None:
+            yield name, new
+
+    if sys.directory.next_token <= c.max_token:
+        for w in c.writers:
+            for k in c.keys:
+                for p in placements(sys, c):
+                    yield from emit("PutStart", sys_put_start(sys, w, k, p))
+    for w in c.writers:
+        for s in c.segments:
+            yield from emit("WriteReplica", sys_write_replica(sys, w, s))
+        yield from emit("PutEnd", sys_put_end(sys, w))
+        yield from emit("PutRevoke", sys_put_revoke(sys, w))
+        yield from emit("WriterCrash", sys_writer_crash(sys, w))
+    for k in c.keys:
+        yield from emit("ReclaimAbandoned", sys_reclaim_abandoned(sys, k))
+        record = sys.directory.objects.get(k)
+        if record is None or record.reads < c.max_reads:
+            yield from emit("ReadBegin", sys_read_begin(sys, k))
+        yield from emit("ReadEnd", sys_read_end(sys, k))
+        yield from emit("Remove", sys_remove(sys, k))
+    for s in c.segments:
+        yield from emit("SegmentLost", sys_segment_lost(sys, s))
+
+
+NONE = ModelValue("None")
+
+
+def to_tla(sys: System, c: Constants) -> Fn:
+    """The stated mapping from a Python :class:`System` to the spec's variables.
+
+    Keys, writers and segments map to model values of the same name, the region
+    at offset ``i`` to slot ``i + 1``, an absent record, region or attempt to the
+    model value ``None``, and a missing ``published_token`` entry to ``0``.
+    """
+    def placement(replicas) -> Fn:
+        return Fn.of({ModelValue(r.segment): r.offset + 1 for r in replicas})
+
+    def record(rec: Optional[ObjectRecord]):
+        if rec is None:
+            return NONE
+        return Fn.of({"status": rec.status.value, "token": rec.token,
+                      "replicas": placement(rec.replicas), "reads": rec.reads})
+
+    def slots(seg: str) -> tuple:
+        table = sys.tables.get(seg)
+        regions = table.regions if table is not None else immutables.Map()
+        out = []
+        for i in range(c.slots_per_segment):
+            reg = regions.get(i)
+            out.append(NONE if reg is None else Fn.of(
+                {"key": ModelValue(reg.key), "token": reg.token, "done": reg.done}))
+        return tuple(out)
+
+    def attempt(a: Optional[Attempt]):
+        if a is None:
+            return NONE
+        return Fn.of({"key": ModelValue(a.key), "token": a.token,
+                      "replicas": placement(a.replicas),
+                      "written": frozenset(ModelValue(s) for s in a.written)})
+
+    d = sys.directory
+    return Fn.of({
+        "dir": Fn.of({ModelValue(k): record(d.objects.get(k)) for k in c.keys}),
+        "free": Fn.of({ModelValue(s): d.segments[s].free for s in c.segments}),
+        "live": frozenset(ModelValue(s) for s in c.segments if d.segments[s].live),
+        "nextToken": d.next_token,
+        "store": Fn.of({ModelValue(s): slots(s) for s in c.segments}),
+        "writer": Fn.of({ModelValue(w): attempt(sys.writers[w]) for w in c.writers}),
+        "publishedToken": Fn.of({ModelValue(k): sys.published_token.get(k, 0) for k in c.keys}),
+    })

@@ -1,0 +1,279 @@
+------------------------------ MODULE Publish ------------------------------
+(***************************************************************************)
+(* The publish protocol of the kvproto store (design atlas D6).            *)
+(*                                                                         *)
+(* A writer asks the master for space (PutStart); the master allocates one *)
+(* region on each of ReplicaCount live segments, tells the storage nodes   *)
+(* which attempt owns each region, and hands the writer a per-attempt      *)
+(* token.  The writer writes every replica (WriteReplica: the storage node *)
+(* checks the token) and then asks the master to publish (PutEnd).  Only   *)
+(* published objects are handed to readers.  A writer may give up         *)
+(* (PutRevoke) or die (WriterCrash); the master's timeout for a silent     *)
+(* writer (ReclaimAbandoned) frees its space, and a stale attempt's PutEnd *)
+(* is refused.  Segments can be lost with their bytes (SegmentLost).       *)
+(*                                                                         *)
+(* Space is counted in slots: one object takes one slot on each replica   *)
+(* segment.  Readers are counted per object: ReadBegin hands out replica   *)
+(* descriptors and pins the object, ReadEnd unpins it, and Remove refuses  *)
+(* a pinned object.                                                        *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets
+
+CONSTANTS
+    Keys,            \* object keys
+    Writers,         \* writer processes
+    Segments,        \* storage segments
+    SlotsPerSegment, \* capacity of each segment, in slots
+    ReplicaCount,    \* replicas per object
+    MaxToken,        \* bound on put attempts (keeps the model finite)
+    MaxReads,        \* bound on concurrent readers of one object
+    None             \* model value: no object, no region, an idle writer
+
+ASSUME ReplicaCount \in 1..Cardinality(Segments)
+
+VARIABLES
+    dir,            \* master: key -> None | object record
+    free,           \* master: segment -> free slots
+    live,           \* master: segments still alive
+    nextToken,      \* master: the next attempt token
+    store,          \* storage nodes: segment -> slot -> None | region
+    writer,         \* writers: writer -> None | attempt
+    publishedToken  \* history: the token presented by the accepted PutEnd
+
+vars == <<dir, free, live, nextToken, store, writer, publishedToken>>
+
+Slots == 1..SlotsPerSegment
+Tokens == 1..MaxToken
+
+(* A placement maps each chosen replica segment to a slot on it. *)
+Placements == UNION { [S -> Slots] : S \in {S \in SUBSET Segments : Cardinality(S) = ReplicaCount} }
+
+(* A published object keeps fewer replicas after losing a segment. *)
+SomeReplicas == UNION { [S -> Slots] : S \in SUBSET Segments }
+Object == [status : {"pending", "published"}, token : Tokens,
+           replicas : SomeReplicas, reads : 0..MaxReads]
+Region == [key : Keys, token : Tokens, done : BOOLEAN]
+Attempt == [key : Keys, token : Tokens, replicas : Placements, written : SUBSET Segments]
+
+Exists(k)    == dir[k] # None
+Pending(k)   == Exists(k) /\ dir[k].status = "pending"
+Published(k) == Exists(k) /\ dir[k].status = "published"
+Busy(w)      == writer[w] # None
+
+(* Slot i of segment s is allocated to some object in the directory. *)
+Allocated(s, i) == \E k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas
+                                  /\ dir[k].replicas[s] = i
+UsedSlots(s) == Cardinality({k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas})
+
+(* Free every region of the objects whose keys are in ks: the master's *)
+(* ledger and the storage nodes' region tables change together.         *)
+FreeObjects(ks) ==
+    /\ free' = [s \in Segments |->
+                  free[s] + Cardinality({k \in ks : s \in DOMAIN dir[k].replicas})]
+    /\ store' = [s \in Segments |-> [i \in Slots |->
+                  IF \E k \in ks : s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i
+                  THEN None ELSE store[s][i]]]
+
+(***************************************************************************)
+(* Guards that the weakened models replace (see the Publish_Weak_*.cfg).  *)
+(***************************************************************************)
+\* The writer sends PutEnd only after every replica write was acknowledged.
+WriterMayPutEnd(w) == writer[w].written = DOMAIN writer[w].replicas
+\* The master accepts PutEnd/PutRevoke only from the attempt holding the token.
+TokenOwns(k, t) == Pending(k) /\ dir[k].token = t
+\* The master hands descriptors only of published objects.
+Readable(k) == Published(k)
+\* The master may time out a silent writer.
+MayReclaim(k) == TRUE
+
+WeakPutEndEarly(w) == TRUE
+WeakAnyAttemptOwns(k, t) == Pending(k)
+WeakReadPending(k) == Exists(k)
+WeakNeverReclaim(k) == FALSE
+
+(***************************************************************************)
+(* Actions                                                                 *)
+(***************************************************************************)
+Init ==
+    /\ dir = [k \in Keys |-> None]
+    /\ free = [s \in Segments |-> SlotsPerSegment]
+    /\ live = Segments
+    /\ nextToken = 1
+    /\ store = [s \in Segments |-> [i \in Slots |-> None]]
+    /\ writer = [w \in Writers |-> None]
+    /\ publishedToken = [k \in Keys |-> 0]
+
+PutStart(w, k, p) ==
+    /\ ~Busy(w)
+    /\ ~Exists(k)
+    /\ nextToken \in Tokens
+    /\ DOMAIN p \subseteq live
+    /\ \A s \in DOMAIN p : free[s] > 0 /\ ~Allocated(s, p[s])
+    /\ dir' = [dir EXCEPT ![k] = [status |-> "pending", token |-> nextToken,
+                                  replicas |-> p, reads |-> 0]]
+    /\ free' = [s \in Segments |-> IF s \in DOMAIN p THEN free[s] - 1 ELSE free[s]]
+    /\ store' = [s \in Segments |->
+                   IF s \in DOMAIN p
+                   THEN [store[s] EXCEPT ![p[s]] = [key |-> k, token |-> nextToken, done |-> FALSE]]
+                   ELSE store[s]]
+    /\ writer' = [writer EXCEPT ![w] = [key |-> k, token |-> nextToken,
+                                        replicas |-> p, written |-> {}]]
+    /\ nextToken' = nextToken + 1
+    /\ UNCHANGED <<live, publishedToken>>
+
+(* The storage node accepts the bytes only if the region is owned by the *)
+(* writer's token.                                                        *)
+WriteReplica(w, s) ==
+    /\ Busy(w)
+    /\ s \in DOMAIN writer[w].replicas \ writer[w].written
+    /\ LET i == writer[w].replicas[s] IN
+         /\ store[s][i] # None
+         /\ store[s][i].token = writer[w].token
+         /\ store' = [store EXCEPT ![s][i].done = TRUE]
+    /\ writer' = [writer EXCEPT ![w].written = @ \cup {s}]
+    /\ UNCHANGED <<dir, free, live, nextToken, publishedToken>>
+
+PutEnd(w) ==
+    /\ Busy(w)
+    /\ WriterMayPutEnd(w)
+    /\ LET k == writer[w].key
+           t == writer[w].token IN
+         IF TokenOwns(k, t)
+         THEN /\ dir' = [dir EXCEPT ![k].status = "published"]
+              /\ publishedToken' = [publishedToken EXCEPT ![k] = t]
+         ELSE UNCHANGED <<dir, publishedToken>>      \* refused: StaleToken
+    /\ writer' = [writer EXCEPT ![w] = None]
+    /\ UNCHANGED <<free, live, nextToken, store>>
+
+PutRevoke(w) ==
+    /\ Busy(w)
+    /\ LET k == writer[w].key IN
+         IF TokenOwns(k, writer[w].token)
+         THEN /\ FreeObjects({k})
+              /\ dir' = [dir EXCEPT ![k] = None]
+         ELSE UNCHANGED <<dir, free, store>>          \* refused: StaleToken
+    /\ writer' = [writer EXCEPT ![w] = None]
+    /\ UNCHANGED <<live, nextToken, publishedToken>>
+
+WriterCrash(w) ==
+    /\ Busy(w)
+    /\ writer' = [writer EXCEPT ![w] = None]
+    /\ UNCHANGED <<dir, free, live, nextToken, store, publishedToken>>
+
+(* The master's timeout for a writer that stopped sending heartbeats.  A  *)
+(* timeout cannot tell a dead writer from a slow one, so it may fire at   *)
+(* any time while the attempt is pending.                                 *)
+ReclaimAbandoned(k) ==
+    /\ Pending(k)
+    /\ MayReclaim(k)
+    /\ FreeObjects({k})
+    /\ dir' = [dir EXCEPT ![k] = None]
+    /\ UNCHANGED <<live, nextToken, writer, publishedToken>>
+
+ReadBegin(k) ==
+    /\ Readable(k)
+    /\ dir[k].reads < MaxReads
+    /\ dir' = [dir EXCEPT ![k].reads = @ + 1]
+    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken>>
+
+ReadEnd(k) ==
+    /\ Exists(k)
+    /\ dir[k].reads > 0
+    /\ dir' = [dir EXCEPT ![k].reads = @ - 1]
+    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken>>
+
+Remove(k) ==
+    /\ Published(k)
+    /\ dir[k].reads = 0
+    /\ FreeObjects({k})
+    /\ dir' = [dir EXCEPT ![k] = None]
+    /\ publishedToken' = [publishedToken EXCEPT ![k] = 0]
+    /\ UNCHANGED <<live, nextToken, writer>>
+
+(* A segment dies with its bytes.  A pending object with a replica there  *)
+(* is revoked whole; a published one keeps its other replicas, and is     *)
+(* gone (its readers fail) when none is left.                             *)
+SegmentLost(s) ==
+    /\ s \in live
+    /\ LET hit  == {k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas}
+           gone == {k \in hit : Pending(k) \/ DOMAIN dir[k].replicas = {s}}
+       IN
+         /\ live' = live \ {s}
+         /\ free' = [s2 \in Segments |->
+                       IF s2 = s THEN 0
+                       ELSE free[s2] + Cardinality({k \in gone : s2 \in DOMAIN dir[k].replicas})]
+         /\ store' = [s2 \in Segments |->
+                        IF s2 = s THEN [i \in Slots |-> None]
+                        ELSE [i \in Slots |->
+                                IF store[s2][i] # None /\ store[s2][i].key \in gone
+                                THEN None ELSE store[s2][i]]]
+         /\ dir' = [k \in Keys |->
+                      IF k \in gone THEN None
+                      ELSE IF k \in hit
+                      THEN [dir[k] EXCEPT !.replicas =
+                              [s2 \in DOMAIN dir[k].replicas \ {s} |-> dir[k].replicas[s2]]]
+                      ELSE dir[k]]
+         /\ publishedToken' = [k \in Keys |-> IF k \in gone THEN 0 ELSE publishedToken[k]]
+    /\ UNCHANGED <<nextToken, writer>>
+
+Next ==
+    \/ \E w \in Writers, k \in Keys, p \in Placements : PutStart(w, k, p)
+    \/ \E w \in Writers, s \in Segments : WriteReplica(w, s)
+    \/ \E w \in Writers : PutEnd(w) \/ PutRevoke(w) \/ WriterCrash(w)
+    \/ \E k \in Keys : ReclaimAbandoned(k) \/ ReadBegin(k) \/ ReadEnd(k) \/ Remove(k)
+    \/ \E s \in Segments : SegmentLost(s)
+
+(* The master's timeout eventually fires for an attempt left pending. *)
+Fairness == \A k \in Keys : WF_vars(ReclaimAbandoned(k))
+
+Spec == Init /\ [][Next]_vars /\ Fairness
+
+(***************************************************************************)
+(* Invariants                                                              *)
+(***************************************************************************)
+TypeOK ==
+    /\ dir \in [Keys -> {None} \cup Object]
+    /\ free \in [Segments -> 0..SlotsPerSegment]
+    /\ live \subseteq Segments
+    /\ nextToken \in 1..(MaxToken + 1)
+    /\ store \in [Segments -> [Slots -> {None} \cup Region]]
+    /\ writer \in [Writers -> {None} \cup Attempt]
+    /\ publishedToken \in [Keys -> 0..MaxToken]
+
+(* The master pins (hands descriptors of) published objects only. *)
+OnlyPublishedReadable == \A k \in Keys : Exists(k) /\ dir[k].reads > 0 => Published(k)
+
+(* Every replica of a published object holds that attempt's complete bytes. *)
+PublishedHasAllReplicasComplete ==
+    \A k \in Keys : Published(k) =>
+        \A s \in DOMAIN dir[k].replicas :
+            store[s][dir[k].replicas[s]] = [key |-> k, token |-> dir[k].token, done |-> TRUE]
+
+(* No slot belongs to two objects, and the storage nodes' region tables *)
+(* agree with the master's directory.                                  *)
+NoOverlappingAllocation ==
+    /\ \A k1, k2 \in Keys : k1 # k2 /\ Exists(k1) /\ Exists(k2) =>
+          \A s \in DOMAIN dir[k1].replicas \cap DOMAIN dir[k2].replicas :
+              dir[k1].replicas[s] # dir[k2].replicas[s]
+    /\ \A s \in Segments, i \in Slots :
+          store[s][i] # None <=>
+              \E k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas
+                              /\ dir[k].replicas[s] = i /\ store[s][i].key = k
+                              /\ store[s][i].token = dir[k].token
+
+(* free + allocated = capacity on live segments; nothing on lost ones. *)
+SpaceAccounted ==
+    \A s \in Segments :
+        IF s \in live THEN free[s] + UsedSlots(s) = SlotsPerSegment
+        ELSE free[s] = 0 /\ UsedSlots(s) = 0
+
+(* A published object was published by the attempt that holds its token. *)
+OneAttemptPublishes == \A k \in Keys : Published(k) => publishedToken[k] = dir[k].token
+
+(***************************************************************************)
+(* Liveness                                                                *)
+(***************************************************************************)
+(* Every allocation is eventually published or reclaimed (under Fairness). *)
+AllocationResolves == \A k \in Keys : Pending(k) ~> ~Pending(k)
+
+=============================================================================
