@@ -45,7 +45,7 @@ from pathlib import Path
 
 import attrs
 
-from .statemachines.tla import TraceStep, parse_trace
+from .statemachines.tla import TraceStep, parse_trace, parse_value
 
 VERDICTS = ("ok", "safety", "liveness", "deadlock", "error")
 
@@ -153,6 +153,26 @@ def _cfg_names(text: str, keywords: tuple[str, ...]) -> tuple[str, ...]:
         elif collecting:
             names.append(word)
     return tuple(names)
+
+
+def cfg_constants(text: str) -> dict[str, object]:
+    """The ``Name = value`` assignments of a cfg, values parsed as TLA+ values.
+
+    Operator overrides (``Op <- Other``) are not constants and are skipped.
+    """
+    text = re.sub(r"\(\*.*?\*\)", " ", text, flags=re.DOTALL)
+    text = re.sub(r"\\\*.*", " ", text)
+    constants: dict[str, object] = {}
+    section = None
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] in _CFG_KEYWORDS:
+            section = words[0]
+            line = line.split(None, 1)[1] if len(words) > 1 else ""
+        if section in ("CONSTANT", "CONSTANTS") and "=" in line and "<-" not in line:
+            name, value = line.split("=", 1)
+            constants[name.strip()] = parse_value(value)
+    return constants
 
 
 def discover(spec_dir: Path) -> list[Model]:

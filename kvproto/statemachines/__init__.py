@@ -1,0 +1,9 @@
+"""Pure, sans-IO protocol state machines, one module per spec in ``spec/``.
+
+:data:`BINDINGS` maps each TLA+ module name to the binding that the
+conformance test and the docs checker use.
+"""
+
+from kvproto.statemachines import publish
+
+BINDINGS = {b.module: b for b in (publish.BINDING,)}

@@ -10,13 +10,39 @@ forms). :func:`compare` diffs it against the graph TLC dumped with
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 import attrs
 
 from .tla import Fn, StateGraph, describe_changes, format_state, format_value
 
 Edge = tuple[Fn, str, Fn]
+
+
+@attrs.frozen
+class SpecBinding:
+    """How one TLA+ module and its Python machine line up.
+
+    ``constants`` turns a model's CONSTANTS (as parsed TLA+ values) into the
+    machine's constants; ``initial``, ``successors`` and ``to_tla`` define the
+    Python graph and the stated mapping; ``actions`` and ``invariants`` name
+    the spec's actions and invariants with their Python twins.
+    """
+
+    module: str
+    constants: Callable[[Mapping[str, Any]], Any]
+    initial: Callable[[Any], Iterable[Hashable]]
+    successors: Callable[[Hashable, Any], Iterable[tuple[str, Hashable]]]
+    to_tla: Callable[[Hashable, Any], Fn]
+    actions: Mapping[str, Callable]
+    invariants: Mapping[str, Callable]
+
+    def graph(self, tla_constants: Mapping[str, Any], max_states: int = 100_000) -> StateGraph:
+        """The Python machine's reachable graph for one model's constants."""
+        c = self.constants(tla_constants)
+        return explore(self.initial(c), lambda s: self.successors(s, c),
+                       lambda s: self.to_tla(s, c), max_states=max_states)
 
 
 class StateLimitExceeded(RuntimeError):

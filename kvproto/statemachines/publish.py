@@ -32,6 +32,7 @@ import attrs
 import immutables
 
 from kvproto import errors
+from kvproto.statemachines.conformance import SpecBinding
 from kvproto.statemachines.tla import Fn, ModelValue
 
 # --------------------------------------------------------------------------
@@ -765,6 +766,14 @@ class Constants:
     max_token: int
     max_reads: int
 
+    @classmethod
+    def from_tla(cls, consts: Mapping) -> "Constants":
+        def names(v) -> tuple[str, ...]:
+            return tuple(sorted(m.name for m in v))
+        return cls(names(consts["Keys"]), names(consts["Writers"]), names(consts["Segments"]),
+                   consts["SlotsPerSegment"], consts["ReplicaCount"],
+                   consts["MaxToken"], consts["MaxReads"])
+
     def initial(self) -> System:
         return System.initial({s: self.slots_per_segment for s in self.segments}, self.writers)
 
@@ -855,3 +864,14 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "writer": Fn.of({ModelValue(w): attempt(sys.writers[w]) for w in c.writers}),
         "publishedToken": Fn.of({ModelValue(k): sys.published_token.get(k, 0) for k in c.keys}),
     })
+
+
+BINDING = SpecBinding(
+    module="Publish",
+    constants=Constants.from_tla,
+    initial=lambda c: [c.initial()],
+    successors=successors,
+    to_tla=to_tla,
+    actions=ACTIONS,
+    invariants=INVARIANTS,
+)
