@@ -66,6 +66,8 @@ class PublishSystem(RuleBasedStateMachine):
           length=st.integers(1, 12), data=st.data())
     def whole_put(self, w, key, length, data):
         """A writer that keeps going: PutStart, every WriteReplica, PutEnd."""
+        if self.sys.writers[w] is not None:
+            return
         self.put_start(w, key, length, data)
         attempt = self.sys.writers[w]
         if attempt is None:
