@@ -1,0 +1,246 @@
+"""``kvproto bench``: the store measured against raw baselines in the same run.
+
+Payload: put and get of 1, 8 and 32 MiB objects through a master and a storage
+node running as separate processes on loopback TCP, next to
+
+* raw pyzmq moving the same bytes over the same transport (a DEALER sending one
+  zero-copy frame to a ROUTER in another process that acknowledges it, and the
+  reverse for reads), and
+* a plain memcpy (``numpy.copyto``) of the same size.
+
+Gets are measured twice: over the network (``local_reads=False``) and through
+the storage node's shared memory (one memcpy, the same-host path).
+
+Metadata: batched puts (start + write + end) and gets of 4 KiB objects, batch
+sizes 1 and 128, in keys/s; and the master's memory per stored object, measured
+as the growth of a process holding the publish machine's directory with one
+million published objects.
+
+Every figure is a median over repetitions and is printed with its ratio to the
+baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+MiB = 1 << 20
+
+_RAW_SERVER = r"""
+import sys, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.ROUTER)
+port = s.bind_to_random_port("tcp://127.0.0.1")
+print(port, flush=True)
+blobs = {}
+while True:
+    frames = s.recv_multipart(copy=False)
+    ident, op = frames[0].bytes, frames[1].bytes
+    if op == b"put":
+        s.send_multipart([ident, b"ok"])
+    elif op == b"get":
+        size = int(frames[2].bytes)
+        blob = blobs.setdefault(size, bytearray(size))
+        s.send_multipart([ident, memoryview(blob)], copy=False)
+    else:
+        s.send_multipart([ident, b"bye"])
+        break
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="1,8,32", help="object sizes in MiB (default 1,8,32)")
+    parser.add_argument("--repeat", type=int, default=15, help="transfers per size and path")
+    parser.add_argument("--meta-keys", type=int, default=2048, help="4 KiB keys per metadata run")
+    parser.add_argument("--memory-objects", type=int, default=1_000_000,
+                        help="objects for the master-memory figure (0 to skip)")
+
+
+def _median_rate(samples: list[float], nbytes: int) -> float:
+    return nbytes / statistics.median(samples) / 1e9
+
+
+def _timed(fn, repeat: int) -> list[float]:
+    fn()  # warm up (connections, page faults)
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def _start_store(segment: str) -> tuple[list[subprocess.Popen], str]:
+    master = _spawn(["-m", "kvproto", "master", "--listen", "tcp://127.0.0.1:*"])
+    address = master.stdout.readline().split()[-1]
+    storage = _spawn(["-m", "kvproto", "storage", "--master", address, "--size", segment])
+    storage.stdout.readline()
+    return [storage, master], address
+
+
+def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
+    import zmq
+    from kvproto.runtime.client import Client
+
+    raw = _spawn(["-c", _RAW_SERVER])
+    raw_port = int(raw.stdout.readline())
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{raw_port}")
+
+    procs, address = _start_store(f"{max(sizes_mib) * (repeat + 4)}MiB")
+    rows = []
+    try:
+        net = Client(address, timeout=60.0, local_reads=False)
+        local = Client(address, timeout=60.0)
+        deadline = time.monotonic() + 20
+        while not any(s["live"] for s in net.stats()["segments"].values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("storage node did not register")
+            time.sleep(0.05)
+        for mib in sizes_mib:
+            n = mib * MiB
+            src = np.random.default_rng(mib).integers(0, 256, n, dtype=np.uint8)
+            dst = np.empty_like(src)
+            key = f"bench/{mib}".encode()
+            put_keys = iter([f"bench/{mib}/{i}".encode() for i in range(repeat + 1)])
+
+            def put() -> None:
+                net.put(next(put_keys), src)
+
+            def raw_put() -> None:
+                sock.send_multipart([b"put", memoryview(src)], copy=False)
+                sock.recv()
+
+            def raw_get() -> None:
+                sock.send_multipart([b"get", str(n).encode()])
+                sock.recv(copy=False)
+
+            put_s = _timed(put, repeat)
+            for i in range(repeat + 1):
+                net.remove(f"bench/{mib}/{i}".encode())
+            raw_put_s = _timed(raw_put, repeat)
+            net.put(key, src)
+            get_net_s = _timed(lambda: net.get(key), repeat)
+            get_shm_s = _timed(lambda: local.get(key), repeat)
+            raw_get_s = _timed(raw_get, repeat)
+            memcpy_s = _timed(lambda: np.copyto(dst, src), repeat)
+            got = local.get(key)
+            if bytes(got) != src.tobytes() or bytes(net.get(key)) != src.tobytes():
+                raise AssertionError(f"wrong bytes read back for {mib} MiB")
+            net.remove(key)
+            rows.append({
+                "size": f"{mib} MiB",
+                "put": _median_rate(put_s, n), "raw_put": _median_rate(raw_put_s, n),
+                "get_net": _median_rate(get_net_s, n), "raw_get": _median_rate(raw_get_s, n),
+                "get_shm": _median_rate(get_shm_s, n), "memcpy": _median_rate(memcpy_s, n),
+            })
+        net.close()
+        local.close()
+    finally:
+        sock.send_multipart([b"stop"])
+        sock.close(linger=0)
+        raw.wait(5)
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return rows
+
+
+def metadata_bench(keys: int) -> list[dict]:
+    from kvproto.runtime.client import Client
+
+    procs, address = _start_store("256MiB")
+    rows = []
+    try:
+        client = Client(address, timeout=60.0)
+        deadline = time.monotonic() + 20
+        while not any(s["live"] for s in client.stats()["segments"].values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("storage node did not register")
+            time.sleep(0.05)
+        blob = np.zeros(4096, dtype=np.uint8)
+        for batch in (1, 128):
+            names = [f"meta/{batch}/{i}".encode() for i in range(keys)]
+            chunks = [names[i:i + batch] for i in range(0, keys, batch)]
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                failed = [e for e in client.put_many([(k, blob) for k in chunk]) if e is not None]
+                if failed:
+                    raise failed[0]
+            put_rate = keys / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for chunk in chunks:
+                if any(v is None for v in client.get_many(chunk)):
+                    raise AssertionError("a put key was missing")
+            get_rate = keys / (time.perf_counter() - t0)
+            for k in names:
+                client.remove(k)
+            rows.append({"batch": batch, "put_keys_s": put_rate, "get_keys_s": get_rate})
+        client.close()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return rows
+
+
+_MEMORY = r"""
+import sys, resource
+from kvproto.statemachines import publish as P
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+n = int(sys.argv[1])
+d = P.Directory()
+d, _ = P.master_step(d, P.AddSegment("s0", n * 4096))
+d, _ = P.master_step(d, P.AddSegment("s1", n * 4096))
+before = rss()
+for i in range(n):
+    key = b"prefix/%016d" % i
+    placement = (P.Replica("s0", i * 4096, 4096), P.Replica("s1", i * 4096, 4096))
+    d, effects = P.master_step(d, P.PutStart(key, 4096, placement))
+    d, _ = P.master_step(d, P.PutEnd(key, effects[0].token))
+print((rss() - before) / n)
+"""
+
+
+def memory_per_object(objects: int) -> float:
+    out = subprocess.run([sys.executable, "-c", _MEMORY, str(objects)], check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.strip())
+
+
+def main(args: argparse.Namespace) -> int:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"kvproto bench (medians of {args.repeat} transfers; loopback TCP; "
+          f"master and storage node in separate processes)\n")
+    rows = payload_bench(sizes, args.repeat)
+    print(f"{'size':>7} {'put GB/s':>9} {'raw put':>8} {'ratio':>6}   {'get net':>8} {'raw get':>8} "
+          f"{'ratio':>6}   {'get shm':>8} {'memcpy':>7} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['size']:>7} {r['put']:9.2f} {r['raw_put']:8.2f} {r['put'] / r['raw_put']:6.2f}   "
+              f"{r['get_net']:8.2f} {r['raw_get']:8.2f} {r['get_net'] / r['raw_get']:6.2f}   "
+              f"{r['get_shm']:8.2f} {r['memcpy']:7.2f} {r['get_shm'] / r['memcpy']:6.2f}")
+    print()
+    meta = metadata_bench(args.meta_keys)
+    print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end)")
+    for r in meta:
+        print(f"  batch {r['batch']:>3}: put {r['put_keys_s']:10,.0f}   get {r['get_keys_s']:10,.0f}")
+    if args.memory_objects:
+        per = memory_per_object(args.memory_objects)
+        print(f"\nmaster memory: {per:.0f} bytes per published object "
+              f"({args.memory_objects:,} objects, 2 replicas, 24-byte keys)")
+    return 0
