@@ -111,7 +111,7 @@ class Model:
         deadlock = header.get("deadlock", "check" if expect == "deadlock" else "ignore")
         if deadlock not in ("check", "ignore"):
             raise ValueError(f"{cfg}: bad '\\* deadlock: {deadlock}' (check|ignore)")
-        properties = _cfg_names(text, ("PROPERTY", "PROPERTIES"))
+        properties = cfg_names(text, ("PROPERTY", "PROPERTIES"))
         conformance = header.get("conformance", "yes" if expect == "ok" and not properties else "no")
         if conformance not in ("yes", "no"):
             raise ValueError(f"{cfg}: bad '\\* conformance: {conformance}' (yes|no)")
@@ -142,7 +142,7 @@ def _read_header(cfg: Path, text: str) -> dict[str, str]:
     return header
 
 
-def _cfg_names(text: str, keywords: tuple[str, ...]) -> tuple[str, ...]:
+def cfg_names(text: str, keywords: tuple[str, ...]) -> tuple[str, ...]:
     """The names listed after any of ``keywords`` in a cfg file."""
     text = re.sub(r"\(\*.*?\*\)", " ", text, flags=re.DOTALL)
     text = re.sub(r"\\\*.*", " ", text)
