@@ -197,11 +197,12 @@ class AssignRegion:
 
 @attrs.frozen
 class FreeRegion:
-    """Master -> storage: the region at ``offset`` owned by ``token`` is free."""
+    """Master -> storage: the ``length`` bytes at ``offset`` owned by ``token`` are free."""
 
     segment: str
     offset: int
     token: int
+    length: int
 
 
 @attrs.frozen
@@ -294,7 +295,7 @@ def _refuse(state, error: errors.KvError):
 
 
 def _free_effects(record: ObjectRecord) -> tuple[FreeRegion, ...]:
-    return tuple(FreeRegion(r.segment, r.offset, record.token) for r in record.replicas)
+    return tuple(FreeRegion(r.segment, r.offset, record.token, r.length) for r in record.replicas)
 
 
 def _release_space(segments: immutables.Map, record: ObjectRecord,
@@ -460,8 +461,10 @@ def storage_step(table: RegionTable, event: StorageEvent) -> tuple[RegionTable, 
     """Apply one event to a storage node's region table.
 
     A write or read is accepted only for a region owned by the stamped token
-    (spec ``WriteReplica``: ``store[s][i].token = writer[w].token``); reads
-    additionally need the region completely written.
+    (spec ``WriteReplica``: ``store[s][i].token = writer[w].token``). A region
+    is written once: a second write is refused, so no token holder can rewrite
+    bytes that may already be published. Reads need the region completely
+    written.
     """
     region = table.regions.get(event.offset)
     if isinstance(event, AssignRegion):
@@ -475,6 +478,8 @@ def storage_step(table: RegionTable, event: StorageEvent) -> tuple[RegionTable, 
     if isinstance(event, FreeRegion):
         return attrs.evolve(table, regions=table.regions.delete(event.offset)), ()
     if isinstance(event, WriteReplica):
+        if region.done:
+            return _refuse(table, errors.RegionMismatch(f"{table.segment}@{event.offset} is already written"))
         done = attrs.evolve(region, done=True)
         return (attrs.evolve(table, regions=table.regions.set(event.offset, done)),
                 (Accepted(table.segment, event.offset, event.token),))

@@ -1,0 +1,157 @@
+"""Where replicas go: a page-aligned first-fit allocator per segment, and placement.
+
+The publish machine treats placement as an input (like time): the master asks
+:class:`Placer` for one region on each of ``replicas`` distinct live segments,
+feeds ``PutStart(key, length, placement)`` to the machine, and gives the regions
+back if the machine refuses. When the machine's effects free a region
+(``FreeRegion``) the master returns it here.
+
+Each :class:`SegmentAllocator` keeps a sorted list of free extents (two parallel
+lists, ``starts`` and ``lengths``, searched with :mod:`bisect`) in whole pages;
+``allocate`` is first-fit, ``free`` coalesces with both neighbours. It keeps no
+per-allocation record: ``free`` is told the length (the master reads it from the
+directory record the machine just dropped), so the allocator's memory grows
+with fragmentation, not with the number of objects.
+
+Two byte counts are kept: :attr:`SegmentAllocator.free_bytes` counts object
+bytes exactly as the machine's ledger does (``SegmentLedger.free``; an object of
+``n`` bytes takes ``n``), while :attr:`SegmentAllocator.free_extent_bytes` counts
+the free pages (an object of ``n`` bytes occupies ``ceil(n / page)`` pages). The
+first must always equal the ledger; the second is what can actually be handed
+out, so the allocator may refuse (``None``) a length the ledger would accept.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Iterable, Mapping, Optional
+
+from kvproto.statemachines.publish import Replica
+
+
+class AllocatorCorrupt(RuntimeError):
+    """A free overlapped a free extent (double free or a wrong length): a bug."""
+
+
+class SegmentAllocator:
+    """First-fit, page-aligned allocator over ``[0, capacity)`` of one segment."""
+
+    __slots__ = ("capacity", "page_size", "free_bytes", "_starts", "_lengths", "_extent_bytes")
+
+    def __init__(self, capacity: int, page_size: int = 4096) -> None:
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise ValueError("page_size must be a power of two")
+        if capacity <= 0 or capacity % page_size:
+            raise ValueError("capacity must be a positive multiple of page_size")
+        self.capacity = capacity
+        self.page_size = page_size
+        self.free_bytes = capacity
+        self._starts = [0]
+        self._lengths = [capacity]
+        self._extent_bytes = capacity
+
+    def rounded(self, length: int) -> int:
+        mask = self.page_size - 1
+        return (length + mask) & ~mask
+
+    @property
+    def free_extent_bytes(self) -> int:
+        return self._extent_bytes
+
+    @property
+    def largest_free_extent(self) -> int:
+        return max(self._lengths, default=0)
+
+    def extents(self) -> list[tuple[int, int]]:
+        """The free extents as ``(offset, length)``, sorted."""
+        return list(zip(self._starts, self._lengths))
+
+    def allocate(self, length: int) -> Optional[int]:
+        """Offset of a fresh region of ``length`` bytes, or ``None`` if none fits."""
+        if length <= 0:
+            raise ValueError("length must be positive")
+        need = self.rounded(length)
+        if need > self._extent_bytes:
+            return None
+        lengths = self._lengths
+        for i, size in enumerate(lengths):
+            if size >= need:
+                offset = self._starts[i]
+                if size == need:
+                    del self._starts[i]
+                    del lengths[i]
+                else:
+                    self._starts[i] = offset + need
+                    lengths[i] = size - need
+                self._extent_bytes -= need
+                self.free_bytes -= length
+                return offset
+        return None
+
+    def free(self, offset: int, length: int) -> None:
+        """Give back the region of ``length`` bytes at ``offset``; coalesces."""
+        need = self.rounded(length)
+        end = offset + need
+        if offset < 0 or end > self.capacity or offset % self.page_size:
+            raise AllocatorCorrupt(f"free({offset}, {length}) outside the segment")
+        starts, lengths = self._starts, self._lengths
+        i = bisect.bisect_left(starts, offset)
+        if i < len(starts) and starts[i] < end:
+            raise AllocatorCorrupt(f"free({offset}, {length}) overlaps a free extent")
+        if i > 0 and starts[i - 1] + lengths[i - 1] > offset:
+            raise AllocatorCorrupt(f"free({offset}, {length}) overlaps a free extent")
+        merge_prev = i > 0 and starts[i - 1] + lengths[i - 1] == offset
+        merge_next = i < len(starts) and starts[i] == end
+        if merge_prev and merge_next:
+            lengths[i - 1] += need + lengths[i]
+            del starts[i]
+            del lengths[i]
+        elif merge_prev:
+            lengths[i - 1] += need
+        elif merge_next:
+            starts[i] = offset
+            lengths[i] += need
+        else:
+            starts.insert(i, offset)
+            lengths.insert(i, need)
+        self._extent_bytes += need
+        self.free_bytes += length
+
+
+class Placer:
+    """Chooses placements over the live segments' allocators."""
+
+    def __init__(self) -> None:
+        self.allocators: dict[str, SegmentAllocator] = {}
+
+    def add(self, segment: str, capacity: int, page_size: int) -> None:
+        self.allocators[segment] = SegmentAllocator(capacity, page_size)
+
+    def drop(self, segment: str) -> None:
+        self.allocators.pop(segment, None)
+
+    def place(self, length: int, replicas: int) -> Optional[tuple[Replica, ...]]:
+        """One region on each of ``replicas`` distinct segments, most free space
+        first; ``None`` (and nothing held) if that many segments cannot fit it."""
+        if replicas > len(self.allocators):
+            return None
+        order = sorted(self.allocators.items(), key=lambda kv: kv[1].free_extent_bytes, reverse=True)
+        chosen: list[Replica] = []
+        for segment, alloc in order:
+            offset = alloc.allocate(length)
+            if offset is not None:
+                chosen.append(Replica(segment, offset, length))
+                if len(chosen) == replicas:
+                    return tuple(chosen)
+        self.release(chosen)
+        return None
+
+    def release(self, replicas: Iterable[Replica]) -> None:
+        """Return regions (a refused placement, or regions the machine freed)."""
+        for r in replicas:
+            alloc = self.allocators.get(r.segment)
+            if alloc is not None:  # a lost segment's allocator is gone
+                alloc.free(r.offset, r.length)
+
+    def free_bytes(self) -> Mapping[str, int]:
+        return {s: a.free_bytes for s, a in self.allocators.items()}

@@ -1,0 +1,558 @@
+"""The client: writes and reads object bytes directly to and from storage nodes.
+
+A put is ``put_start`` (master: allocate, issue a token, tell the storage
+nodes) -> one ``write`` per replica, all in flight at once, each carrying the
+caller's buffer as a zero-copy frame -> wait for every ack -> ``put_end``
+(master: publish). If anything fails, or the caller is interrupted, the client
+sends ``put_revoke`` for every attempt it did not end and reports the typed
+error. While a put or a read is in flight a background thread sends
+``heartbeat`` so the master does not reclaim the attempt (it does so when the
+client goes silent for the master's ``writer_timeout``).
+
+A get is ``read_begin`` (master: pin, hand out replica descriptors) -> read
+one replica -> ``read_end`` (fire-and-forget). A replica on a storage node of
+this host (same host id) is read straight from the node's shared memory: one
+memcpy guarded by the generation-table seqlock (:mod:`kvproto.runtime.shm`);
+otherwise, or if that check fails, a ``read`` request is sent and the reply's
+payload frame is returned without copying. The next replica is tried if one
+fails.
+
+Return values: ``get`` returns a ``memoryview`` (format ``B``, 1-D) equal to what
+was put — over a private copy for a shared-memory read, or read-only over the
+received ZeroMQ frame for a network read (no copy); ``get_many`` returns a list
+with a memoryview per key and ``None`` for a miss; ``put_many`` returns one
+``None`` (stored) or error instance per key; ``exists_many`` returns bools. A
+miss raises :class:`~kvproto.errors.KeyNotFound`.
+
+``read_end`` is fire-and-forget, so for a moment after a ``get`` returns the
+object may still be pinned: a ``remove`` sent on *another* client's connection
+right then can get :class:`~kvproto.errors.ObjectBusy` (the same client's own
+requests are ordered after its ``read_end``). Keys are bytes (a ``str`` is
+UTF-8 encoded), 1 to 4096 bytes; empty objects are refused (``InvalidArgument``).
+
+Failures are typed errors of :mod:`kvproto.errors`. ``put_many`` reports every
+outcome per key and raises only for a bad ``replicas`` argument; a
+``RequestTimeout`` from ``put_end`` means the outcome is unknown for that key
+(it was revoked if it was not yet published). ``get_many`` returns ``None`` for
+misses and raises the first error that is not a miss, after releasing its pins.
+
+Every call takes ``timeout`` (seconds; default the client's ``timeout``) and
+raises :class:`~kvproto.errors.RequestTimeout` when it runs out. Sockets use
+``LINGER 0``; a socket that timed out is closed and replaced, so a dead peer
+never wedges the client. A :class:`Client` may be shared by threads (calls are
+serialised by a lock); use one client per thread for parallel transfers.
+
+Buffers: any C-contiguous bytes-like object (bytes, bytearray, memoryview,
+numpy arrays) is sent as is; a non-contiguous one is copied once first. The
+caller must not modify the buffer while ``put`` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Iterable, Optional, Sequence
+
+import zmq
+
+from kvproto import errors
+from kvproto.runtime import wire
+from kvproto.runtime.shm import LocalSegment, host_id, shm_exists
+
+Key = Any  # bytes-like or str
+
+
+def _as_key(key: Key) -> bytes:
+    if isinstance(key, bytes):
+        k = key
+    elif isinstance(key, str):
+        k = key.encode()
+    elif isinstance(key, (bytearray, memoryview)):
+        k = bytes(key)
+    else:
+        raise errors.InvalidArgument(f"a key must be bytes or str, not {type(key).__name__}")
+    if not 1 <= len(k) <= wire.MAX_KEY_BYTES:
+        raise errors.InvalidArgument(f"key length {len(k)} not in [1, {wire.MAX_KEY_BYTES}]")
+    return k
+
+
+def _as_view(data: Any) -> memoryview:
+    """A flat byte view of ``data`` without copying (unless it is not contiguous)."""
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise errors.InvalidArgument(f"value of type {type(data).__name__} is not bytes-like") from None
+    if not mv.c_contiguous:
+        mv = memoryview(mv.tobytes())
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    if not mv.nbytes:
+        raise errors.InvalidArgument("cannot put an empty object")
+    return mv
+
+
+def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
+    """The heartbeat thread: while the client has a put or read in flight, tell
+    the master it is alive every ``heartbeat`` seconds (the master says how
+    often: a quarter of its writer timeout). Holds the client only weakly, so a
+    client dropped without ``close()`` still goes away, and so does the thread."""
+    client = ref()
+    if client is None:
+        return
+    sock = client._socket(client.master)
+    client_id = client.client_id
+    del client
+    rid, last_sent = 0, 0.0
+    try:
+        while not stop.wait(0.05):
+            client = ref()
+            if client is None:
+                return
+            active, interval = client._active, client._hb_interval
+            del client
+            now = time.monotonic()
+            if active and now - last_sent >= interval:
+                rid += 1
+                last_sent = now
+                try:
+                    sock.send(wire.encode_request("heartbeat", rid, {"client": client_id}),
+                              flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            while sock.poll(0):  # drop the answers
+                sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+
+
+class Client:
+    """A connection to one kvproto master (and, on demand, its storage nodes)."""
+
+    #: keys per master request; larger batches are sent in chunks so that one
+    #: request never holds the master's loop for long
+    BATCH = 4096
+
+    def __init__(self, master: str, *, timeout: float = 30.0, local_reads: bool = True,
+                 context: Optional[zmq.Context] = None) -> None:
+        self.master = master
+        self.timeout = float(timeout)
+        self.local_reads = local_reads
+        self.client_id = f"{socket.gethostname()[:40]}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.RLock()
+        self._rid = 0
+        self._master_sock: Optional[zmq.Socket] = None
+        self._data: dict[str, zmq.Socket] = {}
+        self._local: dict[str, Optional[LocalSegment]] = {}
+        self._host = host_id()
+        self._closed = False
+        # heartbeats
+        self._active = 0
+        self._active_lock = threading.Lock()
+        self._hb_interval = 1.0
+        self._hb_stop = threading.Event()
+        self._hb_thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._hb_stop.set()
+            if self._hb_thread is not None:
+                self._hb_thread.join(timeout=5)
+            if self._master_sock is not None:
+                self._master_sock.close(linger=0)
+                self._master_sock = None
+            for sock in self._data.values():
+                sock.close(linger=0)
+            self._data.clear()
+            for seg in self._local.values():
+                if seg is not None:
+                    seg.close()
+            self._local.clear()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sockets
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = 0  # queue, never block: deadlines are enforced on replies
+        sock.rcvhwm = 0
+        sock.connect(endpoint)
+        return sock
+
+    def _master(self) -> zmq.Socket:
+        if self._closed:
+            raise errors.ServerUnavailable("the client is closed")
+        if self._master_sock is None:
+            self._master_sock = self._socket(self.master)
+        return self._master_sock
+
+    def _reset_master(self) -> None:
+        if self._master_sock is not None:
+            self._master_sock.close(linger=0)
+            self._master_sock = None
+
+    def _data_sock(self, endpoint: str) -> zmq.Socket:
+        sock = self._data.get(endpoint)
+        if sock is None:
+            sock = self._data[endpoint] = self._socket(endpoint)
+        return sock
+
+    def _reset_data(self, endpoint: str) -> None:
+        sock = self._data.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _send(self, sock: zmq.Socket, op: str, body: dict, payloads: Sequence = ()) -> int:
+        self._rid += 1
+        rid = self._rid
+        if payloads:
+            # copy=False: payload frames reference the caller's buffer (pyzmq
+            # copies frames under zmq.COPY_THRESHOLD = 64 KiB itself)
+            sock.send_multipart([wire.encode_request(op, rid, body), *payloads], copy=False)
+        else:
+            sock.send(wire.encode_request(op, rid, body))
+        return rid
+
+    def _gather(self, pending: dict[int, zmq.Socket], deadline: float) -> dict[int, wire.Reply]:
+        """Replies to the request ids in ``pending`` that arrive before ``deadline``."""
+        got: dict[int, wire.Reply] = {}
+        poller = zmq.Poller()
+        for sock in set(pending.values()):
+            poller.register(sock, zmq.POLLIN)
+        while len(got) < len(pending):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for sock, _ in poller.poll(max(1, int(remaining * 1000))):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        reply = wire.decode_reply(frames)
+                    except errors.KvError:
+                        continue
+                    if reply.request_id in pending and pending[reply.request_id] is sock:
+                        got[reply.request_id] = reply
+        return got
+
+    def _call_master(self, op: str, body: dict, deadline: float) -> wire.Reply:
+        sock = self._master()
+        rid = self._send(sock, op, body)
+        reply = self._gather({rid: sock}, deadline).get(rid)
+        if reply is None:
+            self._reset_master()
+            raise errors.RequestTimeout(f"master {self.master} did not answer {op} in time")
+        return reply.raise_for_status()
+
+    def _deadline(self, timeout: Optional[float]) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else float(timeout))
+
+    # ------------------------------------------------------------------ heartbeats
+
+    @contextlib.contextmanager
+    def _activity(self):
+        """Heartbeat the master while a put or a read is in flight."""
+        with self._active_lock:
+            self._active += 1
+            if self._hb_thread is None:
+                self._hb_thread = threading.Thread(
+                    target=_heartbeats, args=(weakref.ref(self), self._hb_stop), daemon=True,
+                    name=f"kvproto-heartbeat-{self.client_id}")
+                self._hb_thread.start()
+        try:
+            yield
+        finally:
+            with self._active_lock:
+                self._active -= 1
+
+    def _note_interval(self, reply: wire.Reply) -> None:
+        hb = reply.body.get("heartbeat")
+        if isinstance(hb, (int, float)) and hb > 0:
+            self._hb_interval = float(hb)
+
+    # ------------------------------------------------------------------ put
+
+    def put(self, key: Key, data: Any, replicas: int = 1, *, timeout: Optional[float] = None) -> None:
+        """Store ``data`` under ``key`` on ``replicas`` storage nodes."""
+        err = self._put_batch([(key, data)], replicas, timeout)[0]
+        if err is not None:
+            raise err
+
+    def put_many(self, items: Iterable[tuple[Key, Any]], replicas: int = 1, *,
+                 timeout: Optional[float] = None) -> list[Optional[errors.KvError]]:
+        """Store several objects; returns per key ``None`` (stored) or the error."""
+        return self._put_batch(list(items), replicas, timeout)
+
+    def _put_batch(self, items: list, replicas: int, timeout: Optional[float]) -> list:
+        deadline = self._deadline(timeout)
+        results: list[Optional[errors.KvError]] = [None] * len(items)
+        if type(replicas) is not int or not 1 <= replicas <= wire.MAX_REPLICAS:
+            raise errors.InvalidArgument(f"replicas must be an int in [1, {wire.MAX_REPLICAS}]")
+        todo: list[tuple[int, bytes, memoryview]] = []
+        for i, (key, data) in enumerate(items):
+            try:
+                todo.append((i, _as_key(key), _as_view(data)))
+            except errors.KvError as err:
+                results[i] = err
+        for at in range(0, len(todo), self.BATCH):
+            chunk = todo[at:at + self.BATCH]
+            try:
+                self._put_chunk(chunk, replicas, deadline, results)
+            except errors.KvError as err:   # the chunk's put_start failed: nothing stored
+                for i, _, _ in chunk:
+                    results[i] = results[i] or err
+        return results
+
+    def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list) -> None:
+        with self._lock, self._activity():
+            reply = self._call_master("put_start", {
+                "client": self.client_id, "replicas": replicas,
+                "items": [[k, v.nbytes] for _, k, v in todo]}, deadline)
+            self._note_interval(reply)
+            grants: dict[int, tuple[bytes, memoryview, int, list]] = {}
+            for (i, k, v), item in zip(todo, wire.items_of(reply, len(todo))):
+                err, grant = wire.item_result(item)
+                if err is not None:
+                    results[i] = err
+                else:
+                    grants[i] = (k, v, grant["token"], grant["replicas"])
+            ended: set[int] = set()
+            try:
+                failed = self._write_all(grants, reply.body.get("segments", {}), deadline)
+                for i, err in failed.items():
+                    results[i] = err
+                ok = [i for i in grants if i not in failed]
+                if ok:
+                    try:
+                        rep = self._call_master("put_end", {
+                            "client": self.client_id,
+                            "items": [[grants[i][0], grants[i][2]] for i in ok]}, deadline)
+                    except errors.KvError as err:
+                        for i in ok:
+                            results[i] = err
+                    else:
+                        ended.update(ok)
+                        for i, item in zip(ok, wire.items_of(rep, len(ok))):
+                            results[i], _ = wire.item_result(item)
+            finally:
+                self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
+
+    def _write_all(self, grants: dict, segments: dict, deadline: float) -> dict[int, errors.KvError]:
+        """Send every replica write at once; wait for the acks. Returns failures."""
+        pending: dict[int, zmq.Socket] = {}
+        whose: dict[int, tuple[int, str]] = {}
+        failed: dict[int, errors.KvError] = {}
+        for i, (key, view, token, replicas) in grants.items():
+            for seg, offset, length in replicas:
+                info = segments.get(seg)
+                if not isinstance(info, list) or not info or length != view.nbytes:
+                    failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
+                    break
+                sock = self._data_sock(info[0])
+                rid = self._send(sock, "write", {"segment": seg, "offset": offset, "token": token},
+                                 [view])
+                pending[rid] = sock
+                whose[rid] = (i, info[0])
+        replies = self._gather(pending, deadline)
+        for rid, (i, endpoint) in whose.items():
+            reply = replies.get(rid)
+            if reply is None:
+                failed.setdefault(i, errors.RequestTimeout(f"storage node {endpoint} did not ack a write"))
+                self._reset_data(endpoint)
+            elif reply.status:
+                failed.setdefault(i, reply.error())
+        return failed
+
+    def _revoke(self, attempts: list[tuple[bytes, int]], wait: float = 2.0) -> None:
+        """Best effort: give up ``attempts`` (the master reclaims them anyway when
+        this client falls silent)."""
+        if not attempts:
+            return
+        try:
+            self._call_master("put_revoke", {"client": self.client_id,
+                                             "items": [[k, t] for k, t in attempts]},
+                              time.monotonic() + wait)
+        except errors.KvError:
+            pass
+
+    # ------------------------------------------------------------------ get
+
+    def get(self, key: Key, *, timeout: Optional[float] = None) -> memoryview:
+        """The bytes stored under ``key``; raises ``KeyNotFound`` on a miss."""
+        return self._get_batch([key], timeout, raise_miss=True)[0]
+
+    def get_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None) -> list[Optional[memoryview]]:
+        """The bytes of each key, ``None`` for a miss (other failures raise)."""
+        keys = list(keys)
+        deadline = self._deadline(timeout)
+        out: list[Optional[memoryview]] = []
+        for at in range(0, len(keys), self.BATCH):
+            out.extend(self._get_batch(keys[at:at + self.BATCH],
+                                       max(deadline - time.monotonic(), 0.0), raise_miss=False))
+        return out
+
+    def _get_batch(self, keys: list, timeout: Optional[float], raise_miss: bool) -> list:
+        deadline = self._deadline(timeout)
+        if not keys:
+            return []
+        ks = [_as_key(k) for k in keys]
+        results: list[Optional[memoryview]] = [None] * len(ks)
+        with self._lock, self._activity():
+            reply = self._call_master("read_begin", {"client": self.client_id, "keys": ks}, deadline)
+            self._note_interval(reply)
+            segments = reply.body.get("segments", {})
+            granted: dict[int, tuple[int, int, list]] = {}
+            first_error: Optional[errors.KvError] = None
+            for i, item in enumerate(wire.items_of(reply, len(ks))):
+                err, grant = wire.item_result(item)
+                if err is None:
+                    granted[i] = (grant["token"], grant["length"], list(grant["replicas"]))
+                elif raise_miss or not isinstance(err, errors.KeyNotFound):
+                    first_error = first_error or err
+            try:
+                errs = self._read_all(ks, granted, segments, deadline, results)
+                for i in sorted(errs):
+                    first_error = first_error or errs[i]
+            finally:
+                if granted:
+                    try:  # fire-and-forget: the reply is dropped by a later _gather
+                        self._send(self._master(), "read_end", {
+                            "client": self.client_id,
+                            "items": [[ks[i], g[0]] for i, g in granted.items()]})
+                    except (errors.KvError, zmq.ZMQError):
+                        pass
+            if first_error is not None:
+                raise first_error
+        return results
+
+    def _local_segment(self, seg: str, info: list) -> Optional[LocalSegment]:
+        if not self.local_reads or info[1] != self._host:
+            return None
+        name = info[2]
+        if name not in self._local:
+            self._prune_local()
+            try:
+                self._local[name] = LocalSegment(info[2], info[3], info[6], info[5])
+            except (OSError, ValueError):
+                self._local[name] = None
+        return self._local[name]
+
+    def _prune_local(self) -> None:
+        """Unmap segments whose storage node is gone (its name was unlinked), so a
+        long-lived client does not keep dead nodes' memory alive."""
+        for name, seg in list(self._local.items()):
+            if not shm_exists(name):
+                if seg is not None:
+                    seg.close()
+                del self._local[name]
+
+    def _read_all(self, keys: list, granted: dict, segments: dict, deadline: float,
+                  results: list) -> dict[int, errors.KvError]:
+        """Fill ``results`` for granted keys; returns keys no replica could serve."""
+        need: dict[int, list] = {}
+        for i, (token, length, replicas) in granted.items():
+            usable = [r for r in replicas if isinstance(segments.get(r[0]), list)]
+            local = []
+            for r in usable:
+                seg = self._local_segment(r[0], segments[r[0]])
+                if seg is not None:
+                    local.append(r)
+                    view = seg.read(r[1], length, token, segments[r[0]][4])
+                    if view is not None:
+                        results[i] = view
+                        break
+            if results[i] is None:
+                # remote replicas first (spread by token), then the local ones over the network
+                remote = [r for r in usable if r not in local]
+                if remote:
+                    k = token % len(remote)
+                    remote = remote[k:] + remote[:k]
+                need[i] = remote + local
+        failed: dict[int, errors.KvError] = {}
+        for i in [i for i, left in need.items() if not left]:
+            failed[i] = errors.SegmentUnavailable(f"no replica of {keys[i]!r} is reachable")
+            del need[i]
+        while need:
+            rounds_left = max(len(left) for left in need.values())
+            round_deadline = time.monotonic() + max(deadline - time.monotonic(), 0) / rounds_left
+            pending: dict[int, zmq.Socket] = {}
+            whose: dict[int, tuple[int, str]] = {}
+            for i, left in need.items():
+                seg, offset, length = left.pop(0)
+                endpoint = segments[seg][0]
+                sock = self._data_sock(endpoint)
+                rid = self._send(sock, "read", {"segment": seg, "offset": offset,
+                                                "token": granted[i][0], "length": length})
+                pending[rid] = sock
+                whose[rid] = (i, endpoint)
+            replies = self._gather(pending, round_deadline)
+            for rid, (i, endpoint) in whose.items():
+                reply = replies.get(rid)
+                if reply is None:
+                    err: Optional[errors.KvError] = errors.RequestTimeout(
+                        f"storage node {endpoint} did not answer a read")
+                    self._reset_data(endpoint)
+                elif reply.status:
+                    err = reply.error()
+                elif len(reply.payloads) != 1 or reply.payloads[0].nbytes != granted[i][1]:
+                    err = errors.MalformedFrame(f"read reply from {endpoint} has the wrong size")
+                else:
+                    results[i] = reply.payloads[0]
+                    need.pop(i)
+                    continue
+                if not need[i]:
+                    failed[i] = err
+                    del need[i]
+        return failed
+
+    # ------------------------------------------------------------------ the rest
+
+    def exists(self, key: Key, *, timeout: Optional[float] = None) -> bool:
+        """Whether ``key`` names a published object."""
+        return self.exists_many([key], timeout=timeout)[0]
+
+    def exists_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None) -> list[bool]:
+        ks = [_as_key(k) for k in keys]
+        deadline = self._deadline(timeout)
+        out: list[bool] = []
+        with self._lock:
+            for at in range(0, len(ks), self.BATCH):
+                chunk = ks[at:at + self.BATCH]
+                reply = self._call_master("exists", {"keys": chunk}, deadline)
+                for item in wire.items_of(reply, len(chunk)):
+                    err, value = wire.item_result(item)
+                    if err is not None:
+                        raise err
+                    out.append(bool(value))
+        return out
+
+    def remove(self, key: Key, *, timeout: Optional[float] = None) -> None:
+        """Delete a published object (``KeyNotFound``, ``NotPublished``, ``ObjectBusy``)."""
+        with self._lock:
+            reply = self._call_master("remove", {"keys": [_as_key(key)]}, self._deadline(timeout))
+            err, _ = wire.item_result(wire.items_of(reply, 1)[0])
+            if err is not None:
+                raise err
+
+    def stats(self, *, timeout: Optional[float] = None) -> dict:
+        """The master's counters and per-segment space."""
+        with self._lock:
+            return self._call_master("stats", {}, self._deadline(timeout)).body

@@ -1,0 +1,675 @@
+"""The master: one :class:`~kvproto.statemachines.publish.Directory`, stepped only
+by :func:`~kvproto.statemachines.publish.master_step`.
+
+Split in two:
+
+* :class:`MasterCore` — no sockets. It owns the directory, the allocators
+  (:class:`~kvproto.runtime.allocator.Placer`), the registered storage nodes and
+  the client sessions. Each request becomes machine events; the effects the
+  machine returns are carried out: ``AssignRegion``/``FreeRegion`` become
+  commands for the storage nodes (queued in effect order in :attr:`MasterCore.outbox`),
+  ``FreeRegion`` also returns the region to the allocator, ``PutGranted``/
+  ``Published``/``Revoked`` maintain the session bookkeeping, and ``Refused``
+  answers the requester with its typed error and changes nothing.
+* :class:`MasterServer` — a single-threaded ZeroMQ loop: a ROUTER for clients and
+  storage nodes, and one DEALER per storage node (connected to the node's
+  endpoint) that carries ``assign``/``free`` commands in order, so a free always
+  reaches the node before a later assign of the same region.
+
+A put's grant is *parked* until every storage node involved acknowledged its
+``assign`` (the loop never blocks on it); a node that refuses an assign gets the
+attempt revoked (``PutRevoke``) and the writer gets ``RegionMismatch``.
+
+Client sessions. A client that holds pending allocations or read pins has one,
+refreshed by any request naming it and by ``heartbeat``. When it is silent for
+``writer_timeout`` the master feeds ``ReclaimAbandoned(key, token)`` for each of
+its pending allocations and ``ReadEnd(key, token)`` for each pin it still holds
+(so a crashed reader cannot pin an object forever). The session only remembers
+what is *in flight*: tokens of PENDING allocations and read pins; it is dropped
+when empty. A storage node silent for ``storage_timeout`` (or that deregisters,
+or answers a command with ``SegmentUnavailable``) becomes ``SegmentLost``.
+
+Payload bytes never reach the master: its ROUTER accepts no payload frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import defaultdict
+from typing import Any, Callable, Optional
+
+import zmq
+
+from kvproto import errors
+from kvproto.runtime import wire
+from kvproto.runtime.allocator import Placer
+from kvproto.statemachines.publish import (
+    AddSegment, AssignRegion, Directory, FreeRegion, MasterEvent, PutEnd, PutGranted,
+    PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
+    Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status, master_step,
+)
+
+log = logging.getLogger("kvproto.master")
+
+ReplyTo = Any  # opaque: the server's routing identity
+
+_ENDPOINT = re.compile(r"^(tcp://\S+:\d{1,5}|ipc://\S+)$")
+
+
+class SegmentInfo:
+    __slots__ = ("segment", "endpoint", "host", "shm", "gen_shm", "nonce", "page_size",
+                 "capacity", "last_seen")
+
+    def __init__(self, body: dict, now: float) -> None:
+        self.segment = body["segment"]
+        self.endpoint = body["endpoint"]
+        self.host = body["host"]
+        self.shm = body["shm"]
+        self.gen_shm = body["gen_shm"]
+        self.nonce = body["nonce"]
+        self.page_size = body["page_size"]
+        self.capacity = body["capacity"]
+        self.last_seen = now
+
+    def wire(self) -> list:
+        return [self.endpoint, self.host, self.shm, self.gen_shm, self.nonce,
+                self.page_size, self.capacity]
+
+
+class ClientSession:
+    """What one client has in flight: pending tokens and read pins."""
+
+    __slots__ = ("last_seen", "tokens", "pins")
+
+    def __init__(self, now: float) -> None:
+        self.last_seen = now
+        self.tokens: dict[int, bytes] = {}             # token -> key (PENDING only)
+        self.pins: dict[tuple[bytes, int], int] = {}   # (key, token) -> pins held
+
+    def empty(self) -> bool:
+        return not self.tokens and not self.pins
+
+
+class Parked:
+    """A put_start reply waiting for storage nodes to acknowledge assigns."""
+
+    __slots__ = ("reply_to", "request_id", "items", "waiting")
+
+    def __init__(self, reply_to: ReplyTo, request_id: int, items: list) -> None:
+        self.reply_to = reply_to
+        self.request_id = request_id
+        self.items = items
+        self.waiting: set[int] = set()
+
+
+class Command:
+    """An ``assign``/``free`` sent to a storage node; ``id`` is its request id."""
+
+    __slots__ = ("id", "segment", "op", "regions", "parked", "sent_at")
+
+    def __init__(self, cmd_id: int, segment: str, op: str, regions: list,
+                 parked: Optional[Parked], sent_at: float) -> None:
+        self.id = cmd_id
+        self.sent_at = sent_at
+        self.segment = segment
+        self.op = op
+        self.regions = regions
+        self.parked = parked
+
+
+COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "reads", "misses",
+            "read_ends", "reads_reclaimed", "removes", "segments_joined", "segments_lost",
+            "storage_refusals", "rejected", "refused")
+
+
+class MasterCore:
+    """The master's logic without sockets (see the module docstring)."""
+
+    #: bounds on one ``assign``/``free`` command, so it always fits a storage
+    #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
+    COMMAND_MAX_REGIONS = 1024
+    COMMAND_MAX_BYTES = 256 << 10
+
+    def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if writer_timeout <= 0 or storage_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        self.writer_timeout = float(writer_timeout)
+        self.storage_timeout = float(storage_timeout)
+        self.clock = clock
+        self.directory = Directory()
+        self.placer = Placer()
+        self.segments: dict[str, SegmentInfo] = {}
+        self.sessions: dict[str, ClientSession] = {}
+        self._owner: dict[int, str] = {}                  # pending token -> client
+        self._parked_tokens: dict[int, tuple[Parked, int]] = {}
+        self._commands: dict[int, Command] = {}
+        self._next_cmd = 1
+        self._queue: list[tuple[str, str, list]] = []     # (segment, op, region) in effect order
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        #: ``(segment, op, command_id, body)`` to send, in order (drained by the server)
+        self.outbox: list[tuple[str, str, int, dict]] = []
+        #: parked replies now complete: ``(reply_to, request_id, status, body)``
+        self.ready: list[tuple[ReplyTo, int, int, dict]] = []
+        #: storage connections to open ``(segment, endpoint)`` / close ``segment``
+        self.opened: list[tuple[str, str]] = []
+        self.closed: list[str] = []
+        self._next_tick = 0.0
+
+    # ------------------------------------------------------------------ stepping
+
+    def _step(self, event: MasterEvent, why: Optional[errors.KvError] = None
+              ) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed one event; carry out its effects. Refused -> (error, effects), no change.
+        ``why`` is what a parked writer whose grant this event revokes is told."""
+        new, effects = master_step(self.directory, event)
+        if effects and isinstance(effects[0], Refused):
+            self.counters["refused"] += 1
+            return effects[0].error, effects
+        self.directory = new
+        self._carry_out(effects, why or errors.StaleToken("the put was revoked"))
+        return None, effects
+
+    def _carry_out(self, effects: tuple, why: errors.KvError) -> None:
+        for e in effects:
+            if isinstance(e, AssignRegion):
+                self._queue.append((e.segment, "assign", [e.offset, e.length, e.key, e.token]))
+            elif isinstance(e, FreeRegion):
+                self.placer.release([Replica(e.segment, e.offset, e.length)])
+                self._queue.append((e.segment, "free", [e.offset, e.token, e.length]))
+            elif isinstance(e, Published):
+                self._forget_pending(e.token)
+                self.counters["puts_published"] += 1
+            elif isinstance(e, Revoked):
+                self._forget_pending(e.token)
+                parked = self._parked_tokens.pop(e.token, None)
+                if parked is not None:
+                    p, i = parked
+                    p.items[i] = wire.error_item(why)
+            elif isinstance(e, Removed):
+                self.counters["removes"] += 1
+
+    def _forget_pending(self, token: int) -> None:
+        client = self._owner.pop(token, None)
+        if client is None:
+            return
+        session = self.sessions.get(client)
+        if session is not None:
+            session.tokens.pop(token, None)
+            if session.empty():
+                del self.sessions[client]
+
+    def _flush(self, parked: Optional[Parked] = None) -> None:
+        """Turn queued storage effects into commands, one per run of same-op
+        effects per segment, preserving order per segment."""
+        if not self._queue:
+            return
+        per_segment: dict[str, list[tuple[str, list]]] = defaultdict(list)
+        room: dict[str, int] = {}
+        for segment, op, region in self._queue:
+            runs = per_segment[segment]
+            cost = 48 + (len(region[2]) if op == "assign" else 0)
+            if runs and runs[-1][0] == op and room[segment] >= cost \
+                    and len(runs[-1][1]) < self.COMMAND_MAX_REGIONS:
+                runs[-1][1].append(region)
+            else:
+                runs.append((op, [region]))
+                room[segment] = self.COMMAND_MAX_BYTES
+            room[segment] -= cost
+        self._queue = []
+        now = self.clock()
+        for segment, runs in per_segment.items():
+            if segment not in self.segments:
+                continue  # lost: nothing to tell
+            for op, regions in runs:
+                cmd_id = self._next_cmd
+                self._next_cmd += 1
+                owner = parked if op == "assign" else None
+                self._commands[cmd_id] = Command(cmd_id, segment, op, regions, owner, now)
+                if owner is not None:
+                    owner.waiting.add(cmd_id)
+                self.outbox.append((segment, op, cmd_id, {"segment": segment, "regions": regions}))
+
+    def _session(self, client: str, create: bool = False) -> Optional[ClientSession]:
+        session = self.sessions.get(client)
+        now = self.clock()
+        if session is None and create:
+            session = self.sessions[client] = ClientSession(now)
+        if session is not None:
+            session.last_seen = now
+        return session
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, op: str, body: dict, reply_to: ReplyTo = None,
+               request_id: int = 0) -> Optional[tuple[int, dict]]:
+        """Handle a validated request. Returns ``(status, body)``, or ``None`` when
+        the reply is parked (it will appear in :attr:`ready`)."""
+        try:
+            handler = getattr(self, "_op_" + op)
+            return handler(body, reply_to, request_id)
+        finally:
+            self._flush()
+
+    def _op_register(self, body, reply_to, request_id):
+        page, capacity = body["page_size"], body["capacity"]
+        if page & (page - 1) or page < 512:
+            raise errors.InvalidArgument("page_size must be a power of two >= 512")
+        if capacity % page:
+            raise errors.InvalidArgument("capacity must be a multiple of page_size")
+        if not _ENDPOINT.match(body["endpoint"]):
+            raise errors.InvalidArgument(f"endpoint {body['endpoint']!r} is not tcp://host:port or ipc://path")
+        err, _ = self._step(AddSegment(body["segment"], capacity))
+        if err is not None:
+            raise err
+        info = SegmentInfo(body, self.clock())
+        self.segments[info.segment] = info
+        self.placer.add(info.segment, capacity, page)
+        self.opened.append((info.segment, info.endpoint))
+        self.counters["segments_joined"] += 1
+        log.info("segment %s joined: %d bytes at %s", info.segment, capacity, info.endpoint)
+        return 0, {"heartbeat": self.storage_timeout / 4}
+
+    def _op_storage_heartbeat(self, body, reply_to, request_id):
+        info = self.segments.get(body["segment"])
+        if info is None:
+            raise errors.SegmentUnavailable(f"segment {body['segment']!r} is not live")
+        info.last_seen = self.clock()
+        return 0, {}
+
+    def _op_deregister(self, body, reply_to, request_id):
+        if body["segment"] not in self.segments:
+            raise errors.SegmentUnavailable(f"segment {body['segment']!r} is not live")
+        self.segment_lost(body["segment"], "deregistered")
+        return 0, {}
+
+    def _op_heartbeat(self, body, reply_to, request_id):
+        return 0, {"known": self._session(body["client"]) is not None}
+
+    def _op_put_start(self, body, reply_to, request_id):
+        client, replicas = body["client"], body["replicas"]
+        items: list = [None] * len(body["items"])
+        parked = Parked(reply_to, request_id, items)
+        session = self._session(client, create=True)
+        for i, (key, length) in enumerate(body["items"]):
+            placement = self.placer.place(length, replicas)
+            if placement is None:
+                # The allocator refuses before the machine sees anything; name the
+                # error the machine would have given for a taken key.
+                if key in self.directory.objects:
+                    err: errors.KvError = errors.KeyExists(f"key {key!r} exists or is being put")
+                else:
+                    err = errors.NoSpace(f"no {replicas} live segment(s) can hold {length} bytes")
+                items[i] = wire.error_item(err)
+                continue
+            err, effects = self._step(PutStart(key, length, placement))
+            if err is not None:
+                self.placer.release(placement)
+                items[i] = wire.error_item(err)
+                continue
+            grant = effects[0]
+            assert isinstance(grant, PutGranted)
+            self.counters["puts_started"] += 1
+            session.tokens[grant.token] = key
+            self._owner[grant.token] = client
+            self._parked_tokens[grant.token] = (parked, i)
+            items[i] = wire.ok_item({"token": grant.token,
+                                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]})
+        if session.empty():
+            del self.sessions[client]
+        self._flush(parked)
+        if parked.waiting:
+            return None
+        return self._complete(parked)
+
+    def _complete(self, parked: Parked) -> tuple[int, dict]:
+        segments: dict[str, list] = {}
+        for item in parked.items:
+            if item[0] == 0:
+                self._parked_tokens.pop(item[1]["token"], None)
+                for seg, _, _ in item[1]["replicas"]:
+                    info = self.segments.get(seg)
+                    if info is not None:
+                        segments[seg] = info.wire()
+        return 0, {"items": parked.items, "segments": segments,
+                   "heartbeat": self.writer_timeout / 4}
+
+    def _end_or_revoke(self, body, event_type):
+        self._session(body["client"])
+        items = []
+        for key, token in body["items"]:
+            err, _ = self._step(event_type(key, token))
+            if err is None and event_type is PutRevoke:
+                self.counters["puts_revoked"] += 1
+            items.append(wire.ok_item() if err is None else wire.error_item(err))
+        return 0, {"items": items}
+
+    def _op_put_end(self, body, reply_to, request_id):
+        return self._end_or_revoke(body, PutEnd)
+
+    def _op_put_revoke(self, body, reply_to, request_id):
+        return self._end_or_revoke(body, PutRevoke)
+
+    def _op_read_begin(self, body, reply_to, request_id):
+        client = body["client"]
+        session = self._session(client, create=True)
+        items, segments = [], {}
+        for key in body["keys"]:
+            err, effects = self._step(ReadBegin(key))
+            if err is not None:
+                self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
+                items.append(wire.error_item(err))
+                continue
+            grant = effects[0]
+            assert isinstance(grant, ReadGranted)
+            self.counters["reads"] += 1
+            pin = (key, grant.token)
+            session.pins[pin] = session.pins.get(pin, 0) + 1
+            for r in grant.replicas:
+                info = self.segments.get(r.segment)
+                if info is not None:
+                    segments[r.segment] = info.wire()
+            items.append(wire.ok_item({"token": grant.token, "length": grant.length,
+                                       "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}))
+        if session.empty():
+            del self.sessions[client]
+        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4}
+
+    def _op_read_end(self, body, reply_to, request_id):
+        client = body["client"]
+        session = self._session(client)
+        items = []
+        for key, token in body["items"]:
+            pin = (key, token)
+            held = session.pins.get(pin, 0) if session is not None else 0
+            if not held:
+                # Not a pin this client holds (already reclaimed): feeding ReadEnd
+                # would unpin some other reader's read.
+                items.append(wire.error_item(errors.StaleToken(f"no read of {key!r} with token {token}")))
+                continue
+            if held == 1:
+                del session.pins[pin]
+            else:
+                session.pins[pin] = held - 1
+            err, _ = self._step(ReadEnd(key, token))
+            self.counters["read_ends"] += 1
+            items.append(wire.ok_item() if err is None else wire.error_item(err))
+        if session is not None and session.empty():
+            del self.sessions[client]
+        return 0, {"items": items}
+
+    def _op_exists(self, body, reply_to, request_id):
+        objects = self.directory.objects
+        items = []
+        for key in body["keys"]:
+            record = objects.get(key)
+            items.append(wire.ok_item(record is not None and record.status is Status.PUBLISHED))
+        return 0, {"items": items}
+
+    def _op_remove(self, body, reply_to, request_id):
+        items = []
+        for key in body["keys"]:
+            err, _ = self._step(Remove(key))
+            items.append(wire.ok_item() if err is None else wire.error_item(err))
+        return 0, {"items": items}
+
+    def _op_stats(self, body, reply_to, request_id):
+        return 0, self.stats()
+
+    def stats(self) -> dict:
+        segments = {}
+        for seg, ledger in self.directory.segments.items():
+            alloc = self.placer.allocators.get(seg)
+            info = self.segments.get(seg)
+            segments[seg] = {
+                "live": ledger.live, "capacity": ledger.capacity, "free": ledger.free,
+                "used": ledger.capacity - ledger.free if ledger.live else 0,
+                "allocator_free": alloc.free_bytes if alloc else 0,
+                "free_extent_bytes": alloc.free_extent_bytes if alloc else 0,
+                "endpoint": info.endpoint if info else None,
+            }
+        return {"counters": dict(self.counters), "objects": len(self.directory.objects),
+                "pending": len(self._owner), "clients": len(self.sessions),
+                "next_token": self.directory.next_token, "segments": segments}
+
+    # ------------------------------------------------------------------ storage replies
+
+    def storage_reply(self, segment: str, reply: wire.Reply) -> None:
+        """A storage node answered command ``reply.request_id``."""
+        cmd = self._commands.pop(reply.request_id, None)
+        if cmd is None or cmd.segment != segment:
+            return
+        try:
+            if reply.status == errors.SegmentUnavailable.code:
+                self.segment_lost(segment, "the node no longer serves it")
+                return
+            results = reply.body.get("results") if reply.status == 0 else None
+            if type(results) is not list or len(results) != len(cmd.regions):
+                results = [[reply.status or errors.MalformedFrame.code, "bad reply"]] * len(cmd.regions)
+            for region, result in zip(cmd.regions, results):
+                err, _ = wire.item_result(result)
+                if err is None:
+                    continue
+                self.counters["storage_refusals"] += 1
+                log.error("segment %s refused %s %r: %s", segment, cmd.op, region, err)
+                if cmd.op == "assign":
+                    self._step(PutRevoke(region[2], region[3]), errors.RegionMismatch(
+                        f"segment {segment!r} refused the region: {err.message}"))
+        finally:
+            self._settle(cmd)
+            self._flush()
+
+    def _settle(self, cmd: Command) -> None:
+        parked = cmd.parked
+        if parked is None:
+            return
+        parked.waiting.discard(cmd.id)
+        if not parked.waiting:
+            status, body = self._complete(parked)
+            self.ready.append((parked.reply_to, parked.request_id, status, body))
+
+    # ------------------------------------------------------------------ time
+
+    def segment_lost(self, segment: str, why: str = "silent") -> None:
+        err, _ = self._step(SegmentLost(segment),
+                            errors.SegmentUnavailable(f"segment {segment!r} was lost"))
+        if err is None:
+            self.counters["segments_lost"] += 1
+            log.log(logging.INFO if why == "deregistered" else logging.WARNING,
+                    "segment %s lost (%s)", segment, why)
+        self.placer.drop(segment)
+        if self.segments.pop(segment, None) is not None:
+            self.closed.append(segment)
+        for cmd_id, cmd in list(self._commands.items()):
+            if cmd.segment == segment:
+                del self._commands[cmd_id]
+                self._settle(cmd)
+        self.outbox = [c for c in self.outbox if c[0] != segment]
+        self._flush()
+
+    def tick(self) -> None:
+        """Expire silent clients and storage nodes (cheap when nothing is due)."""
+        now = self.clock()
+        if now < self._next_tick:
+            return
+        self._next_tick = now + min(self.writer_timeout, self.storage_timeout) / 8
+        for client, session in list(self.sessions.items()):
+            if now - session.last_seen <= self.writer_timeout:
+                continue
+            log.warning("client %s silent for %.1fs: reclaiming %d allocation(s), %d pin(s)",
+                        client, now - session.last_seen, len(session.tokens), len(session.pins))
+            for token, key in list(session.tokens.items()):
+                err, _ = self._step(ReclaimAbandoned(key, token))
+                if err is None:
+                    self.counters["reclaimed"] += 1
+                self._forget_pending(token)
+            for (key, token), n in list(session.pins.items()):
+                for _ in range(n):
+                    err, _ = self._step(ReadEnd(key, token))
+                    if err is None:
+                        self.counters["reads_reclaimed"] += 1
+            self.sessions.pop(client, None)
+        for segment, info in list(self.segments.items()):
+            if now - info.last_seen > self.storage_timeout:
+                self.segment_lost(segment, f"silent for {now - info.last_seen:.1f}s")
+        # a node that heartbeats but leaves a command unanswered is broken too
+        # (and a parked grant must not wait forever)
+        late = {c.segment for c in self._commands.values() if now - c.sent_at > self.storage_timeout}
+        for segment in late:
+            if segment in self.segments:
+                self.segment_lost(segment, "a command went unanswered")
+        self._flush()
+
+
+class MasterServer:
+    """The master's ZeroMQ loop around a :class:`MasterCore` (one thread).
+
+    Construct it in the thread that will run :meth:`serve_forever`; ``address``
+    is the bound endpoint (``tcp://127.0.0.1:*`` picks a free port).
+    """
+
+    #: how many messages to take from one socket before looking at the others
+    BURST = 256
+
+    def __init__(self, listen: str = "tcp://127.0.0.1:*", *, writer_timeout: float = 10.0,
+                 storage_timeout: float = 10.0, max_header_bytes: int = wire.MASTER_MAX_HEADER,
+                 context: Optional[zmq.Context] = None) -> None:
+        self.core = MasterCore(writer_timeout=writer_timeout, storage_timeout=storage_timeout)
+        self.max_header_bytes = max_header_bytes
+        self._own_context = context is None
+        self.ctx = context or zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.sndhwm = 100_000  # replies are small; a ROUTER drops beyond this
+        # frames a little over the limit still get a typed FrameTooLarge; far
+        # larger ones make ZeroMQ drop the peer before buffering them
+        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_header_bytes + (1 << 20))
+        self.router.bind(listen)
+        self.address: str = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.dealers: dict[str, zmq.Socket] = {}
+        self._segment_of: dict[zmq.Socket, str] = {}
+        self._stopping = False  # a plain flag: stop() takes no lock (signal-handler safe)
+
+    # ------------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def serve_forever(self, poll_ms: int = 20) -> None:
+        try:
+            while not self._stopping:
+                try:
+                    self._once(poll_ms)
+                except Exception:  # a bug: log it, keep serving
+                    log.exception("master loop")
+        finally:
+            self.close()
+
+    def _once(self, poll_ms: int) -> None:
+        events = dict(self.poller.poll(poll_ms))
+        if events.get(self.router):
+            self._drain_router()
+        for sock in [s for s in events if s is not self.router]:
+            segment = self._segment_of.get(sock)
+            if segment is not None:
+                self._drain_dealer(sock, segment)
+        self.core.tick()
+        self._send_out()
+
+    def _drain_router(self) -> None:
+        for _ in range(self.BURST):
+            try:
+                frames = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_request(frames)
+            self._send_out()
+
+    def _on_request(self, frames: list) -> None:
+        identity = frames[0].bytes
+        try:
+            req = wire.decode_request(frames[1:], self.max_header_bytes, 0, wire.MASTER_OPS)
+        except errors.KvError as err:
+            self.core.counters["rejected"] += 1
+            self._reply(identity, getattr(err, "request_id", 0), err.code, {"message": err.message})
+            return
+        try:
+            result = self.core.handle(req.op, req.body, identity, req.request_id)
+        except errors.KvError as err:
+            result = (err.code, {"message": err.message})
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("master failed on %s", req.op)
+            err = errors.InternalError(f"{req.op}: {exc.__class__.__name__}: {exc}")
+            result = (err.code, {"message": err.message})
+        if result is not None:
+            self._reply(identity, req.request_id, *result)
+
+    def _reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
+        try:
+            self.router.send_multipart([identity, wire.encode_reply(request_id, status, body)],
+                                       flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # peer gone or its queue full: the reply is dropped
+            pass
+
+    def _drain_dealer(self, sock: zmq.Socket, segment: str) -> None:
+        for _ in range(self.BURST):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                reply = wire.decode_reply(frames)
+            except errors.KvError as err:
+                log.error("bad reply from segment %s: %s", segment, err)
+                continue
+            self.core.storage_reply(segment, reply)
+            if segment not in self.dealers:
+                return
+
+    def _send_out(self) -> None:
+        core = self.core
+        opened, core.opened = core.opened, []
+        for segment, endpoint in opened:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.sndhwm = 0  # commands are never dropped or blocked on
+            sock.rcvhwm = 0
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                log.error("cannot connect to segment %s at %s: %s", segment, endpoint, exc)
+                core.segment_lost(segment, "unreachable endpoint")
+                continue
+            self.dealers[segment] = sock
+            self._segment_of[sock] = segment
+            self.poller.register(sock, zmq.POLLIN)
+        for segment, op, cmd_id, body in core.outbox:
+            sock = self.dealers.get(segment)
+            if sock is not None:
+                sock.send(wire.encode_request(op, cmd_id, body))
+        core.outbox.clear()
+        for reply_to, request_id, status, body in core.ready:
+            self._reply(reply_to, request_id, status, body)
+        core.ready.clear()
+        for segment in core.closed:
+            sock = self.dealers.pop(segment, None)
+            if sock is not None:
+                self.poller.unregister(sock)
+                self._segment_of.pop(sock, None)
+                sock.close(linger=0)
+        core.closed.clear()
+
+    def close(self) -> None:
+        for sock in list(self.dealers.values()):
+            sock.close(linger=0)
+        self.dealers.clear()
+        self._segment_of.clear()
+        if not self.router.closed:
+            self.router.close(linger=0)
+        if self._own_context:
+            self.ctx.term()

@@ -1,0 +1,235 @@
+"""A storage segment in POSIX shared memory, and lock-free same-host reads of it.
+
+A storage node keeps its segment's bytes in one shared-memory object and, next
+to it, a *generation table*: one ``uint64`` word per page, after a 4-word header
+``[MAGIC, nonce, page_size, pages]``. The word of the page a region starts on
+describes the region:
+
+* ``0`` — no region starts here (never assigned, or freed);
+* ``token << 1`` — assigned to ``token``, bytes not (or being) written;
+* ``token << 1 | 1`` — written by ``token``: the bytes are complete.
+
+The node changes a word only together with its :class:`RegionTable` (after
+``storage_step`` accepted the event): AssignRegion sets ``token << 1``, a write
+sets ``token << 1`` before its memcpy and ``token << 1 | 1`` after it, and
+FreeRegion sets 0. Tokens are never reused within one master's life, and the
+nonce changes whenever the node starts over under a new segment id, so the pair
+``(nonce, word)`` works as a seqlock generation with no ABA: a reader on the
+same host copies the region out in one memcpy and keeps the copy only if the
+nonce and the word equal ``(descriptor nonce, token << 1 | 1)`` both before and
+after the copy. Otherwise it falls back to a network read, where
+``storage_step(ReadReplica)`` decides.
+
+In a correct run the check never fails: the reader holds a pin from
+``ReadBegin``, so the region can be neither freed nor reassigned while it
+copies. The seqlock guards against stale descriptors, a node that started
+over, and a writer that rewrites a published region with its own token (which
+``storage_step`` accepts). The words are aligned 8-byte loads and stores. On
+x86-64 (TSO) loads are not reordered with loads nor stores with stores, so the
+reader's two checks bracket its copy and the node's two stores bracket its
+memcpy. On weakly ordered CPUs no fence is issued from Python; there the pin is
+what makes the read safe and the check is best effort.
+
+Readers map the objects read-only with ``shm_open(O_RDONLY)`` + ``mmap`` and
+never register them with :mod:`multiprocessing.resource_tracker` (which would
+unlink the node's segment when the *reader* exits).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Optional
+
+import numpy as np
+
+try:  # POSIX only; the same primitive multiprocessing.shared_memory uses
+    import _posixshmem
+except ImportError:  # pragma: no cover - non-POSIX
+    _posixshmem = None
+
+MAGIC = 0x6B7670726F746F31  # "kvproto1"
+HEADER_WORDS = 4
+
+_HOST_ID: Optional[str] = None
+
+
+def host_id() -> str:
+    """Identifies this machine (hostname + boot id): equal ids may share memory."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        boot = ""
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            pass
+        _HOST_ID = f"{socket.gethostname()}/{boot}"
+    return _HOST_ID
+
+
+def shm_exists(name: str) -> bool:
+    """Whether a POSIX shared-memory object of this name exists."""
+    if _posixshmem is None:
+        return False
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def gen_word(token: int, done: bool) -> int:
+    return (token << 1) | int(done)
+
+
+class SegmentMemory:
+    """The storage node's side: owns (creates, and at :meth:`close` unlinks) the
+    segment and its generation table."""
+
+    def __init__(self, capacity: int, page_size: int, prefix: str = "kvp") -> None:
+        if capacity <= 0 or capacity % page_size:
+            raise ValueError("capacity must be a positive multiple of page_size")
+        self.capacity = capacity
+        self.page_size = page_size
+        self.pages = capacity // page_size
+        tag = secrets.token_hex(6)
+        self._shm = SharedMemory(name=f"{prefix}_{tag}", create=True, size=capacity)
+        try:
+            self._gen_shm = SharedMemory(name=f"{prefix}_{tag}_g", create=True,
+                                         size=8 * (HEADER_WORDS + self.pages))
+        except BaseException:
+            self._shm.close()
+            self._shm.unlink()
+            raise
+        self.data: memoryview = self._shm.buf
+        self.gens = np.ndarray((HEADER_WORDS + self.pages,), dtype=np.uint64, buffer=self._gen_shm.buf)
+        self.gens[0] = MAGIC
+        self.gens[2] = page_size
+        self.gens[3] = self.pages
+        self.nonce = 0
+        self.reset()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._shm.name
+
+    @property
+    def gen_name(self) -> str:
+        return self._gen_shm.name
+
+    def reset(self) -> int:
+        """Start over (a new segment id): new nonce first, then clear every word."""
+        self.nonce = secrets.randbits(62)
+        self.gens[1] = self.nonce
+        self.gens[HEADER_WORDS:] = 0
+        return self.nonce
+
+    def set_word(self, offset: int, value: int) -> None:
+        self.gens[HEADER_WORDS + offset // self.page_size] = value
+
+    def word(self, offset: int) -> int:
+        return int(self.gens[HEADER_WORDS + offset // self.page_size])
+
+    def view(self, offset: int, length: int) -> memoryview:
+        return self.data[offset:offset + length]
+
+    def close(self) -> None:
+        """Unmap and unlink both objects. A view still held elsewhere (a zero-copy
+        read reply ZeroMQ has not released yet) keeps its mapping alive until it
+        is dropped; the names are unlinked now either way."""
+        if self._closed:
+            return
+        self._closed = True
+        self.gens = None  # type: ignore[assignment]
+        self.data = None  # type: ignore[assignment]
+        for shm in (self._shm, self._gen_shm):
+            _close_quietly(shm)
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                try:
+                    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+                except Exception:
+                    pass
+
+
+def _close_quietly(shm: SharedMemory) -> None:
+    try:
+        shm.close()
+    except BufferError:
+        # Exported views remain: drop our references instead; the mmap object
+        # unmaps itself when the last view goes (and SharedMemory.__del__ has
+        # nothing left to complain about).
+        shm._buf = None  # type: ignore[attr-defined]
+        shm._mmap = None  # type: ignore[attr-defined]
+        if getattr(shm, "_fd", -1) >= 0:
+            os.close(shm._fd)  # type: ignore[attr-defined]
+            shm._fd = -1  # type: ignore[attr-defined]
+
+
+class LocalSegment:
+    """A reader's read-only mapping of a storage node's segment on this host."""
+
+    def __init__(self, shm: str, gen_shm: str, capacity: int, page_size: int) -> None:
+        if _posixshmem is None:
+            raise OSError("POSIX shared memory is not available")
+        self.capacity = capacity
+        self.page_size = page_size
+        pages = capacity // page_size
+        self._maps: list[mmap.mmap] = []
+        try:
+            data = self._map(shm, capacity)
+            gens = self._map(gen_shm, 8 * (HEADER_WORDS + pages))
+        except BaseException:
+            self.close()
+            raise
+        self._data = np.frombuffer(data, dtype=np.uint8)
+        self._gens = np.frombuffer(gens, dtype=np.uint64)
+        if (int(self._gens[0]) != MAGIC or int(self._gens[2]) != page_size
+                or int(self._gens[3]) != pages):
+            self.close()
+            raise OSError(f"{gen_shm!r} is not the generation table of this segment")
+
+    def _map(self, name: str, size: int) -> mmap.mmap:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise OSError(f"shared memory {name!r} is smaller than {size} bytes")
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._maps.append(mm)
+        return mm
+
+    def read(self, offset: int, length: int, token: int, nonce: int) -> Optional[memoryview]:
+        """Copy the region out (one memcpy) if it is complete and stays so during
+        the copy; else ``None``."""
+        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
+            return None
+        gens = self._gens
+        idx = HEADER_WORDS + offset // self.page_size
+        want = gen_word(token, True)
+        if int(gens[1]) != nonce or int(gens[idx]) != want:
+            return None
+        out = np.empty(length, dtype=np.uint8)
+        out[:] = self._data[offset:offset + length]
+        if int(gens[idx]) != want or int(gens[1]) != nonce:
+            return None
+        return memoryview(out)
+
+    def close(self) -> None:
+        self._data = None
+        self._gens = None
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self._maps = []

@@ -1,0 +1,369 @@
+"""A storage node: one segment, one :class:`~kvproto.statemachines.publish.RegionTable`.
+
+:class:`StorageCore` holds the table and replaces it only with what
+:func:`~kvproto.statemachines.publish.storage_step` returns. Every ``assign``,
+``free``, ``write`` and ``read`` is first stepped; only an accepted event touches
+memory: a write's bytes are copied into the segment (one memcpy from the
+received frame) after ``WriteReplica`` was accepted, and a read is answered with
+a zero-copy frame of the segment after ``ReadReplica`` was accepted. A refused
+event answers the typed error and changes nothing (no byte is written).
+Segment bytes live in POSIX shared memory with a generation table for
+lock-free same-host reads (:mod:`kvproto.runtime.shm`).
+
+:class:`StorageServer` is the node's single-threaded ZeroMQ loop:
+
+* one ROUTER (``endpoint``) serves clients (``write``, ``read``, ``stats``) and
+  the master's control DEALER (``assign``, ``free``). The master sends its
+  commands on one connection, so they are applied in the master's order;
+* one DEALER to the master for ``register``, ``storage_heartbeat`` and
+  ``deregister``.
+
+Registration: the node picks a fresh segment id, registers it, and heartbeats
+every ``heartbeat`` seconds (the master says how often). If the master answers
+a heartbeat (or a command) with ``SegmentUnavailable`` — it declared the segment
+lost, or it restarted — the node *starts over*: new segment id, empty region
+table, new nonce in the generation table; its old bytes are gone as far as the
+protocol is concerned, exactly as ``SegmentLost`` says. An unanswered
+``register`` is retried the same way after ``register_timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Optional
+
+import zmq
+
+from kvproto import errors
+from kvproto.runtime import wire
+from kvproto.runtime.shm import SegmentMemory, gen_word, host_id
+from kvproto.runtime.units import parse_size
+from kvproto.statemachines.publish import (
+    AssignRegion, FreeRegion, ReadReplica, Refused, RegionTable, WriteReplica, storage_step,
+)
+
+log = logging.getLogger("kvproto.storage")
+
+
+def new_segment_id() -> str:
+    return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class StorageCore:
+    """The node's logic without sockets."""
+
+    COUNTERS = ("assigned", "freed", "writes", "reads", "refused", "rejected", "bytes_written",
+                "bytes_read")
+
+    def __init__(self, memory: SegmentMemory, segment: str) -> None:
+        self.memory = memory
+        self.table = RegionTable(segment)
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+
+    @property
+    def segment(self) -> str:
+        return self.table.segment
+
+    def restart(self, segment: str) -> None:
+        """Start over under a new segment id (the old segment is lost)."""
+        self.memory.reset()
+        self.table = RegionTable(segment)
+
+    def _check_segment(self, body: dict) -> None:
+        if body["segment"] != self.table.segment:
+            raise errors.SegmentUnavailable(f"this node serves segment {self.table.segment!r}, "
+                                            f"not {body['segment']!r}")
+
+    def _step(self, event):
+        """``storage_step`` without committing: ``(new_table, error)``."""
+        table, effects = storage_step(self.table, event)
+        if effects and isinstance(effects[0], Refused):
+            self.counters["refused"] += 1
+            return None, effects[0].error
+        return table, None
+
+    def handle(self, op: str, body: dict, payloads: list) -> tuple[dict, list]:
+        """Handle a validated request: ``(reply body, payload frames)`` or raise."""
+        if op == "stats":
+            return self.stats(), []
+        self._check_segment(body)
+        return getattr(self, "_op_" + op)(body, payloads)
+
+    def _op_assign(self, body, payloads):
+        mem = self.memory
+        results = []
+        for offset, length, key, token in body["regions"]:
+            if offset % mem.page_size or offset + length > mem.capacity:
+                results.append(wire.error_item(errors.InvalidArgument(
+                    f"region {offset}+{length} is not a page-aligned part of the segment")))
+                continue
+            table, err = self._step(AssignRegion(self.segment, offset, length, key, token))
+            if err is not None:
+                results.append(wire.error_item(err))
+                continue
+            mem.set_word(offset, gen_word(token, False))
+            self.table = table
+            self.counters["assigned"] += 1
+            results.append(wire.ok_item())
+        return {"results": results}, []
+
+    def _op_free(self, body, payloads):
+        results = []
+        for offset, token, length in body["regions"]:
+            table, err = self._step(FreeRegion(self.segment, offset, token, length))
+            if err is not None:
+                results.append(wire.error_item(err))
+                continue
+            self.table = table
+            self.memory.set_word(offset, 0)
+            self.counters["freed"] += 1
+            results.append(wire.ok_item())
+        return {"results": results}, []
+
+    def _op_write(self, body, payloads):
+        offset, token = body["offset"], body["token"]
+        table, err = self._step(WriteReplica(self.segment, offset, token))
+        if err is not None:
+            raise err
+        payload = payloads[0]
+        region = self.table.regions[offset]
+        if len(payload) != region.length:
+            raise errors.InvalidArgument(f"write of {len(payload)} bytes to a region of {region.length}")
+        mem = self.memory
+        mem.set_word(offset, gen_word(token, False))   # seqlock: in flux
+        mem.data[offset:offset + region.length] = payload  # the one memcpy
+        mem.set_word(offset, gen_word(token, True))
+        self.table = table
+        self.counters["writes"] += 1
+        self.counters["bytes_written"] += region.length
+        return {}, []
+
+    def _op_read(self, body, payloads):
+        offset, token = body["offset"], body["token"]
+        _, err = self._step(ReadReplica(self.segment, offset, token))
+        if err is not None:
+            raise err
+        region = self.table.regions[offset]
+        if body["length"] != region.length:
+            raise errors.InvalidArgument(f"read of {body['length']} bytes of a region of {region.length}")
+        self.counters["reads"] += 1
+        self.counters["bytes_read"] += region.length
+        return {}, [self.memory.view(offset, region.length)]
+
+    def stats(self) -> dict:
+        return {"segment": self.segment, "capacity": self.memory.capacity,
+                "regions": len(self.table.regions),
+                "used": sum(r.length for r in self.table.regions.values()),
+                "counters": dict(self.counters)}
+
+
+class StorageServer:
+    """A storage node's ZeroMQ loop (construct it in the thread that serves)."""
+
+    BURST = 64
+
+    def __init__(self, master: str, size: "int | str", *, listen: str = "tcp://127.0.0.1:*",
+                 advertise: Optional[str] = None, page_size: int = 4096,
+                 max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
+                 context: Optional[zmq.Context] = None) -> None:
+        capacity = parse_size(size) // page_size * page_size
+        if capacity <= 0:
+            raise ValueError(f"segment size {size!r} is smaller than a page ({page_size} bytes)")
+        self.master = master
+        self.max_header_bytes = max_header_bytes
+        self.register_timeout = register_timeout
+        self.memory = SegmentMemory(capacity, page_size)
+        self.core = StorageCore(self.memory, new_segment_id())
+        self._own_context = context is None
+        self.ctx = context or zmq.Context()
+        try:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.linger = 0
+            self.router.rcvhwm = 256  # back-pressure writers through TCP
+            self.router.sndhwm = 0    # never drop a reply (read payloads are views, not copies)
+            self.router.setsockopt(zmq.MAXMSGSIZE, capacity + max_header_bytes)
+            self.router.bind(listen)
+        except BaseException:
+            self.memory.close()
+            raise
+        bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = advertise or bound.replace("0.0.0.0", socket.gethostname())
+        self.dealer: Optional[zmq.Socket] = None
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.registered = threading.Event()
+        self.heartbeat = 1.0
+        self._next_rid = 1
+        self._register_rid: Optional[int] = None
+        self._register_sent = 0.0
+        self._next_heartbeat = 0.0
+        self._retry_at = 0.0
+        self._backoff = 0.1
+        self._stopping = False  # a plain flag: stop() takes no lock (signal-handler safe)
+
+    @property
+    def segment(self) -> str:
+        return self.core.segment
+
+    # ------------------------------------------------------------------ master link
+
+    def _connect_master(self) -> None:
+        if self.dealer is not None:
+            self.poller.unregister(self.dealer)
+            self.dealer.close(linger=0)
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.linger = 0
+        self.dealer.connect(self.master)
+        self.poller.register(self.dealer, zmq.POLLIN)
+
+    def _to_master(self, op: str, body: dict) -> int:
+        rid = self._next_rid
+        self._next_rid += 1
+        try:
+            self.dealer.send(wire.encode_request(op, rid, body), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # queue full (master away): the timers retry
+        return rid
+
+    def _register(self) -> None:
+        mem = self.memory
+        self.registered.clear()
+        self._register_rid = self._to_master("register", {
+            "segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
+            "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
+            "page_size": mem.page_size})
+        self._register_sent = time.monotonic()
+
+    def _start_over(self, why: str) -> None:
+        old = self.segment
+        self.core.restart(new_segment_id())
+        log.warning("segment %s: %s; starting over as %s", old, why, self.segment)
+        self.registered.clear()
+        self._register_rid = None
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, 5.0)
+
+    def _on_master_reply(self, frames: list) -> None:
+        try:
+            reply = wire.decode_reply(frames)
+        except errors.KvError as err:
+            log.error("bad reply from master: %s", err)
+            return
+        if reply.request_id == self._register_rid:
+            self._register_rid = None
+            if reply.status == 0:
+                hb = reply.body.get("heartbeat")
+                self.heartbeat = float(hb) if isinstance(hb, (int, float)) and hb > 0 else 1.0
+                self._next_heartbeat = time.monotonic() + self.heartbeat
+                self.registered.set()
+                self._backoff = 0.1
+                log.info("segment %s registered at %s", self.segment, self.master)
+            else:
+                self._start_over(f"register refused: {reply.error()}")
+        elif reply.status == errors.SegmentUnavailable.code and self.registered.is_set():
+            self._start_over("the master does not know the segment")
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        if self.registered.is_set():
+            if now >= self._next_heartbeat:
+                self._to_master("storage_heartbeat", {"segment": self.segment})
+                self._next_heartbeat = now + self.heartbeat
+        elif self._register_rid is None:
+            if now >= self._retry_at:
+                self._register()
+        elif now - self._register_sent > self.register_timeout:
+            # no answer: the master may be down or restarted; try again afresh
+            self._connect_master()
+            self._start_over("register unanswered")
+
+    # ------------------------------------------------------------------ loop
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def serve_forever(self, poll_ms: int = 20) -> None:
+        try:
+            self._connect_master()
+            self._register()
+            while not self._stopping:
+                events = dict(self.poller.poll(poll_ms))
+                if events.get(self.router):
+                    self._drain_router()
+                if self.dealer is not None and events.get(self.dealer):
+                    for _ in range(self.BURST):
+                        try:
+                            frames = self.dealer.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_master_reply(frames)
+                self._timers()
+            self._deregister()
+        finally:
+            self.close()
+
+    def _deregister(self, wait: float = 0.5) -> None:
+        if not self.registered.is_set() or self.dealer is None:
+            return
+        rid = self._to_master("deregister", {"segment": self.segment})
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not self.dealer.poll(int(max(deadline - time.monotonic(), 0) * 1000) + 1):
+                break
+            try:
+                reply = wire.decode_reply(self.dealer.recv_multipart(copy=False))
+            except errors.KvError:
+                continue
+            if reply.request_id == rid:
+                break
+        self.registered.clear()
+
+    def _drain_router(self) -> None:
+        for _ in range(self.BURST):
+            try:
+                frames = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_request(frames)
+
+    def _on_request(self, frames: list) -> None:
+        identity = frames[0].bytes
+        rid = 0
+        out: list = []
+        try:
+            req = wire.decode_request(frames[1:], self.max_header_bytes, self.memory.capacity,
+                                      wire.STORAGE_OPS)
+            rid = req.request_id
+        except errors.KvError as err:
+            self.core.counters["rejected"] += 1
+            header = wire.encode_error(getattr(err, "request_id", 0), err)
+        else:
+            try:
+                body, out = self.core.handle(req.op, req.body, req.payloads)
+                header = wire.encode_reply(rid, 0, body)
+            except errors.KvError as err:
+                header = wire.encode_error(rid, err)
+            except Exception as exc:  # a bug: answer, log, keep serving
+                log.exception("storage failed on %s", req.op)
+                header = wire.encode_error(rid, errors.InternalError(f"{req.op}: {exc}"))
+            del req
+        del frames  # release the received payload frame before the next message
+        try:
+            # payloads are views of the segment: zero-copy (pyzmq copies < 64 KiB)
+            self.router.send_multipart([identity, header, *out], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # peer gone or its queue full: the reply is dropped
+
+    def close(self) -> None:
+        if self.dealer is not None and not self.dealer.closed:
+            self.dealer.close(linger=0)
+        if not self.router.closed:
+            self.router.close(linger=0)
+        if self._own_context:
+            self.ctx.term()
+        self.memory.close()

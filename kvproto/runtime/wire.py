@@ -1,0 +1,347 @@
+"""The wire format of the kvproto runtime, and its one validation path.
+
+Every message is a multipart ZeroMQ message::
+
+    request: [header, payload...]   header = msgpack [PROTOCOL_VERSION, op: str, request_id: int, body: map]
+    reply:   [header, payload...]   header = msgpack [PROTOCOL_VERSION, status: int, request_id: int, body: map]
+
+``status`` is 0 for success, otherwise an error code of :mod:`kvproto.errors`
+and ``body`` is ``{"message": str}``. Payload frames carry object bytes and are
+never packed into msgpack (so they can be sent and received without a copy).
+Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
+for success, ``[code, message]`` for a per-key error.
+
+:func:`decode_request` is the only way a server turns frames into a request. It
+checks, in this order, and raises the typed error of the first failure:
+
+1. sizes: header frame ``> max_header_bytes`` or total payload
+   ``> max_payload_bytes`` -> :class:`~kvproto.errors.FrameTooLarge`
+   (checked before anything is decoded);
+2. the header decodes as msgpack and is a 4-element array
+   -> :class:`~kvproto.errors.MalformedFrame`;
+3. version -> :class:`~kvproto.errors.UnsupportedVersion`;
+4. op is a known string for *this server* -> :class:`~kvproto.errors.UnknownMessage`;
+5. request id and body types, every required field present with the right
+   type, the number of payload frames -> :class:`~kvproto.errors.MalformedFrame`;
+6. field values in range (non-negative ints, non-empty keys, batch sizes)
+   -> :class:`~kvproto.errors.InvalidArgument`.
+
+The raised error carries ``request_id`` (the request's id when it could be read,
+else 0) so the server can still address its error reply. Unknown extra body
+fields are ignored (forward compatibility). The per-op schemas live in
+:data:`MASTER_OPS` and :data:`STORAGE_OPS`; each server passes its table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import msgpack
+
+from kvproto import errors
+
+PROTOCOL_VERSION = 1
+
+MAX_KEY_BYTES = 4096
+MAX_BATCH = 65536
+MAX_REPLICAS = 16
+MAX_NAME = 1024
+_UINT63 = (1 << 63) - 1
+_UINT64 = (1 << 64) - 1
+
+#: default limits (servers may configure their own)
+MASTER_MAX_HEADER = 16 << 20
+STORAGE_MAX_HEADER = 1 << 20  # > MasterCore.COMMAND_MAX_BYTES + slack
+REPLY_MAX_HEADER = 64 << 20
+
+
+# --------------------------------------------------------------------------
+# Schema: tiny validators. Each is ``check(value, path)`` and returns the value
+# (possibly normalised) or raises MalformedFrame / InvalidArgument.
+# --------------------------------------------------------------------------
+
+Check = Callable[[Any, str], Any]
+
+
+def _malformed(path: str, what: str) -> errors.MalformedFrame:
+    return errors.MalformedFrame(f"{path}: {what}")
+
+
+def uint(max_value: int = _UINT63, min_value: int = 0) -> Check:
+    def check(v, path):
+        if type(v) is not int:
+            raise _malformed(path, f"expected int, got {type(v).__name__}")
+        if not min_value <= v <= max_value:
+            raise errors.InvalidArgument(f"{path}: {v} not in [{min_value}, {max_value}]")
+        return v
+    return check
+
+
+def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
+    def check(v, path):
+        if type(v) is not bytes:
+            raise _malformed(path, f"expected bytes, got {type(v).__name__}")
+        if not min_len <= len(v) <= max_len:
+            raise errors.InvalidArgument(f"{path}: length {len(v)} not in [{min_len}, {max_len}]")
+        return v
+    return check
+
+
+def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
+    def check(v, path):
+        if type(v) is not str:
+            raise _malformed(path, f"expected str, got {type(v).__name__}")
+        if not min_len <= len(v) <= max_len:
+            raise errors.InvalidArgument(f"{path}: length {len(v)} not in [{min_len}, {max_len}]")
+        return v
+    return check
+
+
+def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Check:
+    def check(v, path):
+        if type(v) is not list:
+            raise _malformed(path, f"expected array, got {type(v).__name__}")
+        if not min_items <= len(v) <= max_items:
+            raise errors.InvalidArgument(f"{path}: {len(v)} items not in [{min_items}, {max_items}]")
+        return [item(x, f"{path}[{i}]") for i, x in enumerate(v)]
+    return check
+
+
+def tuple_of(*items: Check) -> Check:
+    def check(v, path):
+        if type(v) is not list:
+            raise _malformed(path, f"expected array, got {type(v).__name__}")
+        if len(v) != len(items):
+            raise _malformed(path, f"expected {len(items)} elements, got {len(v)}")
+        return tuple(c(x, f"{path}[{i}]") for i, (c, x) in enumerate(zip(items, v)))
+    return check
+
+
+class OpSchema:
+    """Required body fields of one op and how many payload frames it carries."""
+
+    __slots__ = ("fields", "payloads")
+
+    def __init__(self, fields: Mapping[str, Check], payloads: int = 0) -> None:
+        self.fields = dict(fields)
+        self.payloads = payloads
+
+
+KEY = binary()
+TOKEN = uint(_UINT63, 1)
+KEYS = list_of(KEY, min_items=1)
+CLIENT = text(128, 1)
+SEGMENT = text(256, 1)
+
+MASTER_OPS: dict[str, OpSchema] = {
+    # storage node -> master
+    "register": OpSchema({
+        "segment": SEGMENT, "capacity": uint(min_value=1), "endpoint": text(MAX_NAME, 1),
+        "host": text(), "shm": text(), "gen_shm": text(), "nonce": uint(),
+        "page_size": uint(1 << 30, 1),
+    }),
+    "storage_heartbeat": OpSchema({"segment": SEGMENT}),
+    "deregister": OpSchema({"segment": SEGMENT}),
+    # writer / reader -> master
+    "put_start": OpSchema({
+        "client": CLIENT, "replicas": uint(MAX_REPLICAS, 1),
+        "items": list_of(tuple_of(KEY, uint(min_value=1)), min_items=1),
+    }),
+    "put_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
+    "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
+    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS}),
+    "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
+    "exists": OpSchema({"keys": KEYS}),
+    "remove": OpSchema({"keys": KEYS}),
+    "heartbeat": OpSchema({"client": CLIENT}),
+    "stats": OpSchema({}),
+}
+
+STORAGE_OPS: dict[str, OpSchema] = {
+    # master -> storage node (control)
+    "assign": OpSchema({"segment": SEGMENT, "regions": list_of(
+        tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1)}),
+    "free": OpSchema({"segment": SEGMENT, "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
+    # client -> storage node (data)
+    "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN}, payloads=1),
+    "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN,
+                      "length": uint(min_value=1)}),
+    "stats": OpSchema({}),
+}
+
+
+# --------------------------------------------------------------------------
+# Encoding
+# --------------------------------------------------------------------------
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_request(op: str, request_id: int, body: Mapping[str, Any]) -> bytes:
+    return pack([PROTOCOL_VERSION, op, request_id, body])
+
+
+def encode_reply(request_id: int, status: int = 0, body: Optional[Mapping[str, Any]] = None) -> bytes:
+    return pack([PROTOCOL_VERSION, status, request_id, {} if body is None else body])
+
+
+def encode_error(request_id: int, err: errors.KvError) -> bytes:
+    code, message = err.to_wire()
+    return encode_reply(request_id, code, {"message": message})
+
+
+def ok_item(value: Any = None) -> list:
+    return [0, value]
+
+
+def error_item(err: errors.KvError) -> list:
+    return list(err.to_wire())
+
+
+# --------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------
+
+class Request:
+    """A validated request. ``payloads`` are zero-copy memoryviews of the frames."""
+
+    __slots__ = ("op", "request_id", "body", "payloads")
+
+    def __init__(self, op: str, request_id: int, body: dict, payloads: list) -> None:
+        self.op = op
+        self.request_id = request_id
+        self.body = body
+        self.payloads = payloads
+
+    def __repr__(self) -> str:
+        return f"Request({self.op!r}, {self.request_id}, {self.body!r}, {len(self.payloads)} payload(s))"
+
+
+class Reply:
+    """A structurally valid reply (``status`` 0 = ok)."""
+
+    __slots__ = ("status", "request_id", "body", "payloads")
+
+    def __init__(self, status: int, request_id: int, body: dict, payloads: list) -> None:
+        self.status = status
+        self.request_id = request_id
+        self.body = body
+        self.payloads = payloads
+
+    def error(self) -> errors.KvError:
+        message = self.body.get("message", "")
+        return errors.from_wire(self.status, message if isinstance(message, str) else "")
+
+    def raise_for_status(self) -> "Reply":
+        if self.status:
+            raise self.error()
+        return self
+
+
+def _view(frame: Any) -> memoryview:
+    """A zero-copy byte view of a frame (bytes, memoryview or zmq.Frame)."""
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    mv = buf if buf is not None else memoryview(frame)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _fail(err: errors.KvError, request_id: int = 0) -> errors.KvError:
+    err.request_id = request_id  # type: ignore[attr-defined]
+    return err
+
+
+def _unpack_header(view: memoryview) -> Any:
+    try:
+        # max_*_len default to len(view): nothing larger than the frame is allocated
+        return msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # truncated, extra data, bad utf-8, depth, ...
+        raise _fail(errors.MalformedFrame(f"header is not msgpack: {exc.__class__.__name__}")) from None
+
+
+def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_bytes: int,
+                   ops: Mapping[str, OpSchema] = MASTER_OPS) -> Request:
+    """Validate ``frames`` (header first, routing identity already removed).
+
+    Returns a :class:`Request` or raises a typed :class:`~kvproto.errors.KvError`
+    with attribute ``request_id`` (see the module docstring for the order of
+    checks). Never raises anything else.
+    """
+    if not frames:
+        raise _fail(errors.MalformedFrame("empty message"))
+    header = _view(frames[0])
+    if len(header) > max_header_bytes:
+        raise _fail(errors.FrameTooLarge(f"header of {len(header)} bytes > {max_header_bytes}"))
+    payloads = [_view(f) for f in frames[1:]]
+    total = sum(len(p) for p in payloads)
+    if total > max_payload_bytes:
+        raise _fail(errors.FrameTooLarge(f"payload of {total} bytes > {max_payload_bytes}"))
+    obj = _unpack_header(header)
+    if type(obj) is not list or len(obj) != 4:
+        raise _fail(errors.MalformedFrame("header must be [version, op, request_id, body]"))
+    version, op, request_id, body = obj
+    rid = request_id if type(request_id) is int and 0 <= request_id <= _UINT64 else 0
+    if type(version) is not int:
+        raise _fail(errors.MalformedFrame("version must be an int"), rid)
+    if version != PROTOCOL_VERSION:
+        raise _fail(errors.UnsupportedVersion(
+            f"version {version} (this server speaks {PROTOCOL_VERSION})"), rid)
+    if type(op) is not str:
+        raise _fail(errors.MalformedFrame("op must be a string"), rid)
+    schema = ops.get(op)
+    if schema is None:
+        raise _fail(errors.UnknownMessage(f"unknown op {op[:64]!r}"), rid)
+    if type(request_id) is not int or not 0 <= request_id <= _UINT64:
+        raise _fail(errors.MalformedFrame("request_id must be a uint64"))
+    if type(body) is not dict:
+        raise _fail(errors.MalformedFrame("body must be a map"), rid)
+    if len(payloads) != schema.payloads:
+        raise _fail(errors.MalformedFrame(
+            f"{op} takes {schema.payloads} payload frame(s), got {len(payloads)}"), rid)
+    checked = {}
+    try:
+        for name, check in schema.fields.items():
+            if name not in body:
+                raise errors.MalformedFrame(f"{op}: missing field {name!r}")
+            checked[name] = check(body[name], f"{op}.{name}")
+    except errors.KvError as err:
+        raise _fail(err, rid) from None
+    return Request(op, request_id, checked, payloads)
+
+
+def decode_reply(frames: Sequence[Any], max_header_bytes: int = REPLY_MAX_HEADER) -> Reply:
+    """Validate a reply's structure; raises :class:`~kvproto.errors.MalformedFrame`."""
+    if not frames:
+        raise errors.MalformedFrame("empty reply")
+    header = _view(frames[0])
+    if len(header) > max_header_bytes:
+        raise errors.FrameTooLarge(f"reply header of {len(header)} bytes")
+    obj = _unpack_header(header)
+    if type(obj) is not list or len(obj) != 4:
+        raise errors.MalformedFrame("reply header must be [version, status, request_id, body]")
+    version, status, request_id, body = obj
+    if version != PROTOCOL_VERSION:
+        raise errors.UnsupportedVersion(f"reply version {version!r}")
+    if type(status) is not int or type(request_id) is not int or type(body) is not dict:
+        raise errors.MalformedFrame("bad reply header types")
+    return Reply(status, request_id, body, [_view(f) for f in frames[1:]])
+
+
+def item_result(item: Any) -> tuple[Optional[errors.KvError], Any]:
+    """Split one batch item into ``(error, value)``."""
+    if type(item) is not list or len(item) != 2 or type(item[0]) is not int:
+        return errors.MalformedFrame("bad batch item"), None
+    code, value = item
+    if code:
+        return errors.from_wire(code, value if isinstance(value, str) else ""), None
+    return None, value
+
+
+def items_of(reply: Reply, expected: int) -> list:
+    items = reply.body.get("items")
+    if type(items) is not list or len(items) != expected:
+        raise errors.MalformedFrame(f"reply has {len(items) if isinstance(items, list) else 'no'} "
+                                    f"items, expected {expected}")
+    return items

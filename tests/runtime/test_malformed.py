@@ -1,0 +1,124 @@
+"""Garbage at the master and at a storage node: typed errors, no state change,
+and both keep serving."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+import kvproto
+from kvproto import errors
+from kvproto.runtime import wire
+
+V = wire.PROTOCOL_VERSION
+
+
+def hdr(*items) -> bytes:
+    return msgpack.packb(list(items), use_bin_type=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with kvproto.embedded(storage_nodes=2, segment_size="2MiB") as c:
+        yield c
+
+
+def master_state(client) -> dict:
+    s = client.stats()
+    counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused")}
+    return {"counters": counters, "segments": s["segments"], "objects": s["objects"],
+            "pending": s["pending"], "clients": s["clients"], "next_token": s["next_token"]}
+
+
+GOOD_PUT = {"client": "c", "replicas": 1, "items": [[b"k", 10]]}
+
+MASTER_CASES = [
+    ("garbage", [b"\xde\xad\xbe\xef garbage"], errors.MalformedFrame),
+    ("empty", [b""], errors.MalformedFrame),
+    ("truncated", [hdr(V, "put_start", 1, GOOD_PUT)[:-3]], errors.MalformedFrame),
+    ("not-a-list", [msgpack.packb({"op": "stats"})], errors.MalformedFrame),
+    ("short-header", [hdr(V, "stats", 1)], errors.MalformedFrame),
+    ("wrong-version", [hdr(V + 41, "put_start", 1, GOOD_PUT)], errors.UnsupportedVersion),
+    ("unknown-op", [hdr(V, "format_disk", 1, {})], errors.UnknownMessage),
+    ("storage-op", [hdr(V, "write", 1, {"segment": "s", "offset": 0, "token": 1})], errors.UnknownMessage),
+    ("missing-field", [hdr(V, "put_start", 1, {"client": "c", "items": [[b"k", 10]]})], errors.MalformedFrame),
+    ("missing-client", [hdr(V, "read_begin", 1, {"keys": [b"k"]})], errors.MalformedFrame),
+    ("wrong-type", [hdr(V, "put_start", 1, {**GOOD_PUT, "items": [["k", 10]]})], errors.MalformedFrame),
+    ("wrong-type-body", [hdr(V, "exists", 1, [b"k"])], errors.MalformedFrame),
+    ("bad-value", [hdr(V, "put_start", 1, {**GOOD_PUT, "items": [[b"k", 0]]})], errors.InvalidArgument),
+    ("bad-token", [hdr(V, "put_end", 1, {"client": "c", "items": [[b"k", -5]]})], errors.InvalidArgument),
+    ("bad-endpoint", [hdr(V, "register", 1, {
+        "segment": "s", "capacity": 8192, "endpoint": "carrier-pigeon", "host": "h", "shm": "x",
+        "gen_shm": "y", "nonce": 1, "page_size": 4096})], errors.InvalidArgument),
+    ("bad-page-size", [hdr(V, "register", 1, {
+        "segment": "s", "capacity": 8192, "endpoint": "tcp://h:1", "host": "h", "shm": "x",
+        "gen_shm": "y", "nonce": 1, "page_size": 3000})], errors.InvalidArgument),
+    ("stale-put-end", [hdr(V, "put_end", 1, {"client": "c", "items": [[b"keep", 999999]]})], None),
+    ("payload-to-master", [hdr(V, "stats", 1, {}), b"bytes never go to the master"], errors.FrameTooLarge),
+    ("oversized-header", [b"\x00" * (wire.MASTER_MAX_HEADER + 1)], errors.FrameTooLarge),
+]
+
+
+def test_master_rejects_bad_frames_and_keeps_serving(cluster, raw):
+    client = cluster.client()
+    client.put(b"keep", b"kept bytes", replicas=2)
+    before = master_state(client)
+    rejected = client.stats()["counters"]["rejected"]
+    r = raw(cluster.master_address)
+    for name, frames, error in MASTER_CASES:
+        reply = r.send_frames(frames)
+        if error is None:   # well-formed, refused per key by the machine
+            assert reply.status == 0 and reply.body["items"][0][0] == errors.StaleToken.code
+            continue
+        assert reply.status == error.code, (name, reply.status, reply.body)
+        assert isinstance(reply.error(), error), name
+    # the request id is echoed whenever it could be read
+    assert r.send_frames([hdr(V + 1, "stats", 77, {})]).request_id == 77
+    assert master_state(client) == before
+    # (two register cases and the stale put_end passed the decoder)
+    assert client.stats()["counters"]["rejected"] == rejected + len(MASTER_CASES) - 3 + 1
+    assert bytes(client.get(b"keep")) == b"kept bytes"
+    client.put(b"after-garbage", b"still works")
+    assert bytes(client.get(b"after-garbage")) == b"still works"
+
+
+def storage_state(node) -> dict:
+    s = node.core.stats()
+    counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused")}
+    return {**s, "counters": counters, "table": node.core.table,
+            "memory": bytes(node.memory.data)}
+
+
+def test_storage_rejects_bad_frames_and_keeps_serving(cluster, raw):
+    client = cluster.client()
+    client.put(b"stored", b"S" * 5000, replicas=2)
+    node = cluster.storage[0]
+    seg = node.segment
+    before = storage_state(node)
+    cap = node.memory.capacity
+    w = {"segment": seg, "offset": 0, "token": 1}
+    cases = [
+        ("garbage", [b"\x00\x01\x02"], errors.MalformedFrame),
+        ("truncated", [hdr(V, "read", 1, {**w, "length": 5})[:-1]], errors.MalformedFrame),
+        ("wrong-version", [hdr(0, "read", 1, {**w, "length": 5})], errors.UnsupportedVersion),
+        ("unknown-op", [hdr(V, "put_start", 1, GOOD_PUT)], errors.UnknownMessage),
+        ("missing-field", [hdr(V, "write", 1, {"segment": seg, "offset": 0}), b"x"], errors.MalformedFrame),
+        ("missing-payload", [hdr(V, "write", 1, w)], errors.MalformedFrame),
+        ("two-payloads", [hdr(V, "write", 1, w), b"a", b"b"], errors.MalformedFrame),
+        ("wrong-type", [hdr(V, "read", 1, {**w, "offset": "0", "length": 5})], errors.MalformedFrame),
+        ("bad-value", [hdr(V, "read", 1, {**w, "length": 0})], errors.InvalidArgument),
+        ("oversized-header", [b"\x00" * (wire.STORAGE_MAX_HEADER + 1)], errors.FrameTooLarge),
+        ("oversized-payload", [hdr(V, "write", 1, w), b"\x00" * (cap + 1)], errors.FrameTooLarge),
+        ("assign-garbage", [hdr(V, "assign", 1, {"segment": seg, "regions": [[0, 1, "k", 1]]})],
+         errors.MalformedFrame),
+        ("other-segment", [hdr(V, "write", 1, {**w, "segment": "nope"}), b"x"], errors.SegmentUnavailable),
+        ("read-unassigned", [hdr(V, "read", 1, {**w, "offset": cap - 4096, "length": 1})], errors.RegionMismatch),
+    ]
+    r = raw(node.endpoint)
+    for name, frames, error in cases:
+        reply = r.send_frames(frames)
+        assert reply.status == error.code, (name, reply.status, reply.body)
+    assert storage_state(node) == before
+    assert bytes(client.get(b"stored")) == b"S" * 5000
+    client.put(b"stored-after", b"T" * 5000, replicas=2)
+    assert bytes(cluster.client(local_reads=False).get(b"stored-after")) == b"T" * 5000

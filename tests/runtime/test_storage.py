@@ -1,0 +1,78 @@
+"""A storage node checks every write and read against the region's token."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvproto
+from kvproto import errors
+
+from runtime_helpers import wait_for
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with kvproto.embedded(storage_nodes=1, segment_size="1MiB") as c:
+        yield c
+
+
+def grant_of(raw_master, key: bytes) -> dict:
+    reply = raw_master.call("read_begin", {"client": "probe", "keys": [key]})
+    code, grant = reply.body["items"][0]
+    assert code == 0
+    raw_master.call("read_end", {"client": "probe", "items": [[key, grant["token"]]]})
+    return grant
+
+
+def test_wrong_token_write_is_refused_and_never_written(cluster, raw):
+    client = cluster.client()
+    node = cluster.storage[0]
+    original = b"O" * 6000
+    client.put(b"victim", original)
+    g = grant_of(raw(cluster.master_address), b"victim")
+    seg, offset, length = g["replicas"][0]
+    r = raw(node.endpoint)
+    written = node.core.counters["writes"]
+
+    reply = r.call("write", {"segment": seg, "offset": offset, "token": g["token"] + 1000},
+                   [b"X" * length])
+    assert isinstance(reply.error(), errors.RegionMismatch)
+    # an offset no region starts at, inside the object and past it
+    far = node.memory.capacity - 8192
+    for off in (offset + 4096, far):
+        reply = r.call("write", {"segment": seg, "offset": off, "token": g["token"]}, [b"X" * 10])
+        assert isinstance(reply.error(), errors.RegionMismatch)
+    assert bytes(node.memory.view(offset, length)) == original
+    assert bytes(node.memory.view(far, 10)) == b"\x00" * 10
+    assert node.core.counters["writes"] == written
+    assert bytes(client.get(b"victim")) == original
+
+    # a wrong-token read is refused too
+    reply = r.call("read", {"segment": seg, "offset": offset, "token": g["token"] + 1, "length": length})
+    assert isinstance(reply.error(), errors.RegionMismatch)
+
+    # after remove (and once the master's free reached the node: remove does not
+    # wait for it), the old token owns nothing: a late write is refused
+    client.remove(b"victim")
+    wait_for(lambda: node.memory.word(offset) == 0, what="free applied")
+    reply = r.call("write", {"segment": seg, "offset": offset, "token": g["token"]}, [b"L" * length])
+    assert isinstance(reply.error(), errors.RegionMismatch)
+    assert bytes(node.memory.view(offset, length)) == original
+
+
+def test_write_of_wrong_length_is_refused(cluster, raw):
+    m = raw(cluster.master_address)
+    start = m.call("put_start", {"client": "w", "replicas": 1, "items": [[b"short", 100]]})
+    code, grant = start.body["items"][0]
+    assert code == 0
+    seg, offset, length = grant["replicas"][0]
+    r = raw(cluster.storage[0].endpoint)
+    reply = r.call("write", {"segment": seg, "offset": offset, "token": grant["token"]}, [b"x" * 99])
+    assert isinstance(reply.error(), errors.InvalidArgument)
+    # the region is still unwritten: reading it is refused
+    reply = r.call("read", {"segment": seg, "offset": offset, "token": grant["token"], "length": 100})
+    assert isinstance(reply.error(), errors.RegionMismatch)
+    assert r.call("write", {"segment": seg, "offset": offset, "token": grant["token"]},
+                  [b"y" * 100]).status == 0
+    assert m.call("put_end", {"client": "w", "items": [[b"short", grant["token"]]]}).body["items"][0][0] == 0
+    assert bytes(cluster.client().get(b"short")) == b"y" * 100

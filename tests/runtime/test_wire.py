@@ -1,0 +1,100 @@
+"""The one validation path: every kind of bad frame gets its typed error."""
+
+import msgpack
+import pytest
+
+from kvproto import errors
+from kvproto.runtime import wire
+
+V = wire.PROTOCOL_VERSION
+
+
+def req(*header, payloads=()):
+    return [msgpack.packb(list(header), use_bin_type=True), *payloads]
+
+
+def decode(frames, ops=wire.MASTER_OPS, max_header=1 << 16, max_payload=0):
+    return wire.decode_request(frames, max_header, max_payload, ops)
+
+
+GOOD_PUT = {"client": "c", "replicas": 1, "items": [[b"k", 10]]}
+
+
+def test_good_request():
+    r = decode(req(V, "put_start", 7, GOOD_PUT))
+    assert (r.op, r.request_id, r.payloads) == ("put_start", 7, [])
+    assert r.body["items"] == [(b"k", 10)]
+
+
+def test_good_write_with_payload():
+    r = decode(req(V, "write", 1, {"segment": "s", "offset": 0, "token": 3}, payloads=[b"abc"]),
+               ops=wire.STORAGE_OPS, max_payload=10)
+    assert bytes(r.payloads[0]) == b"abc"
+
+
+@pytest.mark.parametrize("frames,error,rid", [
+    ([b""], errors.MalformedFrame, 0),
+    ([b"\xc1garbage"], errors.MalformedFrame, 0),
+    ([msgpack.packb([V, "stats", 5, {}])[:-2]], errors.MalformedFrame, 0),          # truncated
+    ([msgpack.packb([V, "stats", 5, {}]) + b"x"], errors.MalformedFrame, 0),        # trailing bytes
+    ([msgpack.packb({"op": "stats"})], errors.MalformedFrame, 0),
+    ([msgpack.packb([V, "stats", 5])], errors.MalformedFrame, 0),
+    (req("1", "stats", 5, {}), errors.MalformedFrame, 5),
+    (req(V + 1, "stats", 5, {}), errors.UnsupportedVersion, 5),
+    (req(V, 3, 5, {}), errors.MalformedFrame, 5),
+    (req(V, "launch_missiles", 5, {}), errors.UnknownMessage, 5),
+    (req(V, "write", 5, {}), errors.UnknownMessage, 5),                             # storage op at master
+    (req(V, "stats", -1, {}), errors.MalformedFrame, 0),
+    (req(V, "stats", "x", {}), errors.MalformedFrame, 0),
+    (req(V, "stats", 5, []), errors.MalformedFrame, 5),
+    (req(V, "put_start", 5, {"client": "c", "replicas": 1}), errors.MalformedFrame, 5),  # missing
+    (req(V, "put_start", 5, {**GOOD_PUT, "replicas": "1"}), errors.MalformedFrame, 5),    # type
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [["k", 10]]}), errors.MalformedFrame, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [[b"k"]]}), errors.MalformedFrame, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [[b"k", 1.5]]}), errors.MalformedFrame, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [[b"k", True]]}), errors.MalformedFrame, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "replicas": 0}), errors.InvalidArgument, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [[b"k", -4]]}), errors.InvalidArgument, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [[b"", 4]]}), errors.InvalidArgument, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": []}), errors.InvalidArgument, 5),
+    (req(V, "put_start", 5, {**GOOD_PUT, "items": [[b"k" * 5000, 4]]}), errors.InvalidArgument, 5),
+    ([msgpack.packb([V, "stats", 5, {}]), b"x"], errors.FrameTooLarge, 0),          # payload to master
+    ([b"\x00" * ((1 << 16) + 1)], errors.FrameTooLarge, 0),
+])
+def test_rejected(frames, error, rid):
+    with pytest.raises(errors.KvError) as info:
+        decode(frames)
+    assert type(info.value) is error
+    assert info.value.request_id == rid
+
+
+def test_payload_count_and_size_at_storage():
+    body = {"segment": "s", "offset": 0, "token": 3}
+    with pytest.raises(errors.MalformedFrame):
+        decode(req(V, "write", 1, body), ops=wire.STORAGE_OPS, max_payload=10)
+    with pytest.raises(errors.MalformedFrame):
+        decode(req(V, "write", 1, body, payloads=[b"a", b"b"]), ops=wire.STORAGE_OPS, max_payload=10)
+    with pytest.raises(errors.FrameTooLarge):
+        decode(req(V, "write", 1, body, payloads=[b"x" * 11]), ops=wire.STORAGE_OPS, max_payload=10)
+    with pytest.raises(errors.InvalidArgument):
+        decode(req(V, "write", 1, {**body, "token": 0}, payloads=[b"x"]), ops=wire.STORAGE_OPS,
+               max_payload=10)
+
+
+def test_extra_fields_are_ignored_and_nesting_is_bounded():
+    r = decode(req(V, "stats", 1, {"future": [1, 2, 3]}))
+    assert r.body == {}
+    deep = b"\x91" * 100000 + b"\xc0"   # 100k nested arrays
+    with pytest.raises(errors.MalformedFrame):
+        decode([deep], max_header=1 << 20)
+
+
+def test_replies():
+    rep = wire.decode_reply([wire.encode_error(9, errors.NoSpace("full"))])
+    assert rep.request_id == 9 and isinstance(rep.error(), errors.NoSpace)
+    with pytest.raises(errors.NoSpace):
+        rep.raise_for_status()
+    with pytest.raises(errors.MalformedFrame):
+        wire.decode_reply([b"junk"])
+    assert wire.item_result([errors.KeyExists.code, "x"])[0].__class__ is errors.KeyExists
+    assert wire.item_result([0, {"a": 1}]) == (None, {"a": 1})
