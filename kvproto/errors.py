@@ -115,6 +115,53 @@ class InternalError(KvError):
     code = 99
 
 
+# --- 50..59: remote-load timeout, quarantine and drain (spec/Timeout.tla) ----
+
+class TransferTimeout(KvError):
+    """The load did not complete within the caller's deadline; its buffer is quarantined."""
+    code = 50
+
+
+class BufferQuarantined(KvError):
+    """A timed-out transfer may still write this buffer; it is handed to no one until it drains."""
+    code = 51
+
+
+class StaleGeneration(KvError):
+    """A callback or acknowledgement of a transfer generation no longer tracked; dropped."""
+    code = 52
+
+
+class BufferBusy(KvError):
+    """The buffer is held by another request or is not in a state that allows this."""
+    code = 53
+
+
+class BufferNotReady(KvError):
+    """The buffer's load has not completed (or its data was already consumed)."""
+    code = 54
+
+
+class TransferInFlight(KvError):
+    """A transfer into this buffer or of this request is still in flight."""
+    code = 55
+
+
+class CleanupFailed(KvError):
+    """Cancels of a timed-out transfer went unanswered; the transfer was (or must be) written off."""
+    code = 56
+
+
+class LeakBudgetExhausted(KvError):
+    """The leak ledger is full: no further transfer may be written off until one drains."""
+    code = 57
+
+
+class RequestNotActive(KvError):
+    """The request is draining or has ended (or was never started)."""
+    code = 58
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 

@@ -1,0 +1,390 @@
+------------------------------ MODULE Timeout ------------------------------
+(***************************************************************************)
+(* Remote-load timeout, quarantine and drain (design atlas D3, D4, D10).   *)
+(*                                                                         *)
+(* A client's transfer engine owns a pool of destination buffers (host     *)
+(* staging buffers or GPU blocks).  A request takes a buffer (Acquire) and *)
+(* issues a load into it (Issue); every transfer gets a fresh generation   *)
+(* number.  The storage node / NIC moves the bytes: when a transfer        *)
+(* completes its bytes land in the buffer and a completion callback is     *)
+(* sent (Land).  The client applies the callback (Complete), after which  *)
+(* the consumer may read the buffer (Consume).                             *)
+(*                                                                         *)
+(* A timeout is the caller's decision, not proof that the transfer         *)
+(* stopped.  When the client gives up waiting (Timeout) the buffer is      *)
+(* quarantined: it is handed to nobody until the transfer's completion     *)
+(* callback (Complete) or the storage node's cancel acknowledgement        *)
+(* (CancelAck) arrives.  The client asks the storage node to stop the      *)
+(* transfer (Cancel, at most MaxCancels times); the storage node stops it  *)
+(* if it still runs and acknowledges (StorageCancel).  A transfer whose    *)
+(* cancels went unanswered may be written off (GiveUp): its buffer moves   *)
+(* to a leak ledger of at most MaxLeaked buffers, still never handed out,  *)
+(* and comes back when a late completion or ack arrives.                  *)
+(*                                                                         *)
+(* Messages are sets that are never emptied, so every callback and every   *)
+(* ack can be delivered any number of times, late, after its buffer has    *)
+(* been reused: Complete and CancelAck must be idempotent and must         *)
+(* recognise an old generation and drop it.                                *)
+(*                                                                         *)
+(* A request that is cancelled ("result no longer needed",                 *)
+(* RequestCancel) or finishes (RequestFinish) releases its idle buffers at *)
+(* once, but still owns its quarantined buffers and their transfers: it    *)
+(* is "draining" until the last one drains, and only then "ended".         *)
+(*                                                                         *)
+(* A transfer may write its buffer at any moment while it is running      *)
+(* (Land writes it whole; a transfer stopped by a cancel may have written *)
+(* part of it before it stopped), so the invariants constrain the whole   *)
+(* running period, not only the landing step.                             *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets
+
+CONSTANTS
+    Buffers,     \* the client's destination buffers
+    Requests,    \* inference requests
+    MaxGen,      \* bound on transfers issued: generations are 1..MaxGen
+    MaxCancels,  \* cancel messages sent for one timed-out transfer before GiveUp
+    MaxLeaked,   \* bound on written-off (leaked) buffers
+    None         \* model value: no owner, no transfer record
+
+ASSUME MaxGen \in Nat /\ MaxCancels \in Nat /\ MaxLeaked \in Nat
+
+VARIABLES
+    pool,      \* client: buffer -> [owner, gen, st]
+    xfer,      \* client: generation -> None | [req, buf, st, cancels]
+    req,       \* client: request -> "active" | "draining" | "ended"
+    nextGen,   \* client: the next generation number
+    wire,      \* storage node / NIC: generation -> None | [buf, st]
+    data,      \* buffer -> generation whose bytes it holds (0: none yet)
+    cbs,       \* completion callbacks sent to the client
+    cancels,   \* cancel messages sent to the storage node
+    acks,      \* cancel acknowledgements sent to the client
+    timedOut,  \* history: generations the client stopped waiting for
+    consumed   \* history: <<generation expected, generation of the bytes read>>
+
+vars == <<pool, xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+clientVars == <<pool, xfer, req>>
+
+Gens == 1..MaxGen
+
+BufState == {"free", "held", "loading", "ready", "used", "quarantined", "leaked"}
+FreeBuf == [owner |-> None, gen |-> 0, st |-> "free"]
+
+Tracked(g)  == xfer[g] # None
+Mine(r, g)  == Tracked(g) /\ xfer[g].req = r
+\* Transfers that request r still owns: in flight or timed out, not written off.
+Undrained(r) == {g \in Gens : Mine(r, g) /\ xfer[g].st # "leaked"}
+InFlight(r)  == {g \in Gens : Mine(r, g) /\ xfer[g].st = "inflight"}
+LeakedBuffers == {b \in Buffers : pool[b].st = "leaked"}
+Running(g)  == wire[g] # None /\ wire[g].st = "running"
+
+(***************************************************************************)
+(* Guards and updates that the weakened models (Timeout_Weak_...) replace. *)
+(***************************************************************************)
+\* A timed-out transfer's buffer is quarantined, not freed.
+TimedOutBuffer(b) == [pool[b] EXCEPT !.st = "quarantined"]
+WeakFreeOnTimeout(b) == FreeBuf
+
+\* The client transfer a completion callback for generation g into buffer b is
+\* applied to: g itself while the client tracks it; otherwise the callback is
+\* stale (or a duplicate) and is dropped.
+Addressee(g, b) == IF Tracked(g) THEN g ELSE None
+\* Without the generation check: whatever transfer buffer b now waits for.
+WeakAddressee(g, b) == IF pool[b].gen # 0 /\ Tracked(pool[b].gen) THEN pool[b].gen ELSE None
+
+\* The state a request moves to when it is cancelled or finishes.
+EndState(r) == IF Undrained(r) = {} THEN "ended" ELSE "draining"
+WeakEndState(r) == "ended"
+
+\* The client may write off a transfer only while the leak ledger has room.
+MayWriteOff == Cardinality(LeakedBuffers) < MaxLeaked
+WeakWriteOffAlways == TRUE
+
+\* A written-off transfer stays tracked, so its late completion or ack is
+\* recognised and brings the buffer back.
+WrittenOff(g) == [xfer EXCEPT ![g].st = "leaked"]
+\* Weakened: the client forgets it; the late callback then looks stale.
+WeakForgetWrittenOff(g) == [xfer EXCEPT ![g] = None]
+
+(***************************************************************************)
+(* Drain: the completion or the cancel ack of a timed-out (or written-off)  *)
+(* transfer arrived; it can no longer write its buffer, which goes back to *)
+(* the pool; a draining request whose last transfer this was ends.         *)
+(***************************************************************************)
+Drain(g) ==
+    LET b == xfer[g].buf
+        r == xfer[g].req
+    IN
+    /\ xfer' = [xfer EXCEPT ![g] = None]
+    /\ pool' = [pool EXCEPT ![b] = FreeBuf]
+    /\ req' = IF req[r] = "draining" /\ Undrained(r) = {g}
+              THEN [req EXCEPT ![r] = "ended"] ELSE req
+
+\* A completion that arrives after the client timed the transfer out: its
+\* bytes are not used; the buffer leaves quarantine.
+OnLateCompletion(g) == Drain(g)
+\* Weakened: the late bytes are handed to the (still active) request.
+WeakAcceptLate(g) ==
+    IF xfer[g].st = "timedout" /\ req[xfer[g].req] = "active"
+    THEN /\ pool' = [pool EXCEPT ![xfer[g].buf] = [@ EXCEPT !.st = "ready"]]
+         /\ xfer' = [xfer EXCEPT ![g] = None]
+         /\ UNCHANGED req
+    ELSE Drain(g)
+
+(***************************************************************************)
+(* Actions                                                                 *)
+(***************************************************************************)
+Init ==
+    /\ pool = [b \in Buffers |-> FreeBuf]
+    /\ xfer = [g \in Gens |-> None]
+    /\ req = [r \in Requests |-> "active"]
+    /\ nextGen = 1
+    /\ wire = [g \in Gens |-> None]
+    /\ data = [b \in Buffers |-> 0]
+    /\ cbs = {}
+    /\ cancels = {}
+    /\ acks = {}
+    /\ timedOut = {}
+    /\ consumed = {}
+
+\* An active request takes a free buffer (possibly one another request used).
+Acquire(r, b) ==
+    /\ req[r] = "active"
+    /\ pool[b].st = "free"
+    /\ pool' = [pool EXCEPT ![b] = [owner |-> r, gen |-> 0, st |-> "held"]]
+    /\ UNCHANGED <<xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+
+\* An active request gives back a buffer no transfer may write.
+Release(r, b) ==
+    /\ req[r] = "active"
+    /\ pool[b].owner = r
+    /\ pool[b].st \in {"held", "ready", "used"}
+    /\ pool' = [pool EXCEPT ![b] = FreeBuf]
+    /\ UNCHANGED <<xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+
+\* Load into a held buffer: a new generation, tracked by the client and
+\* started on the storage node / NIC.
+Issue(r, b) ==
+    /\ req[r] = "active"
+    /\ pool[b].owner = r
+    /\ pool[b].st = "held"
+    /\ nextGen \in Gens
+    /\ pool' = [pool EXCEPT ![b] = [owner |-> r, gen |-> nextGen, st |-> "loading"]]
+    /\ xfer' = [xfer EXCEPT ![nextGen] = [req |-> r, buf |-> b, st |-> "inflight", cancels |-> 0]]
+    /\ wire' = [wire EXCEPT ![nextGen] = [buf |-> b, st |-> "running"]]
+    /\ nextGen' = nextGen + 1
+    /\ UNCHANGED <<req, data, cbs, cancels, acks, timedOut, consumed>>
+
+\* Storage node / NIC: transfer g completes, possibly long after the client
+\* timed it out; its bytes land in its buffer and a callback is sent.
+Land(g) ==
+    /\ Running(g)
+    /\ wire' = [wire EXCEPT ![g].st = "landed"]
+    /\ data' = [data EXCEPT ![wire[g].buf] = g]
+    /\ cbs' = cbs \cup {g}
+    /\ UNCHANGED <<pool, xfer, req, nextGen, cancels, acks, timedOut, consumed>>
+
+\* Client: a completion callback (g, its buffer) arrives, perhaps again.
+Complete(g) ==
+    /\ g \in cbs
+    /\ LET h == Addressee(g, wire[g].buf) IN
+         IF h = None
+         THEN UNCHANGED clientVars                        \* stale or duplicate: dropped
+         ELSE IF xfer[h].st = "inflight"
+         THEN /\ pool' = [pool EXCEPT ![xfer[h].buf] = [@ EXCEPT !.st = "ready"]]
+              /\ xfer' = [xfer EXCEPT ![h] = None]
+              /\ UNCHANGED req
+         ELSE OnLateCompletion(h)
+    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+
+\* Client: stop waiting for an in-flight transfer.  Its buffer is quarantined.
+Timeout(g) ==
+    /\ Tracked(g)
+    /\ xfer[g].st = "inflight"
+    /\ xfer' = [xfer EXCEPT ![g].st = "timedout"]
+    /\ pool' = [pool EXCEPT ![xfer[g].buf] = TimedOutBuffer(xfer[g].buf)]
+    /\ timedOut' = timedOut \cup {g}
+    /\ UNCHANGED <<req, nextGen, wire, data, cbs, cancels, acks, consumed>>
+
+\* Client: ask the storage node to stop a timed-out transfer (a retry resends).
+Cancel(g) ==
+    /\ Tracked(g)
+    /\ xfer[g].st = "timedout"
+    /\ xfer[g].cancels < MaxCancels
+    /\ xfer' = [xfer EXCEPT ![g].cancels = @ + 1]
+    /\ cancels' = cancels \cup {g}
+    /\ UNCHANGED <<pool, req, nextGen, wire, data, cbs, acks, timedOut, consumed>>
+
+\* Storage node: on a cancel, stop the transfer if it still runs (it never
+\* writes again), then acknowledge.  A transfer that already landed is
+\* acknowledged too; its callback is already on the way.
+StorageCancel(g) ==
+    /\ g \in cancels
+    /\ wire' = [wire EXCEPT ![g].st = IF @ = "running" THEN "stopped" ELSE @]
+    /\ acks' = acks \cup {g}
+    /\ UNCHANGED <<pool, xfer, req, nextGen, data, cbs, cancels, timedOut, consumed>>
+
+\* Client: a cancel acknowledgement arrives, perhaps again.
+CancelAck(g) ==
+    /\ g \in acks
+    /\ IF Tracked(g) /\ xfer[g].st \in {"timedout", "leaked"}
+       THEN Drain(g)
+       ELSE UNCHANGED clientVars                          \* stale or duplicate: dropped
+    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+
+\* Client: every cancel went unanswered; write the transfer off.  The buffer
+\* moves from the request to the leak ledger (still quarantined) and the
+\* request no longer waits for it.
+GiveUp(g) ==
+    /\ Tracked(g)
+    /\ xfer[g].st = "timedout"
+    /\ xfer[g].cancels = MaxCancels
+    /\ MayWriteOff
+    /\ LET r == xfer[g].req IN
+         /\ xfer' = WrittenOff(g)
+         /\ pool' = [pool EXCEPT ![xfer[g].buf] = [owner |-> None, gen |-> g, st |-> "leaked"]]
+         /\ req' = IF req[r] = "draining" /\ Undrained(r) = {g}
+                   THEN [req EXCEPT ![r] = "ended"] ELSE req
+    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+
+\* A request ends (cancelled, or finished with nothing in flight): its
+\* in-flight loads are abandoned like timeouts, buffers no transfer can
+\* write go back to the pool, and it drains what remains.
+EndRequest(r) ==
+    LET abandoned == InFlight(r) IN
+    /\ xfer' = [g \in Gens |-> IF g \in abandoned THEN [xfer[g] EXCEPT !.st = "timedout"]
+                                ELSE xfer[g]]
+    /\ pool' = [b \in Buffers |->
+                  IF pool[b].owner # r THEN pool[b]
+                  ELSE IF pool[b].st = "loading" THEN TimedOutBuffer(b)
+                  ELSE IF pool[b].st = "quarantined" THEN pool[b]
+                  ELSE FreeBuf]
+    /\ req' = [req EXCEPT ![r] = EndState(r)]
+    /\ timedOut' = timedOut \cup abandoned
+    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, consumed>>
+
+\* The engine no longer needs the result.
+RequestCancel(r) ==
+    /\ req[r] = "active"
+    /\ EndRequest(r)
+
+\* The request is done with its loads (none still awaited).
+RequestFinish(r) ==
+    /\ req[r] = "active"
+    /\ InFlight(r) = {}
+    /\ EndRequest(r)
+
+\* The consumer reads a loaded buffer.
+Consume(r, b) ==
+    /\ req[r] = "active"
+    /\ pool[b].owner = r
+    /\ pool[b].st = "ready"
+    /\ pool' = [pool EXCEPT ![b].st = "used"]
+    /\ consumed' = consumed \cup {<<pool[b].gen, data[b]>>}
+    /\ UNCHANGED <<xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut>>
+
+Next ==
+    \/ \E r \in Requests, b \in Buffers :
+          Acquire(r, b) \/ Release(r, b) \/ Issue(r, b) \/ Consume(r, b)
+    \/ \E g \in Gens :
+          \/ Land(g) \/ Complete(g) \/ Timeout(g) \/ Cancel(g)
+          \/ StorageCancel(g) \/ CancelAck(g) \/ GiveUp(g)
+    \/ \E r \in Requests : RequestCancel(r) \/ RequestFinish(r)
+
+(* The environment is fair: a running transfer eventually completes unless *)
+(* a cancel stops it first, the storage node eventually answers a cancel,  *)
+(* and every callback and ack sent is eventually delivered (and processed). *)
+(* Nothing else is asked of the client: it may never cancel, never give up.*)
+Fairness ==
+    \A g \in Gens :
+        /\ WF_vars(Land(g))
+        /\ WF_vars(StorageCancel(g))
+        /\ WF_vars(Complete(g))
+        /\ WF_vars(CancelAck(g))
+
+Spec == Init /\ [][Next]_vars /\ Fairness
+
+(***************************************************************************)
+(* Invariants                                                              *)
+(***************************************************************************)
+TypeOK ==
+    /\ pool \in [Buffers -> [owner : Requests \cup {None}, gen : 0..MaxGen, st : BufState]]
+    /\ xfer \in [Gens -> {None} \cup [req : Requests, buf : Buffers,
+                                      st : {"inflight", "timedout", "leaked"},
+                                      cancels : 0..MaxCancels]]
+    /\ req \in [Requests -> {"active", "draining", "ended"}]
+    /\ nextGen \in 1..(MaxGen + 1)
+    /\ wire \in [Gens -> {None} \cup [buf : Buffers, st : {"running", "landed", "stopped"}]]
+    /\ data \in [Buffers -> 0..MaxGen]
+    /\ cbs \subseteq Gens /\ cancels \subseteq Gens /\ acks \subseteq Gens
+    /\ timedOut \subseteq Gens
+    /\ consumed \subseteq Gens \X (0..MaxGen)
+
+(* The buffer a transfer may still write is reserved for that transfer:    *)
+(* not free in the pool, not held by any request for anything else, not    *)
+(* waiting for another generation.                                         *)
+NoWriteIntoReassignedBuffer ==
+    \A g \in Gens : Running(g) =>
+        /\ pool[wire[g].buf].gen = g
+        /\ pool[wire[g].buf].st \in {"loading", "quarantined", "leaked"}
+
+(* A callback from an older generation changes nothing: a buffer is ready *)
+(* only once its own generation's bytes landed in it, and the consumer     *)
+(* reads the generation it expects.                                       *)
+StaleCallbacksHaveNoEffect ==
+    /\ \A b \in Buffers : pool[b].st \in {"ready", "used"} => data[b] = pool[b].gen
+    /\ \A p \in consumed : p[1] = p[2]
+
+(* Data of a transfer the client stopped waiting for is never consumed,   *)
+(* even when it lands later.                                               *)
+NoConsumeOfTimedOutData ==
+    /\ \A b \in Buffers : pool[b].st \in {"ready", "used"} => pool[b].gen \notin timedOut
+    /\ \A p \in consumed : p[1] \notin timedOut /\ p[2] \notin timedOut
+
+(* A request has ended only when it holds no buffer and owns no transfer  *)
+(* that has not drained (a written-off transfer belongs to the ledger).    *)
+RequestEndsOnlyAfterDrain ==
+    \A r \in Requests : req[r] = "ended" =>
+        /\ \A b \in Buffers : pool[b].owner # r
+        /\ \A g \in Gens : Mine(r, g) => xfer[g].st = "leaked"
+
+(* A failed clean-up is bounded: at most MaxLeaked buffers are written off, *)
+(* and a request lingers (draining) only while it holds a quarantined      *)
+(* buffer, so lingering requests never outnumber the pool.                 *)
+LeakBounded ==
+    /\ Cardinality(LeakedBuffers) <= MaxLeaked
+    /\ \A r \in Requests : req[r] = "draining" =>
+          \E b \in Buffers : pool[b].owner = r /\ pool[b].st = "quarantined"
+
+(* A failed clean-up is observable: every buffer out of the free pool is  *)
+(* held by a request that has not ended, or is on the leak ledger with the *)
+(* written-off transfer the client still tracks, so a late completion or   *)
+(* ack brings it back.  A quarantined buffer's transfer is tracked.        *)
+BuffersAccounted ==
+    \A b \in Buffers :
+        \/ pool[b] = FreeBuf
+        \/ /\ pool[b].owner # None
+           /\ req[pool[b].owner] # "ended"
+           /\ pool[b].st \in {"held", "ready", "used"} => pool[b].gen = 0 \/ ~Tracked(pool[b].gen)
+           /\ pool[b].st \in {"loading", "quarantined"} =>
+                 /\ Tracked(pool[b].gen)
+                 /\ xfer[pool[b].gen].buf = b
+                 /\ xfer[pool[b].gen].req = pool[b].owner
+        \/ /\ pool[b].st = "leaked"
+           /\ pool[b].owner = None
+           /\ Tracked(pool[b].gen)
+           /\ xfer[pool[b].gen].st = "leaked"
+           /\ xfer[pool[b].gen].buf = b
+
+(***************************************************************************)
+(* Liveness                                                                *)
+(***************************************************************************)
+Quarantined(b) == pool[b].st \in {"quarantined", "leaked"}
+
+(* Under Fairness a quarantined (or written-off) buffer is eventually back *)
+(* in the pool ...                                                         *)
+QuarantineResolves == \A b \in Buffers : Quarantined(b) ~> pool[b].st = "free"
+
+(* ... and a draining request eventually ends. *)
+RequestsDrain == \A r \in Requests : req[r] = "draining" ~> req[r] = "ended"
+
+=============================================================================
