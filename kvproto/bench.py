@@ -16,6 +16,13 @@ sizes 1 and 128, in keys/s; and the master's memory per stored object, measured
 as the growth of a process holding the publish machine's directory with one
 million published objects.
 
+Transfers: small (64 KiB) gets per second through the client's transfer engine
+(``client.transfer_engine``: read_begin, a tracked ``load`` with its generation
+into a pool buffer, the pool machine's Issue/Complete/Consume/Release steps,
+read_end from the engine's I/O thread), next to the same gets through the
+plain ``get`` over the network and a raw pyzmq request/reply of 64 KiB, in the
+same run, with the ratios.
+
 Every figure is a median over repetitions and is printed with its ratio to the
 baseline measured in the same run.
 """
@@ -61,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meta-keys", type=int, default=2048, help="4 KiB keys per metadata run")
     parser.add_argument("--memory-objects", type=int, default=1_000_000,
                         help="objects for the master-memory figure (0 to skip)")
+    parser.add_argument("--xfer-count", type=int, default=1000,
+                        help="64 KiB gets per transfer-engine run (0 to skip)")
+    parser.add_argument("--xfer-repeat", type=int, default=5, help="transfer-engine runs")
 
 
 def _median_rate(samples: list[float], nbytes: int) -> float:
@@ -197,6 +207,66 @@ def metadata_bench(keys: int) -> list[dict]:
     return rows
 
 
+def transfer_bench(count: int, repeat: int, size: int = 64 << 10) -> dict:
+    """Gets/s of ``size``-byte objects: transfer engine, plain get, raw pyzmq."""
+    import zmq
+    from kvproto.runtime.client import Client
+
+    raw = _spawn(["-c", _RAW_SERVER])
+    raw_port = int(raw.stdout.readline())
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{raw_port}")
+    procs, address = _start_store("64MiB")
+    try:
+        client = Client(address, timeout=60.0, local_reads=False)
+        deadline = time.monotonic() + 20
+        while not any(s["live"] for s in client.stats()["segments"].values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("storage node did not register")
+            time.sleep(0.05)
+        src = np.random.default_rng(64).integers(0, 256, size, dtype=np.uint8)
+        key = b"bench/xfer"
+        client.put(key, src)
+        engine = client.transfer_engine(buffers=2, buffer_size=size)
+        request = engine.request()
+        expected = src.tobytes()
+
+        def engine_gets() -> None:
+            for _ in range(count):
+                buf = request.acquire()
+                request.get_into(key, buf, timeout=10.0)
+                request.consume(buf)
+                request.release(buf)
+
+        def plain_gets() -> None:
+            for _ in range(count):
+                client.get(key)
+
+        def raw_gets() -> None:
+            msg = [b"get", str(size).encode()]
+            for _ in range(count):
+                sock.send_multipart(msg)
+                sock.recv(copy=False)
+
+        rates = {name: count / statistics.median(_timed(fn, repeat))
+                 for name, fn in (("engine", engine_gets), ("get", plain_gets), ("raw", raw_gets))}
+        buf = request.acquire()
+        if bytes(request.consume(request.get_into(key, buf, timeout=10.0))) != expected:
+            raise AssertionError("wrong bytes through the transfer engine")
+        counts = engine.counts()
+        if counts["stale_dropped"] or counts["timed_out"]:
+            raise AssertionError(f"unexpected timeouts in the bench: {counts}")
+        client.close()
+    finally:
+        sock.send_multipart([b"stop"])
+        sock.close(linger=0)
+        raw.wait(5)
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return rates
+
+
 _MEMORY = r"""
 import sys, resource
 from kvproto.statemachines import publish as P
@@ -239,6 +309,13 @@ def main(args: argparse.Namespace) -> int:
     print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end)")
     for r in meta:
         print(f"  batch {r['batch']:>3}: put {r['put_keys_s']:10,.0f}   get {r['get_keys_s']:10,.0f}")
+    if args.xfer_count:
+        x = transfer_bench(args.xfer_count, args.xfer_repeat)
+        print(f"\n64 KiB gets/s over loopback TCP (medians of {args.xfer_repeat} runs of "
+              f"{args.xfer_count}): transfer engine {x['engine']:,.0f}   plain get {x['get']:,.0f}   "
+              f"raw pyzmq {x['raw']:,.0f}")
+        print(f"  engine / plain get {x['engine'] / x['get']:.2f}   engine / raw {x['engine'] / x['raw']:.2f}   "
+              f"plain get / raw {x['get'] / x['raw']:.2f}")
     if args.memory_objects:
         per = memory_per_object(args.memory_objects)
         print(f"\nmaster memory: {per:.0f} bytes per published object "

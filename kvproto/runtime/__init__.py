@@ -19,6 +19,8 @@ _EXPORTS = {
     "MasterServer": "kvproto.runtime.master",
     "StorageServer": "kvproto.runtime.storage",
     "parse_size": "kvproto.runtime.units",
+    "TransferEngine": "kvproto.runtime.transfers",
+    "BufferPool": "kvproto.runtime.transfers",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -37,7 +37,15 @@ outcome per key and raises only for a bad ``replicas`` argument; a
 misses and raises the first error that is not a miss, after releasing its pins.
 
 Every call takes ``timeout`` (seconds; default the client's ``timeout``) and
-raises :class:`~kvproto.errors.RequestTimeout` when it runs out. Sockets use
+raises :class:`~kvproto.errors.RequestTimeout` when it runs out waiting for the
+master, :class:`~kvproto.errors.TransferTimeout` when it runs out waiting for a
+storage node's data transfer. Each replica write of a put is a tracked transfer
+of the Timeout protocol (``spec/Timeout.tla``): on its timeout the client sends
+the node a ``cancel`` (the node discards the write if it has not run) and
+revokes the attempt. Loads into destination buffers go through a
+:class:`~kvproto.runtime.transfers.TransferEngine` (``transfer_engine()``,
+``get_into()``), which quarantines a timed-out load's buffer until its
+completion or the node's cancel acknowledgement arrives. Sockets use
 ``LINGER 0``; a socket that timed out is closed and replaced, so a dead peer
 never wedges the client. A :class:`Client` may be shared by threads (calls are
 serialised by a lock); use one client per thread for parallel transfers.
@@ -151,6 +159,10 @@ class Client:
         self._local: dict[str, Optional[LocalSegment]] = {}
         self._host = host_id()
         self._closed = False
+        # tracked writes (Timeout protocol): generation per write, cancelled on timeout
+        self._put_owner = f"{self.client_id}/put"
+        self._put_gen = 0
+        self._engines: list = []
         # heartbeats
         self._active = 0
         self._active_lock = threading.Lock()
@@ -165,6 +177,9 @@ class Client:
             if self._closed:
                 return
             self._closed = True
+            for engine in self._engines:
+                engine.close()
+            self._engines.clear()
             self._hb_stop.set()
             if self._hb_thread is not None:
                 self._hb_thread.join(timeout=5)
@@ -267,21 +282,28 @@ class Client:
 
     # ------------------------------------------------------------------ heartbeats
 
-    @contextlib.contextmanager
-    def _activity(self):
-        """Heartbeat the master while a put or a read is in flight."""
+    def _hold(self) -> None:
+        """Count one more put or read in flight (heartbeats run while any is)."""
         with self._active_lock:
             self._active += 1
-            if self._hb_thread is None:
+            if self._hb_thread is None and not self._closed:
                 self._hb_thread = threading.Thread(
                     target=_heartbeats, args=(weakref.ref(self), self._hb_stop), daemon=True,
                     name=f"kvproto-heartbeat-{self.client_id}")
                 self._hb_thread.start()
+
+    def _unhold(self) -> None:
+        with self._active_lock:
+            self._active -= 1
+
+    @contextlib.contextmanager
+    def _activity(self):
+        """Heartbeat the master while a put or a read is in flight."""
+        self._hold()
         try:
             yield
         finally:
-            with self._active_lock:
-                self._active -= 1
+            self._unhold()
 
     def _note_interval(self, reply: wire.Reply) -> None:
         hb = reply.body.get("heartbeat")
@@ -355,10 +377,18 @@ class Client:
             finally:
                 self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
 
+    #: how long a put whose writes timed out waits for the nodes' cancel acks
+    CANCEL_GRACE = 0.2
+
     def _write_all(self, grants: dict, segments: dict, deadline: float) -> dict[int, errors.KvError]:
-        """Send every replica write at once; wait for the acks. Returns failures."""
+        """Send every replica write at once; wait for the acks. Returns failures.
+
+        Every write is a tracked transfer (``owner``/``xfer``): a write unacked
+        by the deadline fails with ``TransferTimeout`` and is cancelled at its
+        node (which discards it if it has not run yet); the caller then revokes
+        the attempt at the master, so even a write that ran is never published."""
         pending: dict[int, zmq.Socket] = {}
-        whose: dict[int, tuple[int, str]] = {}
+        whose: dict[int, tuple[int, str, int]] = {}
         failed: dict[int, errors.KvError] = {}
         for i, (key, view, token, replicas) in grants.items():
             for seg, offset, length in replicas:
@@ -367,18 +397,28 @@ class Client:
                     failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
                     break
                 sock = self._data_sock(info[0])
-                rid = self._send(sock, "write", {"segment": seg, "offset": offset, "token": token},
+                self._put_gen += 1
+                rid = self._send(sock, "write", {"segment": seg, "offset": offset, "token": token,
+                                                 "owner": self._put_owner, "xfer": self._put_gen},
                                  [view])
                 pending[rid] = sock
-                whose[rid] = (i, info[0])
+                whose[rid] = (i, info[0], self._put_gen)
         replies = self._gather(pending, deadline)
-        for rid, (i, endpoint) in whose.items():
+        cancels: dict[int, zmq.Socket] = {}
+        timed_out: set[str] = set()
+        for rid, (i, endpoint, gen) in whose.items():
             reply = replies.get(rid)
             if reply is None:
-                failed.setdefault(i, errors.RequestTimeout(f"storage node {endpoint} did not ack a write"))
-                self._reset_data(endpoint)
+                failed.setdefault(i, errors.TransferTimeout(f"storage node {endpoint} did not ack a write"))
+                sock = pending[rid]
+                cancels[self._send(sock, "cancel", {"owner": self._put_owner, "xfer": gen})] = sock
+                timed_out.add(endpoint)
             elif reply.status:
                 failed.setdefault(i, reply.error())
+        if cancels:
+            self._gather(cancels, time.monotonic() + self.CANCEL_GRACE)
+            for endpoint in timed_out:
+                self._reset_data(endpoint)
         return failed
 
     def _revoke(self, attempts: list[tuple[bytes, int]], wait: float = 2.0) -> None:
@@ -507,7 +547,7 @@ class Client:
             for rid, (i, endpoint) in whose.items():
                 reply = replies.get(rid)
                 if reply is None:
-                    err: Optional[errors.KvError] = errors.RequestTimeout(
+                    err: Optional[errors.KvError] = errors.TransferTimeout(
                         f"storage node {endpoint} did not answer a read")
                     self._reset_data(endpoint)
                 elif reply.status:
@@ -522,6 +562,30 @@ class Client:
                     failed[i] = err
                     del need[i]
         return failed
+
+    # ------------------------------------------------------------------ transfer engine
+
+    def transfer_engine(self, buffers: int = 16, buffer_size: int = 64 << 10, **kwargs: Any):
+        """A new :class:`~kvproto.runtime.transfers.TransferEngine` over a pool of
+        ``buffers`` host buffers of ``buffer_size`` bytes (closed with the client).
+        Keyword arguments: ``max_cancels``, ``max_leaked``, ``cancel_interval``."""
+        from kvproto.runtime.transfers import TransferEngine
+        if self._closed:
+            raise errors.ServerUnavailable("the client is closed")
+        engine = TransferEngine(self, buffers, buffer_size, **kwargs)
+        self._engines.append(engine)
+        return engine
+
+    def get_into(self, key: Key, buffer, *, timeout: Optional[float] = None):
+        """Load ``key`` into the pool ``buffer`` (a
+        :class:`~kvproto.runtime.transfers.PoolBuffer` its request holds) and
+        wait; raises :class:`~kvproto.errors.TransferTimeout` past ``timeout``
+        (the buffer is then quarantined until the load drains)."""
+        engine = getattr(buffer, "engine", None)
+        if engine is None or engine not in self._engines:
+            raise errors.InvalidArgument(f"buffer {buffer!r} is not from a transfer engine of this client")
+        from kvproto.runtime.transfers import EngineRequest
+        return EngineRequest(engine, buffer.request).get_into(key, buffer, timeout=timeout)
 
     # ------------------------------------------------------------------ the rest
 

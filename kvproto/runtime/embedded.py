@@ -77,7 +77,7 @@ class EmbeddedCluster:
     def __init__(self, storage_nodes: int = 2, segment_size: "int | str" = "256MiB", *,
                  writer_timeout: float = 10.0, storage_timeout: float = 10.0,
                  page_size: int = 4096, transport: str = "tcp", client_timeout: float = 30.0,
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, storage_debug: bool = False) -> None:
         if storage_nodes < 0:
             raise ValueError("storage_nodes must be >= 0")
         if transport not in ("tcp", "ipc"):
@@ -99,7 +99,8 @@ class EmbeddedCluster:
             for n in range(storage_nodes):
                 listen = self._endpoint(f"storage{n}")
                 st = _ServerThread(f"kvproto-storage-{n}", lambda listen=listen: StorageServer(
-                    self.master_address, self.segment_size, listen=listen, page_size=page_size))
+                    self.master_address, self.segment_size, listen=listen, page_size=page_size,
+                    debug=storage_debug))
                 self._threads.append(st)
                 self.storage.append(st.start_and_wait(start_timeout))
             for node in self.storage:
@@ -151,7 +152,8 @@ def embedded(storage_nodes: int = 2, segment_size: "int | str" = "256MiB", **kwa
     Keyword arguments: ``writer_timeout``, ``storage_timeout`` (seconds, default
     10), ``page_size`` (allocation granularity, default 4096), ``transport``
     (``"tcp"`` or ``"ipc"``), ``client_timeout`` (default per-call timeout of
-    clients made by ``.client()``).
+    clients made by ``.client()``), ``storage_debug`` (storage nodes accept the
+    test-only ``debug`` fault-injection op; off by default).
     """
     return EmbeddedCluster(storage_nodes, segment_size, **kwargs)
 

@@ -10,9 +10,19 @@ event answers the typed error and changes nothing (no byte is written).
 Segment bytes live in POSIX shared memory with a generation table for
 lock-free same-host reads (:mod:`kvproto.runtime.shm`).
 
+Tracked transfers (``spec/Timeout.tla``): a ``load`` (a read into a client's
+destination buffer) and a ``write`` naming ``owner``/``xfer`` are ``Start``-ed
+in the node's transfer table (:func:`~kvproto.statemachines.timeout.node_step`,
+one table per owner, i.e. per client transfer engine) on arrival, before any
+check, and ``Land`` when they run; ``cancel`` is ``StorageCancel``: a running
+transfer is stopped, then acknowledged, so a stopped load's bytes are never
+sent and a stopped write is discarded. Test-only faults are described on
+:class:`StorageServer`.
+
 :class:`StorageServer` is the node's single-threaded ZeroMQ loop:
 
-* one ROUTER (``endpoint``) serves clients (``write``, ``read``, ``stats``) and
+* one ROUTER (``endpoint``) serves clients (``write``, ``read``, ``load``,
+  ``cancel``, ``stats``) and
   the master's control DEALER (``assign``, ``free``). The master sends its
   commands on one connection, so they are applied in the master's order;
 * one DEALER to the master for ``register``, ``storage_heartbeat`` and
@@ -29,6 +39,8 @@ protocol is concerned, exactly as ``SegmentLost`` says. An unanswered
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import os
 import secrets
@@ -46,6 +58,10 @@ from kvproto.runtime.units import parse_size
 from kvproto.statemachines.publish import (
     AssignRegion, FreeRegion, ReadReplica, Refused, RegionTable, WriteReplica, storage_step,
 )
+from kvproto.statemachines.timeout import (
+    Land, NodeTransfers, Start, StorageCancel, node_step,
+)
+from kvproto.statemachines.timeout import Refused as XferRefused
 
 log = logging.getLogger("kvproto.storage")
 
@@ -58,12 +74,15 @@ class StorageCore:
     """The node's logic without sockets."""
 
     COUNTERS = ("assigned", "freed", "writes", "reads", "refused", "rejected", "bytes_written",
-                "bytes_read")
+                "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
         self.table = RegionTable(segment)
         self.counters = dict.fromkeys(self.COUNTERS, 0)
+        #: the Timeout protocol's transfer table (``node_step``), one per owner:
+        #: an owner is one client transfer engine, whose generations are unique
+        self.xfers: dict[str, NodeTransfers] = {}
 
     @property
     def segment(self) -> str:
@@ -87,12 +106,73 @@ class StorageCore:
             return None, effects[0].error
         return table, None
 
-    def handle(self, op: str, body: dict, payloads: list) -> tuple[dict, list]:
-        """Handle a validated request: ``(reply body, payload frames)`` or raise."""
+    # ------------------------------------------------------------------ tracked transfers
+
+    @staticmethod
+    def tracked(op: str, body: dict) -> bool:
+        """Whether the request is a tracked transfer of the Timeout protocol."""
+        return op == "load" or (op == "write" and "xfer" in body)
+
+    def _xfer_step(self, owner: str, event):
+        """``node_step`` on ``owner``'s table without committing: ``(table, effects)``."""
+        return node_step(self.xfers.get(owner, NodeTransfers()), event)
+
+    def start(self, op: str, body: dict) -> None:
+        """``Start``: record a tracked transfer as running as soon as it arrives,
+        before anything about it is checked, so that a cancel of it is always
+        acknowledged (a transfer that fails its checks never lands)."""
+        if op == "write" and "owner" not in body:
+            raise errors.MalformedFrame("write: xfer without owner")
+        owner = body["owner"]
+        buffer = body["buffer"] if op == "load" else f"{body['segment']}@{body['offset']}"
+        table, effects = self._xfer_step(owner, Start(body["xfer"], buffer))
+        if effects and isinstance(effects[0], XferRefused):
+            raise effects[0].error
+        self.xfers[owner] = table
+
+    def _land(self, body: dict):
+        """``Land`` of a tracked transfer, not committed: the new table, or None
+        when the transfer was stopped by a cancel (it must not write)."""
+        table, effects = self._xfer_step(body["owner"], Land(body["xfer"]))
+        if effects and isinstance(effects[0], XferRefused):
+            return None
+        return table
+
+    def _op_cancel(self, body, payloads):
+        """``StorageCancel``: stop the transfer if it still runs, then acknowledge."""
+        owner, gen = body["owner"], body["xfer"]
+        table, effects = self._xfer_step(owner, StorageCancel(gen))
+        if effects and isinstance(effects[0], XferRefused):
+            raise effects[0].error
+        self.xfers[owner] = table
+        self.counters["cancels"] += 1
+        return {"xfer": gen, "acked": True}, []
+
+    def handle(self, op: str, body: dict, payloads: list) -> Optional[tuple[dict, list]]:
+        """Handle a validated request: ``(reply body, payload frames)`` or raise;
+        ``None`` (send nothing) for a tracked load a cancel stopped."""
         if op == "stats":
             return self.stats(), []
+        if op == "cancel":
+            return self._op_cancel(body, payloads)
+        landed = None
+        if self.tracked(op, body):
+            landed = self._land(body)
+            if landed is None:
+                self.counters["discarded"] += 1
+                if op == "load":
+                    return None
+                raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
         self._check_segment(body)
-        return getattr(self, "_op_" + op)(body, payloads)
+        if op == "load":
+            result = self._op_read(body, payloads)
+            self.counters["loads"] += 1
+            result = {"xfer": body["xfer"], "buffer": body["buffer"]}, result[1]
+        else:
+            result = getattr(self, "_op_" + op)(body, payloads)
+        if landed is not None:
+            self.xfers[body["owner"]] = landed   # the checks passed: it landed
+        return result
 
     def _op_assign(self, body, payloads):
         mem = self.memory
@@ -163,14 +243,30 @@ class StorageCore:
 
 
 class StorageServer:
-    """A storage node's ZeroMQ loop (construct it in the thread that serves)."""
+    """A storage node's ZeroMQ loop (construct it in the thread that serves).
+
+    Test-only faults (all 0, i.e. off, by default; set them through the
+    ``debug`` op, which only a node built with ``debug=True`` accepts, or, in an
+    embedded cluster, by assigning ``server.faults[name]``):
+
+    * ``delay_ms``: hold every tracked data-path request (``load``, tracked
+      ``write``) this long before it runs. The transfer is *running* meanwhile,
+      so a ``cancel`` (never delayed) stops it: it then never lands.
+    * ``reply_delay_ms``: hold data replies (``load``/``write`` answers) this
+      long after the transfer ran: it *landed*, the bytes are late on the
+      network, and a cancel acknowledgement (not delayed) can overtake them.
+    * ``drop``: drop the next N data replies.
+    * ``duplicate``: send the next N data replies twice, the copy
+      ``duplicate_delay_ms`` after the original.
+    """
 
     BURST = 64
+    FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms")
 
     def __init__(self, master: str, size: "int | str", *, listen: str = "tcp://127.0.0.1:*",
                  advertise: Optional[str] = None, page_size: int = 4096,
                  max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
-                 context: Optional[zmq.Context] = None) -> None:
+                 context: Optional[zmq.Context] = None, debug: bool = False) -> None:
         capacity = parse_size(size) // page_size * page_size
         if capacity <= 0:
             raise ValueError(f"segment size {size!r} is smaller than a page ({page_size} bytes)")
@@ -205,6 +301,13 @@ class StorageServer:
         self._retry_at = 0.0
         self._backoff = 0.1
         self._stopping = False  # a plain flag: stop() takes no lock (signal-handler safe)
+        # test-only fault injection (see Faults); the ``debug`` op exists only with debug=True
+        self.debug = debug
+        self.ops = {**wire.STORAGE_OPS, **wire.DEBUG_OPS} if debug else wire.STORAGE_OPS
+        self.faults = dict.fromkeys(self.FAULTS, 0)
+        self._held: list = []      # (due, seq, identity, request): delayed data-path requests
+        self._outq: list = []      # (due, seq, frames): delayed data replies
+        self._seq = itertools.count()
 
     @property
     def segment(self) -> str:
@@ -292,7 +395,13 @@ class StorageServer:
             self._connect_master()
             self._register()
             while not self._stopping:
-                events = dict(self.poller.poll(poll_ms))
+                wait = poll_ms
+                if self._held or self._outq:
+                    due = min(q[0][0] for q in (self._held, self._outq) if q)
+                    wait = max(0, min(poll_ms, int((due - time.monotonic()) * 1000) + 1))
+                events = dict(self.poller.poll(wait))
+                if self._held or self._outq:
+                    self._due()
                 if events.get(self.router):
                     self._drain_router()
                 if self.dealer is not None and events.get(self.dealer):
@@ -333,29 +442,81 @@ class StorageServer:
 
     def _on_request(self, frames: list) -> None:
         identity = frames[0].bytes
-        rid = 0
-        out: list = []
         try:
             req = wire.decode_request(frames[1:], self.max_header_bytes, self.memory.capacity,
-                                      wire.STORAGE_OPS)
-            rid = req.request_id
+                                      self.ops)
         except errors.KvError as err:
             self.core.counters["rejected"] += 1
-            header = wire.encode_error(getattr(err, "request_id", 0), err)
-        else:
-            try:
-                body, out = self.core.handle(req.op, req.body, req.payloads)
-                header = wire.encode_reply(rid, 0, body)
-            except errors.KvError as err:
-                header = wire.encode_error(rid, err)
-            except Exception as exc:  # a bug: answer, log, keep serving
-                log.exception("storage failed on %s", req.op)
-                header = wire.encode_error(rid, errors.InternalError(f"{req.op}: {exc}"))
-            del req
+            self._send([identity, wire.encode_error(getattr(err, "request_id", 0), err)])
+            return
         del frames  # release the received payload frame before the next message
+        if req.op == "debug":
+            self.faults.update({k: v for k, v in req.body.items() if k in self.FAULTS})
+            self._send([identity, wire.encode_reply(req.request_id, 0, dict(self.faults))])
+            return
+        if self.core.tracked(req.op, req.body):
+            try:
+                self.core.start(req.op, req.body)
+            except errors.KvError as err:
+                self._send([identity, wire.encode_error(req.request_id, err)])
+                return
+            if self.faults["delay_ms"]:
+                heapq.heappush(self._held, (time.monotonic() + self.faults["delay_ms"] / 1000,
+                                            next(self._seq), identity, req))
+                return
+        self._serve(identity, req)
+
+    def _serve(self, identity: bytes, req: wire.Request) -> None:
+        rid = req.request_id
+        out: list = []
+        try:
+            result = self.core.handle(req.op, req.body, req.payloads)
+            if result is None:
+                return  # a cancelled load: its bytes are never sent
+            body, out = result
+            header = wire.encode_reply(rid, 0, body)
+        except errors.KvError as err:
+            header = wire.encode_error(rid, err)
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("storage failed on %s", req.op)
+            header = wire.encode_error(rid, errors.InternalError(f"{req.op}: {exc}"))
+        frames = [identity, header, *out]
+        if req.op in ("load", "write") and any(self.faults[f] for f in self.FAULTS):
+            self._faulty_reply(frames)
+        else:
+            self._send(frames)
+
+    def _faulty_reply(self, frames: list) -> None:
+        f = self.faults
+        if f["drop"]:
+            f["drop"] -= 1
+            self.core.counters["dropped"] += 1
+            return
+        copies = [f["reply_delay_ms"]]
+        if f["duplicate"]:
+            f["duplicate"] -= 1
+            self.core.counters["duplicated"] += 1
+            copies.append(f["reply_delay_ms"] + f["duplicate_delay_ms"])
+        # a held reply must keep the bytes that were sent (the segment may change)
+        frames = [frames[0], frames[1], *(bytes(p) for p in frames[2:])] if max(copies) else frames
+        for delay in copies:
+            if delay:
+                heapq.heappush(self._outq, (time.monotonic() + delay / 1000, next(self._seq), frames))
+            else:
+                self._send(frames)
+
+    def _due(self) -> None:
+        now = time.monotonic()
+        while self._held and self._held[0][0] <= now:
+            _, _, identity, req = heapq.heappop(self._held)
+            self._serve(identity, req)
+        while self._outq and self._outq[0][0] <= now:
+            self._send(heapq.heappop(self._outq)[2])
+
+    def _send(self, frames: list) -> None:
         try:
             # payloads are views of the segment: zero-copy (pyzmq copies < 64 KiB)
-            self.router.send_multipart([identity, header, *out], copy=False, flags=zmq.NOBLOCK)
+            self.router.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # peer gone or its queue full: the reply is dropped
 

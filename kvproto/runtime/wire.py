@@ -118,12 +118,15 @@ def tuple_of(*items: Check) -> Check:
 
 
 class OpSchema:
-    """Required body fields of one op and how many payload frames it carries."""
+    """Required body fields of one op, optional ones (checked when present), and
+    how many payload frames it carries."""
 
-    __slots__ = ("fields", "payloads")
+    __slots__ = ("fields", "optional", "payloads")
 
-    def __init__(self, fields: Mapping[str, Check], payloads: int = 0) -> None:
+    def __init__(self, fields: Mapping[str, Check], payloads: int = 0,
+                 optional: Optional[Mapping[str, Check]] = None) -> None:
         self.fields = dict(fields)
+        self.optional = dict(optional or {})
         self.payloads = payloads
 
 
@@ -157,16 +160,39 @@ MASTER_OPS: dict[str, OpSchema] = {
     "stats": OpSchema({}),
 }
 
+#: a tracked transfer (``spec/Timeout.tla``): who issued it and its generation
+#: (transfer id), unique per ``owner``
+OWNER = text(256, 1)
+XFER = uint(_UINT63, 1)
+
 STORAGE_OPS: dict[str, OpSchema] = {
     # master -> storage node (control)
     "assign": OpSchema({"segment": SEGMENT, "regions": list_of(
         tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1)}),
     "free": OpSchema({"segment": SEGMENT, "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
-    # client -> storage node (data)
-    "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN}, payloads=1),
+    # client -> storage node (data). A write naming ``owner`` and ``xfer`` is a
+    # tracked transfer that a ``cancel`` can stop (both or neither).
+    "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN}, payloads=1,
+                      optional={"owner": OWNER, "xfer": XFER}),
     "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN,
                       "length": uint(min_value=1)}),
+    # a tracked read into the client's destination ``buffer``: answered with the
+    # bytes and ``{"xfer": gen, "buffer": buffer}`` (the completion), or not at
+    # all once cancelled
+    "load": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN,
+                      "length": uint(min_value=1), "owner": OWNER, "xfer": XFER,
+                      "buffer": text(256, 1)}),
+    # stop transfer ``xfer`` of ``owner`` if it still runs, then acknowledge
+    # (``{"xfer": gen, "acked": true}``)
+    "cancel": OpSchema({"owner": OWNER, "xfer": XFER}),
     "stats": OpSchema({}),
+}
+
+#: test-only fault injection, accepted only by a storage node built with ``debug=True``
+DEBUG_OPS: dict[str, OpSchema] = {
+    "debug": OpSchema({}, optional={
+        "delay_ms": uint(60_000), "reply_delay_ms": uint(60_000), "drop": uint(1 << 20),
+        "duplicate": uint(1 << 20), "duplicate_delay_ms": uint(60_000)}),
 }
 
 
@@ -306,6 +332,9 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_byt
             if name not in body:
                 raise errors.MalformedFrame(f"{op}: missing field {name!r}")
             checked[name] = check(body[name], f"{op}.{name}")
+        for name, check in schema.optional.items():
+            if name in body:
+                checked[name] = check(body[name], f"{op}.{name}")
     except errors.KvError as err:
         raise _fail(err, rid) from None
     return Request(op, request_id, checked, payloads)
