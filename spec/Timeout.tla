@@ -35,6 +35,31 @@
 (* (Land writes it whole; a transfer stopped by a cancel may have written *)
 (* part of it before it stopped), so the invariants constrain the whole   *)
 (* running period, not only the landing step.                             *)
+(*                                                                         *)
+(* The storage node's transfer table (wire) is its memory, and it must    *)
+(* stay bounded: the node forgets a transfer in the step that finishes it *)
+(* (Land, or StorageCancel stopping it), and acknowledges a cancel of a   *)
+(* generation it does not know without effect.  Nothing about a finished  *)
+(* transfer is needed later: its callback carries its buffer, and a       *)
+(* cancel of it is acknowledged unknown.  So the table holds exactly the  *)
+(* transfers in progress (NodeTableBounded), which is what the runtime    *)
+(* keeps.  (A separate, later forget step would add an independent       *)
+(* interleaving per finished transfer -- three times the states -- and    *)
+(* no behaviour the runtime has.)  The unknown ack is safe because the    *)
+(* node never forgets a transfer that can still write                    *)
+(* (NodeKnowsWhatMoves).  Which transfers may still write is physical     *)
+(* state (moving: the NIC's operations in progress), kept apart from what *)
+(* the node remembers, so that a node forgetting a running transfer is    *)
+(* caught (Timeout_Weak_ForgetRunning).                                    *)
+(*                                                                         *)
+(* A cancel never reaches the node before its load: the client sends the  *)
+(* cancel after the load on the same ordered connection, so the node has  *)
+(* handled the load (Start, modelled as part of Issue) before it sees the *)
+(* cancel.  A generation the node does not know when a cancel arrives has *)
+(* therefore landed or been stopped and forgotten; a load lost on the way *)
+(* never runs and is, to the client, a transfer stopped at once.  So no   *)
+(* record of an unknown cancel ("tombstone") is needed: no load of that   *)
+(* generation can arrive after it.                                        *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -53,15 +78,16 @@ VARIABLES
     xfer,      \* client: generation -> None | [req, buf, st, cancels]
     req,       \* client: request -> "active" | "draining" | "ended"
     nextGen,   \* client: the next generation number
-    wire,      \* storage node / NIC: generation -> None | [buf, st]
+    wire,      \* storage node: its transfer table, generation -> None | [buf, st]
+    moving,    \* physical: <<g, buf>> of transfers that may still write buf
     data,      \* buffer -> generation whose bytes it holds (0: none yet)
-    cbs,       \* completion callbacks sent to the client
+    cbs,       \* completion callbacks sent to the client: <<g, buf>>
     cancels,   \* cancel messages sent to the storage node
     acks,      \* cancel acknowledgements sent to the client
     timedOut,  \* history: generations the client stopped waiting for
     consumed   \* history: <<generation expected, generation of the bytes read>>
 
-vars == <<pool, xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+vars == <<pool, xfer, req, nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 clientVars == <<pool, xfer, req>>
 
 Gens == 1..MaxGen
@@ -75,7 +101,9 @@ Mine(r, g)  == Tracked(g) /\ xfer[g].req = r
 Undrained(r) == {g \in Gens : Mine(r, g) /\ xfer[g].st # "leaked"}
 InFlight(r)  == {g \in Gens : Mine(r, g) /\ xfer[g].st = "inflight"}
 LeakedBuffers == {b \in Buffers : pool[b].st = "leaked"}
-Running(g)  == wire[g] # None /\ wire[g].st = "running"
+Known(g)    == wire[g] # None
+\* Transfer g is physically in progress (it may still write its buffer).
+Moving(g)   == \E b \in Buffers : <<g, b>> \in moving
 
 (***************************************************************************)
 (* Guards and updates that the weakened models (Timeout_Weak_...) replace. *)
@@ -104,6 +132,19 @@ WeakWriteOffAlways == TRUE
 WrittenOff(g) == [xfer EXCEPT ![g].st = "leaked"]
 \* Weakened: the client forgets it; the late callback then looks stale.
 WeakForgetWrittenOff(g) == [xfer EXCEPT ![g] = None]
+
+\* What the storage node remembers of transfer g into b once it started it:
+\* a running record, until the transfer finishes.
+Started(g, b) == [buf |-> b, st |-> "running"]
+\* Weakened: the node hands the transfer to the NIC and forgets it at once,
+\* while it still runs.
+WeakForgetRunning(g, b) == None
+\* What it remembers once transfer g finished with outcome st ("landed" or
+\* "stopped"): nothing.
+Finished(g, st) == None
+\* Weakened: the node keeps every finished transfer (its table grows by one
+\* record per transfer, without bound).
+WeakNeverForget(g, st) == [wire[g] EXCEPT !.st = st]
 
 (***************************************************************************)
 (* Drain: the completion or the cancel ack of a timed-out (or written-off)  *)
@@ -139,6 +180,7 @@ Init ==
     /\ req = [r \in Requests |-> "active"]
     /\ nextGen = 1
     /\ wire = [g \in Gens |-> None]
+    /\ moving = {}
     /\ data = [b \in Buffers |-> 0]
     /\ cbs = {}
     /\ cancels = {}
@@ -151,7 +193,7 @@ Acquire(r, b) ==
     /\ req[r] = "active"
     /\ pool[b].st = "free"
     /\ pool' = [pool EXCEPT ![b] = [owner |-> r, gen |-> 0, st |-> "held"]]
-    /\ UNCHANGED <<xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+    /\ UNCHANGED <<xfer, req, nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* An active request gives back a buffer no transfer may write.
 Release(r, b) ==
@@ -159,7 +201,7 @@ Release(r, b) ==
     /\ pool[b].owner = r
     /\ pool[b].st \in {"held", "ready", "used"}
     /\ pool' = [pool EXCEPT ![b] = FreeBuf]
-    /\ UNCHANGED <<xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+    /\ UNCHANGED <<xfer, req, nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* Load into a held buffer: a new generation, tracked by the client and
 \* started on the storage node / NIC.
@@ -170,23 +212,28 @@ Issue(r, b) ==
     /\ nextGen \in Gens
     /\ pool' = [pool EXCEPT ![b] = [owner |-> r, gen |-> nextGen, st |-> "loading"]]
     /\ xfer' = [xfer EXCEPT ![nextGen] = [req |-> r, buf |-> b, st |-> "inflight", cancels |-> 0]]
-    /\ wire' = [wire EXCEPT ![nextGen] = [buf |-> b, st |-> "running"]]
+    /\ wire' = [wire EXCEPT ![nextGen] = Started(nextGen, b)]
+    /\ moving' = moving \cup {<<nextGen, b>>}
     /\ nextGen' = nextGen + 1
     /\ UNCHANGED <<req, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* Storage node / NIC: transfer g completes, possibly long after the client
-\* timed it out; its bytes land in its buffer and a callback is sent.
+\* timed it out; its bytes land in its buffer and a callback, which names
+\* the buffer, is sent.  The node forgets the transfer.  (In a weakened
+\* model a transfer the node already forgot may land too.)
 Land(g) ==
-    /\ Running(g)
-    /\ wire' = [wire EXCEPT ![g].st = "landed"]
-    /\ data' = [data EXCEPT ![wire[g].buf] = g]
-    /\ cbs' = cbs \cup {g}
+    /\ Moving(g)
+    /\ LET b == CHOOSE b \in Buffers : <<g, b>> \in moving IN
+       /\ moving' = moving \ {<<g, b>>}
+       /\ wire' = IF Known(g) THEN [wire EXCEPT ![g] = Finished(g, "landed")] ELSE wire
+       /\ data' = [data EXCEPT ![b] = g]
+       /\ cbs' = cbs \cup {<<g, b>>}
     /\ UNCHANGED <<pool, xfer, req, nextGen, cancels, acks, timedOut, consumed>>
 
-\* Client: a completion callback (g, its buffer) arrives, perhaps again.
-Complete(g) ==
-    /\ g \in cbs
-    /\ LET h == Addressee(g, wire[g].buf) IN
+\* Client: a completion callback (g, its buffer b) arrives, perhaps again.
+Complete(g, b) ==
+    /\ <<g, b>> \in cbs
+    /\ LET h == Addressee(g, b) IN
          IF h = None
          THEN UNCHANGED clientVars                        \* stale or duplicate: dropped
          ELSE IF xfer[h].st = "inflight"
@@ -194,7 +241,7 @@ Complete(g) ==
               /\ xfer' = [xfer EXCEPT ![h] = None]
               /\ UNCHANGED req
          ELSE OnLateCompletion(h)
-    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+    /\ UNCHANGED <<nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* Client: stop waiting for an in-flight transfer.  Its buffer is quarantined.
 Timeout(g) ==
@@ -203,7 +250,7 @@ Timeout(g) ==
     /\ xfer' = [xfer EXCEPT ![g].st = "timedout"]
     /\ pool' = [pool EXCEPT ![xfer[g].buf] = TimedOutBuffer(xfer[g].buf)]
     /\ timedOut' = timedOut \cup {g}
-    /\ UNCHANGED <<req, nextGen, wire, data, cbs, cancels, acks, consumed>>
+    /\ UNCHANGED <<req, nextGen, wire, moving, data, cbs, cancels, acks, consumed>>
 
 \* Client: ask the storage node to stop a timed-out transfer (a retry resends).
 Cancel(g) ==
@@ -212,14 +259,20 @@ Cancel(g) ==
     /\ xfer[g].cancels < MaxCancels
     /\ xfer' = [xfer EXCEPT ![g].cancels = @ + 1]
     /\ cancels' = cancels \cup {g}
-    /\ UNCHANGED <<pool, req, nextGen, wire, data, cbs, acks, timedOut, consumed>>
+    /\ UNCHANGED <<pool, req, nextGen, wire, moving, data, cbs, acks, timedOut, consumed>>
 
 \* Storage node: on a cancel, stop the transfer if it still runs (it never
-\* writes again), then acknowledge.  A transfer that already landed is
-\* acknowledged too; its callback is already on the way.
+\* writes again), forget it, then acknowledge.  A cancel of a generation
+\* the node does not know is acknowledged without effect: that transfer
+\* landed (its callback is already on the way) or was stopped, and was
+\* forgotten (see the head of the module for why it cannot be one whose
+\* load has not reached the node yet).
 StorageCancel(g) ==
     /\ g \in cancels
-    /\ wire' = [wire EXCEPT ![g].st = IF @ = "running" THEN "stopped" ELSE @]
+    /\ IF Known(g) /\ wire[g].st = "running"
+       THEN /\ wire' = [wire EXCEPT ![g] = Finished(g, "stopped")]
+            /\ moving' = moving \ {<<g, wire[g].buf>>}
+       ELSE UNCHANGED <<wire, moving>>                    \* unknown (or, weakened, finished)
     /\ acks' = acks \cup {g}
     /\ UNCHANGED <<pool, xfer, req, nextGen, data, cbs, cancels, timedOut, consumed>>
 
@@ -229,7 +282,7 @@ CancelAck(g) ==
     /\ IF Tracked(g) /\ xfer[g].st \in {"timedout", "leaked"}
        THEN Drain(g)
        ELSE UNCHANGED clientVars                          \* stale or duplicate: dropped
-    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+    /\ UNCHANGED <<nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* Client: every cancel went unanswered; write the transfer off.  The buffer
 \* moves from the request to the leak ledger (still quarantined) and the
@@ -244,7 +297,7 @@ GiveUp(g) ==
          /\ pool' = [pool EXCEPT ![xfer[g].buf] = [owner |-> None, gen |-> g, st |-> "leaked"]]
          /\ req' = IF req[r] = "draining" /\ Undrained(r) = {g}
                    THEN [req EXCEPT ![r] = "ended"] ELSE req
-    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, timedOut, consumed>>
+    /\ UNCHANGED <<nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* A request ends (cancelled, or finished with nothing in flight): its
 \* in-flight loads are abandoned like timeouts, buffers no transfer can
@@ -260,7 +313,7 @@ EndRequest(r) ==
                   ELSE FreeBuf]
     /\ req' = [req EXCEPT ![r] = EndState(r)]
     /\ timedOut' = timedOut \cup abandoned
-    /\ UNCHANGED <<nextGen, wire, data, cbs, cancels, acks, consumed>>
+    /\ UNCHANGED <<nextGen, wire, moving, data, cbs, cancels, acks, consumed>>
 
 \* The engine no longer needs the result.
 RequestCancel(r) ==
@@ -280,14 +333,15 @@ Consume(r, b) ==
     /\ pool[b].st = "ready"
     /\ pool' = [pool EXCEPT ![b].st = "used"]
     /\ consumed' = consumed \cup {<<pool[b].gen, data[b]>>}
-    /\ UNCHANGED <<xfer, req, nextGen, wire, data, cbs, cancels, acks, timedOut>>
+    /\ UNCHANGED <<xfer, req, nextGen, wire, moving, data, cbs, cancels, acks, timedOut>>
 
 Next ==
     \/ \E r \in Requests, b \in Buffers :
           Acquire(r, b) \/ Release(r, b) \/ Issue(r, b) \/ Consume(r, b)
     \/ \E g \in Gens :
-          \/ Land(g) \/ Complete(g) \/ Timeout(g) \/ Cancel(g)
+          \/ Land(g) \/ Timeout(g) \/ Cancel(g)
           \/ StorageCancel(g) \/ CancelAck(g) \/ GiveUp(g)
+    \/ \E g \in Gens, b \in Buffers : Complete(g, b)
     \/ \E r \in Requests : RequestCancel(r) \/ RequestFinish(r)
 
 (* The environment is fair: a running transfer eventually completes unless *)
@@ -295,11 +349,11 @@ Next ==
 (* and every callback and ack sent is eventually delivered (and processed). *)
 (* Nothing else is asked of the client: it may never cancel, never give up.*)
 Fairness ==
-    \A g \in Gens :
+    /\ \A g \in Gens :
         /\ WF_vars(Land(g))
         /\ WF_vars(StorageCancel(g))
-        /\ WF_vars(Complete(g))
         /\ WF_vars(CancelAck(g))
+    /\ \A g \in Gens, b \in Buffers : WF_vars(Complete(g, b))
 
 Spec == Init /\ [][Next]_vars /\ Fairness
 
@@ -314,8 +368,9 @@ TypeOK ==
     /\ req \in [Requests -> {"active", "draining", "ended"}]
     /\ nextGen \in 1..(MaxGen + 1)
     /\ wire \in [Gens -> {None} \cup [buf : Buffers, st : {"running", "landed", "stopped"}]]
+    /\ moving \subseteq Gens \X Buffers
     /\ data \in [Buffers -> 0..MaxGen]
-    /\ cbs \subseteq Gens /\ cancels \subseteq Gens /\ acks \subseteq Gens
+    /\ cbs \subseteq Gens \X Buffers /\ cancels \subseteq Gens /\ acks \subseteq Gens
     /\ timedOut \subseteq Gens
     /\ consumed \subseteq Gens \X (0..MaxGen)
 
@@ -323,9 +378,22 @@ TypeOK ==
 (* not free in the pool, not held by any request for anything else, not    *)
 (* waiting for another generation.                                         *)
 NoWriteIntoReassignedBuffer ==
-    \A g \in Gens : Running(g) =>
-        /\ pool[wire[g].buf].gen = g
-        /\ pool[wire[g].buf].st \in {"loading", "quarantined", "leaked"}
+    \A m \in moving :
+        /\ pool[m[2]].gen = m[1]
+        /\ pool[m[2]].st \in {"loading", "quarantined", "leaked"}
+
+(* The storage node forgets only transfers that can no longer write: every *)
+(* transfer in progress is one the node knows as running, into its buffer.*)
+(* So a cancel of a generation the node does not know may be acknowledged: *)
+(* nothing of that generation can write any more.                          *)
+NodeKnowsWhatMoves ==
+    \A m \in moving : Known(m[1]) /\ wire[m[1]] = [buf |-> m[2], st |-> "running"]
+
+(* The storage node's table does not leak: it holds only transfers still in *)
+(* progress, so it is bounded by the transfers in flight, not by the       *)
+(* transfers ever served.                                                  *)
+NodeTableBounded ==
+    \A g \in Gens : Known(g) => wire[g].st = "running" /\ <<g, wire[g].buf>> \in moving
 
 (* A callback from an older generation changes nothing: a buffer is ready *)
 (* only once its own generation's bytes landed in it, and the consumer     *)

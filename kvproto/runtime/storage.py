@@ -14,9 +14,18 @@ Tracked transfers (``spec/Timeout.tla``): a ``load`` (a read into a client's
 destination buffer) and a ``write`` naming ``owner``/``xfer`` are ``Start``-ed
 in the node's transfer table (:func:`~kvproto.statemachines.timeout.node_step`,
 one table per owner, i.e. per client transfer engine) on arrival, before any
-check, and ``Land`` when they run; ``cancel`` is ``StorageCancel``: a running
-transfer is stopped, then acknowledged, so a stopped load's bytes are never
-sent and a stopped write is discarded. Test-only faults are described on
+check, and ``Land`` when they run, whether their checks pass or they are
+answered with an error (either way they are finished and write nothing
+more); ``cancel`` is ``StorageCancel``: a running transfer is stopped, then
+acknowledged, so a stopped load's bytes are never sent and a stopped write is
+discarded. ``Land`` and a stopping ``StorageCancel`` forget the transfer, so a
+table holds only transfers that arrived and have not run yet (held by the
+``delay_ms`` fault, in practice none), and an owner whose table is empty is
+dropped: the node's memory is bounded by the transfers in flight, not by the
+transfers it ever served. A cancel of a generation the node does not know (it
+ran and was forgotten, or its load was lost) is acknowledged without effect:
+the cancel comes after its load on the same connection, so no load of that
+generation can still arrive. Test-only faults are described on
 :class:`StorageServer`.
 
 :class:`StorageServer` is the node's single-threaded ZeroMQ loop:
@@ -81,7 +90,8 @@ class StorageCore:
         self.table = RegionTable(segment)
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         #: the Timeout protocol's transfer table (``node_step``), one per owner:
-        #: an owner is one client transfer engine, whose generations are unique
+        #: an owner is one client transfer engine, whose generations are unique.
+        #: Only transfers in progress are kept, and only owners that have some.
         self.xfers: dict[str, NodeTransfers] = {}
 
     @property
@@ -117,6 +127,17 @@ class StorageCore:
         """``node_step`` on ``owner``'s table without committing: ``(table, effects)``."""
         return node_step(self.xfers.get(owner, NodeTransfers()), event)
 
+    def _xfer_commit(self, owner: str, table: NodeTransfers) -> None:
+        """Store ``owner``'s table; an owner with no transfer in progress is dropped."""
+        if table.transfers:
+            self.xfers[owner] = table
+        else:
+            self.xfers.pop(owner, None)
+
+    def xfer_records(self) -> int:
+        """Transfer records held, over all owners (the transfers in progress)."""
+        return sum(len(t.transfers) for t in list(self.xfers.values()))
+
     def start(self, op: str, body: dict) -> None:
         """``Start``: record a tracked transfer as running as soon as it arrives,
         before anything about it is checked, so that a cancel of it is always
@@ -128,23 +149,27 @@ class StorageCore:
         table, effects = self._xfer_step(owner, Start(body["xfer"], buffer))
         if effects and isinstance(effects[0], XferRefused):
             raise effects[0].error
-        self.xfers[owner] = table
+        self._xfer_commit(owner, table)
 
-    def _land(self, body: dict):
-        """``Land`` of a tracked transfer, not committed: the new table, or None
-        when the transfer was stopped by a cancel (it must not write)."""
+    def _land(self, body: dict) -> bool:
+        """``Land`` of a tracked transfer about to run: it is finished and
+        forgotten (whether its checks then pass or not, it writes nothing after
+        this step). False when a cancel stopped it (it must not write)."""
         table, effects = self._xfer_step(body["owner"], Land(body["xfer"]))
         if effects and isinstance(effects[0], XferRefused):
-            return None
-        return table
+            return False
+        self._xfer_commit(body["owner"], table)
+        return True
 
     def _op_cancel(self, body, payloads):
-        """``StorageCancel``: stop the transfer if it still runs, then acknowledge."""
+        """``StorageCancel``: stop (and forget) the transfer if it still runs,
+        then acknowledge; a generation the node does not know is acknowledged
+        without effect (it ran, or its load was lost; it cannot still arrive)."""
         owner, gen = body["owner"], body["xfer"]
         table, effects = self._xfer_step(owner, StorageCancel(gen))
         if effects and isinstance(effects[0], XferRefused):
             raise effects[0].error
-        self.xfers[owner] = table
+        self._xfer_commit(owner, table)
         self.counters["cancels"] += 1
         return {"xfer": gen, "acked": True}, []
 
@@ -155,24 +180,17 @@ class StorageCore:
             return self.stats(), []
         if op == "cancel":
             return self._op_cancel(body, payloads)
-        landed = None
-        if self.tracked(op, body):
-            landed = self._land(body)
-            if landed is None:
-                self.counters["discarded"] += 1
-                if op == "load":
-                    return None
-                raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
+        if self.tracked(op, body) and not self._land(body):
+            self.counters["discarded"] += 1
+            if op == "load":
+                return None
+            raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
         self._check_segment(body)
         if op == "load":
             result = self._op_read(body, payloads)
             self.counters["loads"] += 1
-            result = {"xfer": body["xfer"], "buffer": body["buffer"]}, result[1]
-        else:
-            result = getattr(self, "_op_" + op)(body, payloads)
-        if landed is not None:
-            self.xfers[body["owner"]] = landed   # the checks passed: it landed
-        return result
+            return {"xfer": body["xfer"], "buffer": body["buffer"]}, result[1]
+        return getattr(self, "_op_" + op)(body, payloads)
 
     def _op_assign(self, body, payloads):
         mem = self.memory

@@ -50,9 +50,9 @@ A load the node *refuses* (a stale token, a lost segment) is answered with an
 error and no bytes. The pool machine has no "failed completion" event (its
 loads end by ``Complete``, ``Timeout`` or the request ending), so the engine
 treats it as giving up on the load: ``Timeout`` (the caller gets the node's
-error, not ``TransferTimeout``) and ``Cancel``; the node recorded the transfer
-(``Start``) before checking it, so the cancel is acknowledged and the buffer
-drains after one more round trip.
+error, not ``TransferTimeout``) and ``Cancel``; the node finished and forgot
+the refused transfer, so the cancel is acknowledged (as an unknown generation)
+and the buffer drains after one more round trip.
 
 Requests (:meth:`TransferEngine.request`): ``acquire`` a free buffer (the pool
 hands out only free ones), ``load``/``get_into`` into it, ``consume`` it (the
@@ -69,9 +69,9 @@ bytes into its buffer. Generations are per engine, so the node keys its
 transfer table by ``owner`` (the engine's id).
 
 What the engine does not do: a view returned by ``consume`` stays valid after
-``release`` (Python cannot revoke it): do not keep it. The node forgets no
-transfer record (the machine has no rule for it), so a node's transfer tables
-grow by one small record per load.
+``release`` (Python cannot revoke it): do not keep it. (The node forgets a
+transfer once it landed or was stopped, so its table for this engine holds only
+the loads it has received and not yet run.)
 """
 
 from __future__ import annotations

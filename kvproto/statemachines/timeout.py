@@ -10,7 +10,10 @@ stopped. Two processes take part:
   and replaces it only with what ``pool_step`` returns;
 * a storage node's (or NIC's) :class:`NodeTransfers`, the transfers it is
   running, stepped by :func:`node_step`. It acknowledges a cancel only once the
-  transfer can no longer write.
+  transfer can no longer write, and forgets a transfer in the step that
+  finishes it (``Land``, or a ``StorageCancel`` that stops it), so its table
+  holds only the transfers in progress; a cancel of a generation it does not
+  know is acknowledged without effect.
 
 :class:`System` composes them with the buffers' bytes and the messages between
 them into the closed system the spec describes; its actions (:data:`ACTIONS`)
@@ -689,9 +692,7 @@ def load_outcome(pool: Pool, buffer: str):
 
 
 class WireState(str, enum.Enum):
-    RUNNING = "running"
-    LANDED = "landed"
-    STOPPED = "stopped"
+    RUNNING = "running"   # the only state a record has: finished transfers are forgotten
 
 
 @attrs.frozen
@@ -702,7 +703,9 @@ class WireTransfer:
 
 @attrs.frozen
 class NodeTransfers:
-    """A storage node's (or NIC's) transfers: generation -> :class:`WireTransfer`."""
+    """A storage node's (or NIC's) transfers in progress: generation ->
+    :class:`WireTransfer`. A transfer that landed or was stopped is forgotten,
+    so the table is bounded by the transfers in flight (``NodeTableBounded``)."""
 
     transfers: immutables.Map = immutables.Map()
 
@@ -737,33 +740,43 @@ class CompletionSent:
 
 @attrs.frozen
 class AckSent:
+    """Acknowledge the cancel of ``gen``; ``stopped``: it stopped a running
+    transfer (otherwise the node did not know ``gen``: it had landed or been
+    stopped and was forgotten)."""
+
     gen: int
+    stopped: bool = False
 
 
 def node_step(node: NodeTransfers, event) -> tuple[NodeTransfers, Effects]:
     """Apply one event to a storage node's transfers.
 
-    A cancel stops a running transfer before it is acknowledged, so the ack
-    promises that the transfer will never write again; a transfer that already
-    landed is acknowledged too (its completion is on the way). Cancels are
-    idempotent: every one is acknowledged.
+    A transfer is recorded when its load arrives (``Start``) and forgotten in
+    the step that finishes it: ``Land`` (answered with the completion, which
+    carries the buffer) or a ``StorageCancel`` that stops it. A cancel stops a
+    running transfer before it is acknowledged, so the ack promises that the
+    transfer will never write again. A cancel of a generation the node does
+    not know is acknowledged without effect: the cancel travels after its load
+    on the same ordered connection, so that transfer already landed or was
+    stopped (or its load was lost and never runs). Cancels are idempotent:
+    every one is acknowledged. A ``Land`` of a generation the node does not
+    know (a load a cancel stopped before it ran) is refused: it must not write.
     """
     t = node.transfers.get(event.gen)
     if isinstance(event, Start):
         if t is not None:
             return _refuse(node, errors.InvalidArgument(f"transfer {event.gen} already started"))
         return NodeTransfers(node.transfers.set(event.gen, WireTransfer(event.buffer))), ()
-    if t is None:
-        return _refuse(node, errors.StaleGeneration(f"transfer {event.gen} unknown"))
     if isinstance(event, Land):
-        if t.state is not WireState.RUNNING:
-            return _refuse(node, errors.StaleGeneration(f"transfer {event.gen} is {t.state.value}"))
-        done = attrs.evolve(t, state=WireState.LANDED)
-        return NodeTransfers(node.transfers.set(event.gen, done)), (CompletionSent(event.gen, t.buffer),)
+        if t is None:
+            return _refuse(node, errors.StaleGeneration(
+                f"transfer {event.gen} is not running (stopped by a cancel, or unknown)"))
+        return (NodeTransfers(node.transfers.delete(event.gen)),
+                (CompletionSent(event.gen, t.buffer),))
     if isinstance(event, StorageCancel):
-        if t.state is WireState.RUNNING:
-            node = NodeTransfers(node.transfers.set(event.gen, attrs.evolve(t, state=WireState.STOPPED)))
-        return node, (AckSent(event.gen),)
+        if t is None:
+            return node, (AckSent(event.gen),)
+        return NodeTransfers(node.transfers.delete(event.gen)), (AckSent(event.gen, stopped=True),)
     raise TypeError(f"not a storage-node event: {event!r}")
 
 
@@ -776,8 +789,9 @@ def node_step(node: NodeTransfers, event) -> tuple[NodeTransfers, Effects]:
 class System:
     pool: Pool
     node: NodeTransfers = NodeTransfers()
+    moving: frozenset = frozenset()            # physical: (gen, buffer) of transfers that may still write
     data: immutables.Map = immutables.Map()   # buffer -> generation whose bytes it holds
-    callbacks: frozenset = frozenset()         # completions sent (deliverable again and again)
+    callbacks: frozenset = frozenset()         # completions sent, (gen, buffer) (deliverable again and again)
     cancels: frozenset = frozenset()           # cancels sent to the storage node
     acks: frozenset = frozenset()              # cancel acks sent to the client
     timed_out: frozenset = frozenset()         # history: generations the client stopped waiting for
@@ -799,18 +813,20 @@ class System:
         pool, effects = pool_step(self.pool, event)
         if pool is self.pool:
             return self, effects
-        node, cancels, timed_out, consumed = self.node, self.cancels, self.timed_out, self.consumed
+        node, moving = self.node, self.moving
+        cancels, timed_out, consumed = self.cancels, self.timed_out, self.consumed
         for eff in effects:
             if isinstance(eff, Issued):
                 node, _ = node_step(node, Start(eff.gen, eff.buffer))
+                moving = moving | {(eff.gen, eff.buffer)}
             elif isinstance(eff, SendCancel):
                 cancels = cancels | {eff.gen}
             elif isinstance(eff, LoadFailed):
                 timed_out = timed_out | {eff.gen}
             elif isinstance(eff, Consumed):
                 consumed = consumed | {(eff.gen, self.data[eff.buffer])}
-        return self._with(pool=pool, node=node, cancels=cancels, timed_out=timed_out,
-                          consumed=consumed), effects
+        return self._with(pool=pool, node=node, moving=moving, cancels=cancels,
+                          timed_out=timed_out, consumed=consumed), effects
 
 
 def _accepted(effects: Effects) -> bool:
@@ -860,12 +876,12 @@ def sys_request_finish(sys: System, r: str) -> Optional[System]:
     return _client(RequestFinish(r))(sys)
 
 
-def sys_complete(sys: System, g: int) -> Optional[System]:
-    """Deliver transfer ``g``'s completion callback (again, if it was before).
-    A stale one is dropped: the result equals ``sys``."""
-    if g not in sys.callbacks:
+def sys_complete(sys: System, g: int, b: str) -> Optional[System]:
+    """Deliver transfer ``g``'s completion callback into ``b`` (again, if it
+    was before). A stale one is dropped: the result equals ``sys``."""
+    if (g, b) not in sys.callbacks:
         return None
-    return sys._pool(Complete(g, sys.node.transfers[g].buffer))[0]
+    return sys._pool(Complete(g, b))[0]
 
 
 def sys_cancel_ack(sys: System, g: int) -> Optional[System]:
@@ -876,20 +892,27 @@ def sys_cancel_ack(sys: System, g: int) -> Optional[System]:
 
 
 def sys_land(sys: System, g: int) -> Optional[System]:
-    """Transfer ``g`` completes: its bytes land and its callback is sent."""
-    node, effects = node_step(sys.node, Land(g))
-    if not _accepted(effects):
+    """Transfer ``g`` completes: its bytes land, its callback (naming the
+    buffer) is sent, and the node forgets it."""
+    moving = [m for m in sys.moving if m[0] == g]
+    if not moving:
         return None
+    node, effects = node_step(sys.node, Land(g))
+    assert _accepted(effects), "a transfer in progress is one the node knows"
     (sent,) = effects
-    return sys._with(node=node, data=sys.data.set(sent.buffer, g), callbacks=sys.callbacks | {g})
+    return sys._with(node=node, moving=sys.moving - {moving[0]}, data=sys.data.set(sent.buffer, g),
+                     callbacks=sys.callbacks | {(g, sent.buffer)})
 
 
 def sys_storage_cancel(sys: System, g: int) -> Optional[System]:
-    """A cancel of ``g`` reaches the storage node: stop, then acknowledge."""
+    """A cancel of ``g`` reaches the storage node: stop (and forget) it if it
+    still runs, then acknowledge, known or not."""
     if g not in sys.cancels:
         return None
-    node, _ = node_step(sys.node, StorageCancel(g))
-    return sys._with(node=node, acks=sys.acks | {g})
+    running = sys.node.transfers.get(g)
+    node, (ack,) = node_step(sys.node, StorageCancel(g))
+    moving = sys.moving - {(g, running.buffer)} if ack.stopped else sys.moving
+    return sys._with(node=node, moving=moving, acks=sys.acks | {g})
 
 
 #: The spec's actions, each as a function on :class:`System` that returns the
@@ -948,19 +971,35 @@ def type_ok(sys: System) -> bool:
         return False
     if pool.leaked != sum(b.state is BufState.LEAKED for b in pool.buffers.values()):
         return False
-    return all(g in sys.node.transfers for g in sys.callbacks | sys.cancels | sys.acks)
+    sent = {g for g, _ in sys.callbacks | sys.moving} | sys.cancels | sys.acks
+    return (all(0 < g < pool.next_gen for g in sent)
+            and all(b in pool.buffers for _, b in sys.callbacks | sys.moving)
+            and all(isinstance(w, WireTransfer) and w.state is WireState.RUNNING
+                    and w.buffer in pool.buffers and 0 < g < pool.next_gen
+                    for g, w in sys.node.transfers.items()))
 
 
 def no_write_into_reassigned_buffer(sys: System) -> bool:
-    """Spec ``NoWriteIntoReassignedBuffer``: the buffer a running transfer may
-    write still waits for that transfer's generation."""
-    for gen, w in sys.node.transfers.items():
-        if w.state is WireState.RUNNING:
-            buf = sys.pool.buffers[w.buffer]
-            if buf.gen != gen or buf.state not in (BufState.LOADING, BufState.QUARANTINED,
-                                                   BufState.LEAKED):
-                return False
+    """Spec ``NoWriteIntoReassignedBuffer``: the buffer a transfer in
+    progress may write still waits for that transfer's generation."""
+    for gen, b in sys.moving:
+        buf = sys.pool.buffers[b]
+        if buf.gen != gen or buf.state not in (BufState.LOADING, BufState.QUARANTINED,
+                                               BufState.LEAKED):
+            return False
     return True
+
+
+def node_knows_what_moves(sys: System) -> bool:
+    """Spec ``NodeKnowsWhatMoves``: the node never forgot a transfer that may
+    still write, so acknowledging a cancel of an unknown generation is safe."""
+    return all(sys.node.transfers.get(g) == WireTransfer(b) for g, b in sys.moving)
+
+
+def node_table_bounded(sys: System) -> bool:
+    """Spec ``NodeTableBounded``: the node keeps only transfers in progress."""
+    return all(w.state is WireState.RUNNING and (g, w.buffer) in sys.moving
+               for g, w in sys.node.transfers.items())
 
 
 def stale_callbacks_have_no_effect(sys: System) -> bool:
@@ -1027,6 +1066,8 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
     "RequestEndsOnlyAfterDrain": request_ends_only_after_drain,
     "LeakBounded": leak_bounded,
     "BuffersAccounted": buffers_accounted,
+    "NodeKnowsWhatMoves": node_knows_what_moves,
+    "NodeTableBounded": node_table_bounded,
 }
 
 
@@ -1077,12 +1118,14 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
             yield from emit("Consume", sys_consume(sys, r, b))
     for g in range(1, c.max_gen + 1):
         yield from emit("Land", sys_land(sys, g))
-        yield from emit("Complete", sys_complete(sys, g))
         yield from emit("Timeout", sys_timeout(sys, g))
         yield from emit("Cancel", sys_cancel(sys, g))
         yield from emit("StorageCancel", sys_storage_cancel(sys, g))
         yield from emit("CancelAck", sys_cancel_ack(sys, g))
         yield from emit("GiveUp", sys_give_up(sys, g))
+    for g in range(1, c.max_gen + 1):
+        for b in c.buffers:
+            yield from emit("Complete", sys_complete(sys, g, b))
     for r in c.requests:
         yield from emit("RequestCancel", sys_request_cancel(sys, r))
         yield from emit("RequestFinish", sys_request_finish(sys, r))
@@ -1096,9 +1139,10 @@ def to_tla(sys: System, c: Constants) -> Fn:
 
     Buffers and requests map to model values of the same name, generation ``g``
     to index ``g`` of ``xfer`` and ``wire`` (functions over ``1..MaxGen``, so
-    tuples), an absent owner, transfer or request record to the model value
-    ``None``, and a request the pool forgot to ``"ended"``. :class:`Stats` are
-    observations and are not mapped.
+    tuples), an absent owner, transfer or request record (a transfer the node
+    forgot included) to the model value ``None``, a ``(gen, buffer)`` pair of
+    ``moving`` or ``callbacks`` to ``<<gen, buffer>>``, and a request the pool
+    forgot to ``"ended"``. :class:`Stats` are observations and are not mapped.
     """
     pool = sys.pool
 
@@ -1129,8 +1173,9 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "req": Fn.of({ModelValue(r): req(r) for r in c.requests}),
         "nextGen": pool.next_gen,
         "wire": tuple(wire(g) for g in gens),
+        "moving": frozenset((g, ModelValue(b)) for g, b in sys.moving),
         "data": Fn.of({ModelValue(b): sys.data[b] for b in c.buffers}),
-        "cbs": frozenset(sys.callbacks),
+        "cbs": frozenset((g, ModelValue(b)) for g, b in sys.callbacks),
         "cancels": frozenset(sys.cancels),
         "acks": frozenset(sys.acks),
         "timedOut": frozenset(sys.timed_out),

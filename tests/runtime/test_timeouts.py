@@ -280,3 +280,45 @@ def test_debug_op_sets_faults(cluster, node, raw):
     reply = raw(node.endpoint).call("debug", {"drop": 0, "reply_delay_ms": 7})
     assert reply.status == 0 and reply.body["reply_delay_ms"] == 7
     assert node.faults["reply_delay_ms"] == 7
+
+
+def test_node_transfer_table_stays_bounded_over_500_loads(client, node):
+    """500 loads through one engine, 10 at a time: plain rounds, rounds held at
+    the node and timed out (the cancel stops them there), rounds whose replies
+    are late (the cancel reaches a node that already ran and forgot them, and is
+    acknowledged all the same). The node forgets every transfer that landed or
+    was stopped, so its table never holds more than the loads in flight and is
+    empty (the engine's entry gone) when none is; nothing is written off."""
+    KEY, N, ROUNDS = b"bounded", 10, 50
+    data = put(client, KEY, blob(40, 4 * KiB))
+    engine = client.transfer_engine(buffers=N, buffer_size=4 * KiB, cancel_interval=0.05)
+    r = engine.request()
+    held_peak = ok = timeouts = 0
+    for rnd in range(ROUNDS):
+        held, late = rnd % 10 == 3, rnd % 10 == 7
+        node.faults["delay_ms"] = 300 if held else 0
+        node.faults["reply_delay_ms"] = 150 if late else 0
+        bufs = [r.acquire() for _ in range(N)]
+        loads = [r.load(KEY, b, timeout=0.05 if held or late else 5.0) for b in bufs]
+        if held:   # all N arrived and wait at the node: the table holds exactly them
+            wait_for(lambda: node.core.xfer_records() == N, 2.0, what="held loads")
+            held_peak = max(held_peak, node.core.xfer_records())
+            assert len(node.core.xfers.get(engine.owner).transfers) == N
+        for t, b in zip(loads, bufs):
+            try:
+                t.wait()
+            except errors.TransferTimeout:
+                timeouts += 1       # quarantined; the cancel's ack frees it
+            else:
+                assert bytes(r.consume(b)) == data
+                r.release(b)
+                ok += 1
+        assert engine.wait_idle(3.0)
+        assert node.core.xfer_records() <= N
+    node.faults["delay_ms"] = node.faults["reply_delay_ms"] = 0
+    assert ok + timeouts == ROUNDS * N and ok >= 40 * N and timeouts >= 5 * N
+    assert held_peak == N
+    wait_for(lambda: node.core.xfer_records() == 0, 3.0, what="empty table")
+    assert engine.owner not in node.core.xfers
+    c = engine.counts()
+    assert (c["free"], c["quarantined"], c["leaked"], c["written_off"]) == (N, 0, 0, 0)

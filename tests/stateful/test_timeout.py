@@ -1,8 +1,9 @@
 """Timeouts, quarantine and drain far beyond what TLC enumerates: a pool of a
 dozen buffers shared by requests that come and go, transfers that complete
 long after they timed out, completion callbacks and cancel acks delivered again
-and again (after their buffer was reused), cancels that go unanswered, and
-requests cancelled with loads in flight. Every invariant of spec/Timeout.tla is
+and again (after their buffer was reused), cancels that go unanswered or reach
+a storage node that already forgot the transfer, and requests cancelled with
+loads in flight. Every invariant of spec/Timeout.tla is
 checked after every step; every refused event is checked to change nothing,
 and every stale callback to change nothing but the counter that observes it."""
 
@@ -58,8 +59,7 @@ class TimeoutSystem(RuleBasedStateMachine):
         return sorted(g for g, t in self.sys.pool.transfers.items() if t.state in states)
 
     def running(self):
-        return sorted(g for g, w in self.sys.node.transfers.items()
-                      if w.state is T.WireState.RUNNING)
+        return sorted(g for g, _ in self.sys.moving)
 
     def pick(self, data, items):
         return data.draw(st.sampled_from(items))
@@ -196,11 +196,11 @@ class TimeoutSystem(RuleBasedStateMachine):
     def complete(self, data):
         """Deliver any completion callback ever sent: the first, a duplicate,
         or one whose buffer has since been drained and reused."""
-        self.complete_one(self.pick(data, sorted(self.sys.callbacks)))
+        self.complete_one(*self.pick(data, sorted(self.sys.callbacks)))
 
-    def complete_one(self, g):
+    def complete_one(self, g, b):
         t = self.sys.pool.transfers.get(g)
-        new = T.sys_complete(self.sys, g)
+        new = T.sys_complete(self.sys, g, b)
         if t is None:
             assert new == self.sys and new.pool.stats.stale_dropped == self.sys.pool.stats.stale_dropped + 1
         elif t.state is T.XferState.INFLIGHT:
@@ -217,13 +217,19 @@ class TimeoutSystem(RuleBasedStateMachine):
     def land(self, data):
         g = self.pick(data, self.running())
         self.sys = T.sys_land(self.sys, g)
+        assert g not in self.sys.node.transfers, "a landed transfer is forgotten"
 
     @precondition(lambda self: self.sys.cancels)
     @rule(data=st.data())
     def storage_cancel(self, data):
         g = self.pick(data, sorted(self.sys.cancels))
+        known = g in self.sys.node.transfers
+        before = self.sys
         self.sys = T.sys_storage_cancel(self.sys, g)
-        assert self.sys.node.transfers[g].state is not T.WireState.RUNNING
+        assert g not in self.sys.node.transfers and g in self.sys.acks
+        if not known:   # landed or stopped, and forgotten: acked without effect
+            assert self.sys.node == before.node and self.sys.moving == before.moving
+        assert not any(m[0] == g for m in self.sys.moving), "acked while it may still write"
 
     @precondition(lambda self: self.sys.acks)
     @rule(data=st.data())
@@ -243,9 +249,9 @@ class TimeoutSystem(RuleBasedStateMachine):
         """The common case: a transfer lands and its callback arrives at once."""
         g = self.pick(data, self.running())
         self.sys = T.sys_land(self.sys, g)
-        self.complete_one(g)
+        self.complete_one(*next(m for m in self.sys.callbacks if m[0] == g))
 
-    @precondition(lambda self: self.sys.node.transfers)
+    @precondition(lambda self: self.sys.pool.next_gen > 1)
     @rule(now=st.integers(0, 7))
     def everything_drains(self, now):
         """Fairness, played out (now and then): every running transfer
@@ -255,13 +261,14 @@ class TimeoutSystem(RuleBasedStateMachine):
             return
         for g in self.running():
             self.sys = T.sys_land(self.sys, g)
-        for g in sorted(self.sys.callbacks):
-            self.sys = T.sys_complete(self.sys, g)
+        for g, b in sorted(self.sys.callbacks):
+            self.sys = T.sys_complete(self.sys, g, b)
         for g in sorted(self.sys.acks):
             self.sys = T.sys_cancel_ack(self.sys, g)
         assert T.violated(self.sys) == []
         pool = self.sys.pool
         assert pool.leaked == 0 and not pool.transfers
+        assert not self.sys.node.transfers, "the node's table keeps only running transfers"
         assert all(b.state not in (T.BufState.QUARANTINED, T.BufState.LEAKED, T.BufState.LOADING)
                    for b in pool.buffers.values())
         assert all(q.state is T.ReqState.ACTIVE for q in pool.requests.values())
