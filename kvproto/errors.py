@@ -162,6 +162,28 @@ class RequestNotActive(KvError):
     code = 58
 
 
+# --- 60..69: read leases (spec/Lease.tla) ------------------------------------
+
+class ObjectLeased(KvError):
+    """The object is under an unexpired read lease; it cannot be removed or evicted now."""
+    code = 60
+
+
+class LeaseExpired(KvError):
+    """The read lease expired (or was released) at the master; it cannot be renewed or released."""
+    code = 61
+
+
+class LeaseHeld(KvError):
+    """This lease holder already holds a lease; one read holds at most one lease."""
+    code = 62
+
+
+class LeaseDeadlinePassed(KvError):
+    """The transfer completed after the reader's conservative lease deadline; its bytes are rejected."""
+    code = 63
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 

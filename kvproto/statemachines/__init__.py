@@ -4,6 +4,6 @@
 conformance test and the docs checker use.
 """
 
-from kvproto.statemachines import publish, timeout
+from kvproto.statemachines import lease, publish, timeout
 
-BINDINGS = {b.module: b for b in (publish.BINDING, timeout.BINDING)}
+BINDINGS = {b.module: b for b in (publish.BINDING, timeout.BINDING, lease.BINDING)}
