@@ -252,7 +252,7 @@ def _reachable_violations(c: L.Constants) -> dict[str, int]:
     seen, queue, broken = {start}, deque([start]), {}
     while queue:
         s = queue.popleft()
-        for name in L.violated(s):
+        for name in L.BINDING.violated(s):
             broken[name] = broken.get(name, 0) + 1
         for _, nxt in L.successors(s, c):
             if nxt not in seen:

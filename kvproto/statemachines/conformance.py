@@ -38,6 +38,10 @@ class SpecBinding:
     actions: Mapping[str, Callable]
     invariants: Mapping[str, Callable]
 
+    def violated(self, state: Hashable) -> list[str]:
+        """Names of the invariants ``state`` violates."""
+        return [name for name, check in self.invariants.items() if not check(state)]
+
     def graph(self, tla_constants: Mapping[str, Any], max_states: int = 100_000) -> StateGraph:
         """The Python machine's reachable graph for one model's constants."""
         c = self.constants(tla_constants)

@@ -33,7 +33,7 @@ import immutables
 
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
-from kvproto.statemachines.tla import Fn, ModelValue
+from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
 # --------------------------------------------------------------------------
 # Values
@@ -748,10 +748,6 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
 }
 
 
-def violated(sys: System) -> list[str]:
-    """Names of the invariants ``sys`` violates."""
-    return [name for name, check in INVARIANTS.items() if not check(sys)]
-
 
 # --------------------------------------------------------------------------
 # Model constants and the successor relation (for conformance and exploration)
@@ -773,9 +769,7 @@ class Constants:
 
     @classmethod
     def from_tla(cls, consts: Mapping) -> "Constants":
-        def names(v) -> tuple[str, ...]:
-            return tuple(sorted(m.name for m in v))
-        return cls(names(consts["Keys"]), names(consts["Writers"]), names(consts["Segments"]),
+        return cls(model_names(consts["Keys"]), model_names(consts["Writers"]), model_names(consts["Segments"]),
                    consts["SlotsPerSegment"], consts["ReplicaCount"],
                    consts["MaxToken"], consts["MaxReads"])
 

@@ -67,7 +67,7 @@ import immutables
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
 from kvproto.statemachines.reuse import Outcome
-from kvproto.statemachines.tla import Fn, ModelValue
+from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
 # --------------------------------------------------------------------------
 # Values
@@ -1071,10 +1071,6 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
 }
 
 
-def violated(sys: System) -> list[str]:
-    """Names of the invariants ``sys`` violates."""
-    return [name for name, check in INVARIANTS.items() if not check(sys)]
-
 
 # --------------------------------------------------------------------------
 # Model constants and the successor relation (for conformance and exploration)
@@ -1093,9 +1089,7 @@ class Constants:
 
     @classmethod
     def from_tla(cls, consts: Mapping) -> "Constants":
-        def names(v) -> tuple[str, ...]:
-            return tuple(sorted(m.name for m in v))
-        return cls(names(consts["Buffers"]), names(consts["Requests"]), consts["MaxGen"],
+        return cls(model_names(consts["Buffers"]), model_names(consts["Requests"]), consts["MaxGen"],
                    consts["MaxCancels"], consts["MaxLeaked"])
 
     def initial(self) -> System:

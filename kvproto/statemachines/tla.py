@@ -52,6 +52,11 @@ class ModelValue:
         return f"ModelValue({self.name!r})"
 
 
+def model_names(values) -> tuple[str, ...]:
+    """The sorted names of a set of model values (a cfg constant like ``{k1, k2}``)."""
+    return tuple(sorted(v.name for v in values))
+
+
 def sort_key(value: Value) -> tuple:
     """A total order over values, consistent with equality (used to canonicalise)."""
     if isinstance(value, (bool, int)):

@@ -263,7 +263,7 @@ class LeaseSystem(RuleBasedStateMachine):
 
     @invariant()
     def spec_invariants_hold(self):
-        assert L.violated(self.sys) == []
+        assert L.BINDING.violated(self.sys) == []
 
     def teardown(self):
         event(f"accepted {min(self.accepted, 5)}")

@@ -164,7 +164,7 @@ class PublishSystem(RuleBasedStateMachine):
 
     @invariant()
     def spec_invariants_hold(self):
-        assert P.violated(self.sys) == []
+        assert P.BINDING.violated(self.sys) == []
         self.steps += 1
         self.most_objects = max(self.most_objects, len(self.sys.directory.objects))
 

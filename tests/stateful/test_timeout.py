@@ -265,7 +265,7 @@ class TimeoutSystem(RuleBasedStateMachine):
             self.sys = T.sys_complete(self.sys, g, b)
         for g in sorted(self.sys.acks):
             self.sys = T.sys_cancel_ack(self.sys, g)
-        assert T.violated(self.sys) == []
+        assert T.BINDING.violated(self.sys) == []
         pool = self.sys.pool
         assert pool.leaked == 0 and not pool.transfers
         assert not self.sys.node.transfers, "the node's table keeps only running transfers"
@@ -294,7 +294,7 @@ class TimeoutSystem(RuleBasedStateMachine):
 
     @invariant()
     def spec_invariants_hold(self):
-        assert T.violated(self.sys) == []
+        assert T.BINDING.violated(self.sys) == []
         self.steps += 1
 
     def teardown(self):
