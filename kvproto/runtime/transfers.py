@@ -440,7 +440,10 @@ class TransferEngine:
     def _wake(self) -> None:
         with self._wake_lock:
             if not self._wake_tx.closed:
-                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+                try:
+                    self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the wake-up queue is full: the I/O thread is already due to run
 
     def _unpin(self, x: _Xfer) -> None:
         if x.pinned:
