@@ -23,6 +23,10 @@ read_end from the engine's I/O thread), next to the same gets through the
 plain ``get`` over the network and a raw pyzmq request/reply of 64 KiB, in the
 same run, with the ratios.
 
+Leases: 4 KiB gets in keys/s with a read lease per key (grant, the reader's
+acceptance check, release) and without (the publish pin), batch 1 and 128, on
+one store in the same run, with the ratios.
+
 Every figure is a median over repetitions and is printed with its ratio to the
 baseline measured in the same run.
 """
@@ -71,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--xfer-count", type=int, default=1000,
                         help="64 KiB gets per transfer-engine run (0 to skip)")
     parser.add_argument("--xfer-repeat", type=int, default=5, help="transfer-engine runs")
+    parser.add_argument("--lease-keys", type=int, default=2048,
+                        help="4 KiB keys per lease-vs-pin get run (0 skips the section)")
+    parser.add_argument("--lease-repeat", type=int, default=5, help="lease-vs-pin runs")
 
 
 def _median_rate(samples: list[float], nbytes: int) -> float:
@@ -293,6 +300,45 @@ def memory_per_object(objects: int) -> float:
     return float(out.stdout.strip())
 
 
+def lease_bench(keys: int, repeat: int) -> list[dict]:
+    """4 KiB gets, keys/s, with a read lease per key (grant, acceptance check,
+    release) and without (the publish pin: read_begin/read_end), batch 1 and
+    128, on the same store in the same run (the client's ``leases`` switch)."""
+    from kvproto.runtime.client import Client
+
+    procs, address = _start_store("256MiB")
+    rows = []
+    try:
+        with Client(address, timeout=60.0, leases=True) as leased, \
+                Client(address, timeout=60.0, leases=False) as pinned:
+            deadline = time.monotonic() + 20
+            while not any(s["live"] for s in leased.stats()["segments"].values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("storage node did not register")
+                time.sleep(0.05)
+            blob = bytes(4096)
+            names = [f"lease/{i}".encode() for i in range(keys)]
+            for at in range(0, keys, 128):
+                leased.put_many([(k, blob) for k in names[at:at + 128]])
+            for batch in (1, 128):
+                def run(c):
+                    t0 = time.perf_counter()
+                    for at in range(0, keys, batch):
+                        c.get_many(names[at:at + batch])
+                    return keys / (time.perf_counter() - t0)
+                with_l, without = [], []
+                for _ in range(repeat):           # interleaved, so drift hits both
+                    with_l.append(run(leased))
+                    without.append(run(pinned))
+                rows.append({"batch": batch, "lease": statistics.median(with_l),
+                             "pin": statistics.median(without)})
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"kvproto bench (medians of {args.repeat} transfers; loopback TCP; "
@@ -316,6 +362,12 @@ def main(args: argparse.Namespace) -> int:
               f"raw pyzmq {x['raw']:,.0f}")
         print(f"  engine / plain get {x['engine'] / x['get']:.2f}   engine / raw {x['engine'] / x['raw']:.2f}   "
               f"plain get / raw {x['get'] / x['raw']:.2f}")
+    if args.lease_keys:
+        print(f"\n4 KiB gets, keys/s, with and without a read lease (medians of {args.lease_repeat} "
+              f"runs of {args.lease_keys} keys; same store, same run)")
+        for r in lease_bench(args.lease_keys, args.lease_repeat):
+            print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
+                  f"leased / pinned {r['lease'] / r['pin']:.2f}")
     if args.memory_objects:
         per = memory_per_object(args.memory_objects)
         print(f"\nmaster memory: {per:.0f} bytes per published object "

@@ -71,6 +71,7 @@ import zmq
 from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.shm import LocalSegment, host_id, shm_exists
+from kvproto.statemachines import lease as lm
 
 Key = Any  # bytes-like or str
 
@@ -138,6 +139,32 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
         sock.close(linger=0)
 
 
+class ReadLease:
+    """A read lease the master granted (``read_begin``): where the bytes are,
+    the lease id and TTL, and ``sent``, the local time the request (or the last
+    accepted renewal) was sent: the deadline runs from there, never from the reply."""
+
+    __slots__ = ("key", "lease", "ttl", "sent", "token", "length", "replicas", "segments")
+
+    def __init__(self, key: bytes, lease: int, ttl: float, sent: float, token: int,
+                 length: int, replicas: list, segments: dict) -> None:
+        self.key, self.lease, self.ttl, self.sent = key, lease, ttl, sent
+        self.token, self.length, self.replicas, self.segments = token, length, replicas, segments
+
+    def deadline(self, max_skew: float) -> float:
+        """The local time by which the last byte must have been read."""
+        return lm.local_deadline(self.sent, self.ttl, max_skew)
+
+    def __repr__(self) -> str:
+        return f"ReadLease({self.key!r}, lease={self.lease}, ttl={self.ttl})"
+
+
+LEASE_COUNTERS = ("lease_reads", "lease_accepted", "lease_rejected",
+                  *(f"rejected_{r.value}" for r in lm.RejectReason),
+                  "renewals", "renewals_refused", "releases",
+                  "queued_s", "transferring_s", "verifying_s")
+
+
 class Client:
     """A connection to one kvproto master (and, on demand, its storage nodes)."""
 
@@ -146,7 +173,20 @@ class Client:
     BATCH = 4096
 
     def __init__(self, master: str, *, timeout: float = 30.0, local_reads: bool = True,
-                 context: Optional[zmq.Context] = None) -> None:
+                 context: Optional[zmq.Context] = None, leases: bool = True,
+                 max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None) -> None:
+        if max_skew < 0:
+            raise ValueError("max_skew must be >= 0")
+        #: gets take a read lease (and check it after the transfer); off: a pin
+        self.leases = leases
+        #: bound on this client's error measuring one read against the master's clock
+        self.max_skew = float(max_skew)
+        #: the phase budget rejections are classified against (default: the
+        #: master's TTL split between queueing and transfer, see ``_budget``)
+        self.lease_budget = lease_budget
+        self.lease_counters: dict[str, float] = dict.fromkeys(LEASE_COUNTERS, 0)
+        #: phases of the last leased read (queued, transferring, verifying), seconds
+        self.last_read: Optional[lm.ReadPhases] = None
         self.master = master
         self.timeout = float(timeout)
         self.local_reads = local_reads
@@ -455,33 +495,88 @@ class Client:
             return []
         ks = [_as_key(k) for k in keys]
         results: list[Optional[memoryview]] = [None] * len(ks)
+        leased = self.leases
         with self._lock, self._activity():
-            reply = self._call_master("read_begin", {"client": self.client_id, "keys": ks}, deadline)
+            body = {"client": self.client_id, "keys": ks}
+            if leased:
+                body["lease"] = True
+            sent = time.monotonic()            # the lease deadline runs from here
+            reply = self._call_master("read_begin", body, deadline)
             self._note_interval(reply)
             segments = reply.body.get("segments", {})
             granted: dict[int, tuple[int, int, list]] = {}
+            lease_of: dict[int, tuple[int, float]] = {}
             first_error: Optional[errors.KvError] = None
             for i, item in enumerate(wire.items_of(reply, len(ks))):
                 err, grant = wire.item_result(item)
                 if err is None:
                     granted[i] = (grant["token"], grant["length"], list(grant["replicas"]))
+                    if "lease" in grant:
+                        lease_of[i] = (grant["lease"], float(grant["ttl"]))
                 elif raise_miss or not isinstance(err, errors.KeyNotFound):
                     first_error = first_error or err
             try:
-                errs = self._read_all(ks, granted, segments, deadline, results)
+                started = time.monotonic()
+                done_at: dict[int, float] = {}
+                errs = self._read_all(ks, granted, segments, deadline, results, done_at)
                 for i in sorted(errs):
                     first_error = first_error or errs[i]
+                if lease_of:
+                    first_error = self._check_leases(ks, lease_of, sent, started, done_at,
+                                                     results) or first_error
             finally:
-                if granted:
-                    try:  # fire-and-forget: the reply is dropped by a later _gather
+                pins = [[ks[i], g[0]] for i, g in granted.items() if i not in lease_of]
+                try:  # fire-and-forget: the reply is dropped by a later _gather
+                    if pins:
                         self._send(self._master(), "read_end", {
-                            "client": self.client_id,
-                            "items": [[ks[i], g[0]] for i, g in granted.items()]})
-                    except (errors.KvError, zmq.ZMQError):
-                        pass
+                            "client": self.client_id, "items": pins})
+                    if lease_of:
+                        self._send(self._master(), "release", {
+                            "client": self.client_id, "leases": [l for l, _ in lease_of.values()]})
+                        self.lease_counters["releases"] += len(lease_of)
+                except (errors.KvError, zmq.ZMQError):
+                    pass
             if first_error is not None:
                 raise first_error
         return results
+
+    def _budget(self, ttl: float) -> lm.LeaseBudget:
+        if self.lease_budget is not None:
+            return self.lease_budget
+        # the budget the TTL would be recommended for: queue and transfer
+        # halves of (ttl - 2 * max_skew) / 1.25, no verification phase
+        half = max(ttl - 2 * self.max_skew, 1e-9) / 1.25 / 2
+        return lm.LeaseBudget(half, half, 0.0, self.max_skew)
+
+    def _check_leases(self, ks: list, lease_of: dict, sent: float, started: float,
+                      done_at: dict, results: list) -> Optional[errors.KvError]:
+        """The reader's acceptance check (``accept_transfer``) per leased key;
+        a late transfer's bytes are dropped, its rejection classified and counted."""
+        c = self.lease_counters
+        first: Optional[errors.KvError] = None
+        for i, (lease_id, ttl) in lease_of.items():
+            if results[i] is None:
+                continue
+            done = done_at.get(i, time.monotonic())
+            verified = time.monotonic()     # nothing reads the store after the transfer
+            phases = lm.ReadPhases(max(started - sent, 0.0), max(done - started, 0.0),
+                                   max(verified - done, 0.0))
+            self.last_read = phases
+            c["lease_reads"] += 1
+            c["queued_s"] += phases.queued
+            c["transferring_s"] += phases.transferring
+            c["verifying_s"] += phases.verifying
+            if lm.accept_transfer(sent, done, ttl, self.max_skew):
+                c["lease_accepted"] += 1
+                continue
+            results[i] = None              # never hand out bytes read past the lease
+            reason = lm.classify_rejection(phases, self._budget(ttl))
+            c["lease_rejected"] += 1
+            c[f"rejected_{reason.value}"] += 1
+            first = first or errors.LeaseExpired(
+                f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
+                f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
+        return first
 
     def _local_segment(self, seg: str, info: list) -> Optional[LocalSegment]:
         if not self.local_reads or info[1] != self._host:
@@ -505,7 +600,7 @@ class Client:
                 del self._local[name]
 
     def _read_all(self, keys: list, granted: dict, segments: dict, deadline: float,
-                  results: list) -> dict[int, errors.KvError]:
+                  results: list, done_at: Optional[dict] = None) -> dict[int, errors.KvError]:
         """Fill ``results`` for granted keys; returns keys no replica could serve."""
         need: dict[int, list] = {}
         for i, (token, length, replicas) in granted.items():
@@ -518,6 +613,8 @@ class Client:
                     view = seg.read(r[1], length, token, segments[r[0]][4])
                     if view is not None:
                         results[i] = view
+                        if done_at is not None:
+                            done_at[i] = time.monotonic()
                         break
             if results[i] is None:
                 # remote replicas first (spread by token), then the local ones over the network
@@ -544,6 +641,7 @@ class Client:
                 pending[rid] = sock
                 whose[rid] = (i, endpoint)
             replies = self._gather(pending, round_deadline)
+            arrived = time.monotonic()   # at or after each reply's last byte
             for rid, (i, endpoint) in whose.items():
                 reply = replies.get(rid)
                 if reply is None:
@@ -556,6 +654,8 @@ class Client:
                     err = errors.MalformedFrame(f"read reply from {endpoint} has the wrong size")
                 else:
                     results[i] = reply.payloads[0]
+                    if done_at is not None:
+                        done_at[i] = arrived
                     need.pop(i)
                     continue
                 if not need[i]:
@@ -608,15 +708,88 @@ class Client:
                     out.append(bool(value))
         return out
 
-    def remove(self, key: Key, *, timeout: Optional[float] = None) -> None:
-        """Delete a published object (``KeyNotFound``, ``NotPublished``, ``ObjectBusy``)."""
+    # ------------------------------------------------------------------ leases (low level)
+
+    def read_begin(self, keys: Iterable[Key], *, timeout: Optional[float] = None
+                   ) -> list[Optional[ReadLease]]:
+        """Take a read lease per key (``None`` for a miss) without reading; the
+        caller reads, may :meth:`renew`, must :meth:`release`, and must judge its
+        transfer with ``kvproto.statemachines.lease.accept_transfer(lease.sent,
+        completed, lease.ttl, client.max_skew)``."""
+        ks = [_as_key(k) for k in keys]
         with self._lock:
-            reply = self._call_master("remove", {"keys": [_as_key(key)]}, self._deadline(timeout))
+            sent = time.monotonic()
+            reply = self._call_master("read_begin", {"client": self.client_id, "keys": ks,
+                                                     "lease": True}, self._deadline(timeout))
+            segments = reply.body.get("segments", {})
+            out: list[Optional[ReadLease]] = []
+            for k, item in zip(ks, wire.items_of(reply, len(ks))):
+                err, g = wire.item_result(item)
+                if err is not None:
+                    if not isinstance(err, errors.KeyNotFound):
+                        raise err
+                    out.append(None)
+                    continue
+                out.append(ReadLease(k, g["lease"], float(g["ttl"]), sent, g["token"],
+                                     g["length"], list(g["replicas"]), segments))
+            return out
+
+    def renew(self, leases: Sequence[ReadLease], *, timeout: Optional[float] = None
+              ) -> list[Optional[errors.KvError]]:
+        """Extend unexpired leases to a new TTL from now; a renewed lease's
+        deadline restarts from when the renewal was sent. An expired one gets
+        ``LeaseExpired`` (it cannot be rescued)."""
+        if not leases:
+            return []
+        with self._lock:
+            sent = time.monotonic()
+            reply = self._call_master("renew", {"client": self.client_id,
+                                                "leases": [l.lease for l in leases]},
+                                      self._deadline(timeout))
+            out: list[Optional[errors.KvError]] = []
+            for l, item in zip(leases, wire.items_of(reply, len(leases))):
+                err, value = wire.item_result(item)
+                if err is None:
+                    l.sent, l.ttl = sent, float(value["ttl"])
+                    self.lease_counters["renewals"] += 1
+                else:
+                    self.lease_counters["renewals_refused"] += 1
+                out.append(err)
+            return out
+
+    def release(self, leases: Sequence[ReadLease], *, timeout: Optional[float] = None) -> None:
+        """End the leases (the objects stay cached); one round trip. Raises
+        ``LeaseExpired`` if one had already ended (the others are released)."""
+        if not leases:
+            return
+        with self._lock:
+            reply = self._call_master("release", {"client": self.client_id,
+                                                  "leases": [l.lease for l in leases]},
+                                      self._deadline(timeout))
+            self.lease_counters["releases"] += len(leases)
+            for item in wire.items_of(reply, len(leases)):
+                err, _ = wire.item_result(item)
+                if err is not None:   # already ended (expired, or a forced remove)
+                    raise err
+
+    def remove(self, key: Key, *, force: bool = False, timeout: Optional[float] = None) -> None:
+        """Delete a published object (``KeyNotFound``, ``NotPublished``,
+        ``ObjectBusy``, ``ObjectLeased``). ``force=True`` (operators) ends the
+        object's read leases first; the master logs it."""
+        body: dict = {"keys": [_as_key(key)]}
+        if force:
+            body["force"] = True
+        with self._lock:
+            reply = self._call_master("remove", body, self._deadline(timeout))
             err, _ = wire.item_result(wire.items_of(reply, 1)[0])
             if err is not None:
                 raise err
 
     def stats(self, *, timeout: Optional[float] = None) -> dict:
-        """The master's counters and per-segment space."""
+        """The master's counters and per-segment space, and under ``"client"``
+        this client's lease counters (reads checked, accepted, rejected by
+        reason, renewals, releases, time queued/transferring/verifying)."""
         with self._lock:
-            return self._call_master("stats", {}, self._deadline(timeout)).body
+            body = dict(self._call_master("stats", {}, self._deadline(timeout)).body)
+            body["client"] = dict(self.lease_counters)
+            return body

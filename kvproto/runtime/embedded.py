@@ -77,7 +77,9 @@ class EmbeddedCluster:
     def __init__(self, storage_nodes: int = 2, segment_size: "int | str" = "256MiB", *,
                  writer_timeout: float = 10.0, storage_timeout: float = 10.0,
                  page_size: int = 4096, transport: str = "tcp", client_timeout: float = 30.0,
-                 start_timeout: float = 30.0, storage_debug: bool = False) -> None:
+                 start_timeout: float = 30.0, storage_debug: bool = False,
+                 lease_ttl: float = 5.0, high_watermark: float = 0.90,
+                 free_fraction: float = 0.05) -> None:
         if storage_nodes < 0:
             raise ValueError("storage_nodes must be >= 0")
         if transport not in ("tcp", "ipc"):
@@ -92,7 +94,8 @@ class EmbeddedCluster:
         try:
             master_listen = self._endpoint("master")
             mt = _ServerThread("kvproto-master", lambda: MasterServer(
-                master_listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout))
+                master_listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout,
+                lease_ttl=lease_ttl, high_watermark=high_watermark, free_fraction=free_fraction))
             self._threads.append(mt)
             self.master: MasterServer = mt.start_and_wait(start_timeout)
             self.master_address: str = self.master.address
@@ -153,7 +156,9 @@ def embedded(storage_nodes: int = 2, segment_size: "int | str" = "256MiB", **kwa
     10), ``page_size`` (allocation granularity, default 4096), ``transport``
     (``"tcp"`` or ``"ipc"``), ``client_timeout`` (default per-call timeout of
     clients made by ``.client()``), ``storage_debug`` (storage nodes accept the
-    test-only ``debug`` fault-injection op; off by default).
+    test-only ``debug`` fault-injection op; off by default), ``lease_ttl``
+    (seconds, default 5), ``high_watermark`` / ``free_fraction`` (the master's
+    eviction policy, default 0.90 / 0.05).
     """
     return EmbeddedCluster(storage_nodes, segment_size, **kwargs)
 

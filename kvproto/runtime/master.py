@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Optional
 
 import zmq
@@ -50,6 +50,8 @@ from kvproto.statemachines.publish import (
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
     Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status, master_step,
 )
+
+from kvproto.statemachines import lease as lm
 
 log = logging.getLogger("kvproto.master")
 
@@ -121,7 +123,10 @@ class Command:
 
 COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "reads", "misses",
             "read_ends", "reads_reclaimed", "removes", "segments_joined", "segments_lost",
-            "storage_refusals", "rejected", "refused")
+            "storage_refusals", "rejected", "refused",
+            # read leases (spec/Lease.tla) and the eviction policy
+            "lease_grants", "lease_renewals", "lease_renewals_refused", "lease_releases",
+            "lease_expiries", "leased_refusals", "removes_forced", "evictions", "eviction_short")
 
 
 class MasterCore:
@@ -133,9 +138,24 @@ class MasterCore:
     COMMAND_MAX_BYTES = 256 << 10
 
     def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
+                 high_watermark: float = 0.90, free_fraction: float = 0.05) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if lease_ttl <= 0:
+            raise ValueError("lease_ttl must be positive")
+        if not 0 <= free_fraction <= high_watermark <= 1:
+            raise ValueError("need 0 <= free_fraction <= high_watermark <= 1")
+        #: the lease table (spec/Lease.tla), replaced only by ``lease.master_step``;
+        #: its clock is this master's clock, fed as ``Tick`` events
+        self.leases = lm.new_table(float(lease_ttl))
+        self.high_watermark = float(high_watermark)
+        self.free_fraction = float(free_fraction)
+        self._next_lease = 1
+        #: eviction recency: published key -> bytes on all replicas, least
+        #: recently used (published, leased or renewed) first; O(1) per touch
+        self._lru: "OrderedDict[bytes, int]" = OrderedDict()
+        self._evicting = False
         self.writer_timeout = float(writer_timeout)
         self.storage_timeout = float(storage_timeout)
         self.clock = clock
@@ -182,6 +202,7 @@ class MasterCore:
             elif isinstance(e, Published):
                 self._forget_pending(e.token)
                 self.counters["puts_published"] += 1
+                self._lease_put(e.key, e.token)
             elif isinstance(e, Revoked):
                 self._forget_pending(e.token)
                 parked = self._parked_tokens.pop(e.token, None)
@@ -189,7 +210,8 @@ class MasterCore:
                     p, i = parked
                     p.items[i] = wire.error_item(why)
             elif isinstance(e, Removed):
-                self.counters["removes"] += 1
+                self.counters["evictions" if self._evicting else "removes"] += 1
+                self._lease_drop(e.key)
 
     def _forget_pending(self, token: int) -> None:
         client = self._owner.pop(token, None)
@@ -240,6 +262,100 @@ class MasterCore:
         if session is not None:
             session.last_seen = now
         return session
+
+
+    # ------------------------------------------------------------------ leases
+
+    def _lstep(self, event) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed the master's clock (``Tick``), then ``event``, to the lease
+        machine; commit only an accepted step."""
+        self._ltick()
+        new, effects = lm.master_step(self.leases, event)
+        if effects and isinstance(effects[0], lm.Refused):
+            return effects[0].error, effects
+        self.leases = new
+        return None, effects
+
+    def _ltick(self) -> None:
+        now = self.clock()
+        if now <= self.leases.now:
+            return
+        new, effects = lm.master_step(self.leases, lm.Tick(now))
+        if effects and isinstance(effects[0], lm.Refused):
+            return
+        self.leases = new
+        self.counters["lease_expiries"] += len(effects)
+
+    def _lease_put(self, key: bytes, token: int) -> None:
+        record = self.directory.objects.get(key)
+        if record is None:
+            return
+        size = record.length * max(len(record.replicas), 1)
+        err, _ = self._lstep(lm.Put(key, (key, token), size))
+        if err is not None:  # cannot happen while the tables agree
+            log.error("lease table refused Put(%r): %s", key, err)
+            return
+        self._lru[key] = size
+        self._lru.move_to_end(key)
+
+    def _lease_drop(self, key: bytes) -> None:
+        """The object is gone from the directory (removed, evicted or lost with
+        its segments): end its leases (``Release``; the bytes are gone) and
+        ``Remove`` it from the lease table, so the two tables agree."""
+        self._lru.pop(key, None)
+        if key not in self.leases.objects:
+            return
+        for holder in list(self.leases.by_key.get(key, ())):
+            self._lstep(lm.Release(holder))
+        err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
+        if err is not None:
+            log.error("lease table refused to drop %r: %s", key, err)
+
+    def _ledger_usage(self) -> tuple[int, int]:
+        used = capacity = 0
+        for ledger in self.directory.segments.values():
+            if ledger.live:
+                capacity += ledger.capacity
+                used += ledger.capacity - ledger.free
+        return used, capacity
+
+    def _lru_candidates(self):
+        table = self.leases
+        for key, size in self._lru.items():
+            if not lm.is_leased(table, key):
+                yield key, size
+
+    def evict(self) -> int:
+        """The eviction policy: past the high watermark of the ledger's used
+        space, remove published, unleased objects, least recently used first
+        (``plan_eviction``), each through the publish machine's ``Remove``
+        after the lease machine accepted its ``Evict``. Returns the count."""
+        used, capacity = self._ledger_usage()
+        if capacity <= 0 or not lm.over_watermark(used, capacity, self.high_watermark):
+            return 0
+        self._ltick()
+        plan = lm.plan_eviction(used, capacity, self._lru_candidates(), high_watermark=self.high_watermark,
+                                free_fraction=self.free_fraction)
+        done = 0
+        for key in plan.keys:
+            # the lease machine must agree (Evict refused under a lease) ...
+            _, effects = lm.master_step(self.leases, lm.Evict(key))
+            if effects and isinstance(effects[0], lm.Refused):
+                continue
+            # ... and so must the publish machine (a pinned object is busy)
+            self._evicting = True
+            try:
+                err, _ = self._step(Remove(key))
+            finally:
+                self._evicting = False
+            if err is None:
+                done += 1
+        if plan.short:
+            self.counters["eviction_short"] += 1
+        if done:
+            log.info("evicted %d object(s): %d of %d bytes used", done, *self._ledger_usage())
+        self._flush()
+        return done
 
     # ------------------------------------------------------------------ requests
 
@@ -347,13 +463,22 @@ class MasterCore:
         return 0, {"items": items}
 
     def _op_put_end(self, body, reply_to, request_id):
-        return self._end_or_revoke(body, PutEnd)
+        result = self._end_or_revoke(body, PutEnd)
+        self.evict()
+        return result
 
     def _op_put_revoke(self, body, reply_to, request_id):
         return self._end_or_revoke(body, PutRevoke)
 
     def _op_read_begin(self, body, reply_to, request_id):
+        """A read: ``ReadBegin`` (only a published object is readable; its
+        effect is the descriptors). Without ``lease`` the read is pinned until
+        ``read_end`` (publish). With ``lease`` the lease replaces the pin: the
+        pin is ended in the same request (``ReadEnd``; the spec allows it at any
+        time) and the lease machine grants (``Grant``) a time-bounded lease, which
+        ``Remove`` and eviction respect and the reader checks after the transfer."""
         client = body["client"]
+        leased = body.get("lease", False)
         session = self._session(client, create=True)
         items, segments = [], {}
         for key in body["keys"]:
@@ -365,14 +490,30 @@ class MasterCore:
             grant = effects[0]
             assert isinstance(grant, ReadGranted)
             self.counters["reads"] += 1
-            pin = (key, grant.token)
-            session.pins[pin] = session.pins.get(pin, 0) + 1
+            if key in self._lru:
+                self._lru.move_to_end(key)
+            item = {"token": grant.token, "length": grant.length,
+                    "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
+            if leased:
+                self._step(ReadEnd(key, grant.token))
+                lease_id = self._next_lease
+                lerr, leffects = self._lstep(lm.Grant((client, lease_id), key))
+                if lerr is not None:   # the tables disagree: a bug; answer it typed
+                    log.error("lease grant of %r refused: %s", key, lerr)
+                    items.append(wire.error_item(lerr))
+                    continue
+                self._next_lease += 1
+                self.counters["lease_grants"] += 1
+                item["lease"] = lease_id
+                item["ttl"] = leffects[0].ttl
+            else:
+                pin = (key, grant.token)
+                session.pins[pin] = session.pins.get(pin, 0) + 1
             for r in grant.replicas:
                 info = self.segments.get(r.segment)
                 if info is not None:
                     segments[r.segment] = info.wire()
-            items.append(wire.ok_item({"token": grant.token, "length": grant.length,
-                                       "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}))
+            items.append(wire.ok_item(item))
         if session.empty():
             del self.sessions[client]
         return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4}
@@ -400,6 +541,30 @@ class MasterCore:
             del self.sessions[client]
         return 0, {"items": items}
 
+    def _op_renew(self, body, reply_to, request_id):
+        client, items = body["client"], []
+        for lease_id in body["leases"]:
+            err, effects = self._lstep(lm.Renew((client, lease_id)))
+            if err is None:
+                self.counters["lease_renewals"] += 1
+                key = effects[0].key
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+                items.append(wire.ok_item({"ttl": self.leases.ttl}))
+            else:
+                self.counters["lease_renewals_refused"] += 1
+                items.append(wire.error_item(err))
+        return 0, {"items": items}
+
+    def _op_release(self, body, reply_to, request_id):
+        client, items = body["client"], []
+        for lease_id in body["leases"]:
+            err, _ = self._lstep(lm.Release((client, lease_id)))
+            if err is None:
+                self.counters["lease_releases"] += 1
+            items.append(wire.ok_item() if err is None else wire.error_item(err))
+        return 0, {"items": items}
+
     def _op_exists(self, body, reply_to, request_id):
         objects = self.directory.objects
         items = []
@@ -409,8 +574,26 @@ class MasterCore:
         return 0, {"items": items}
 
     def _op_remove(self, body, reply_to, request_id):
+        """``Remove``: the lease machine first (``ObjectLeased`` under an
+        unexpired lease), then the publish machine. ``force`` (operators) ends
+        the object's leases (``Release``) first, and is logged."""
+        force = body.get("force", False)
         items = []
         for key in body["keys"]:
+            self._ltick()
+            if key in self.leases.objects:
+                _, effects = lm.master_step(self.leases, lm.Remove(key))
+                if effects and isinstance(effects[0], lm.Refused):
+                    err = effects[0].error
+                    if not force or not isinstance(err, errors.ObjectLeased):
+                        self.counters["leased_refusals"] += 1
+                        items.append(wire.error_item(err))
+                        continue
+                    log.warning("forced remove of %r ends %d unexpired lease(s)",
+                                key, len(self.leases.by_key.get(key, ())))
+                    for holder in list(self.leases.by_key.get(key, ())):
+                        self._lstep(lm.Release(holder))
+                    self.counters["removes_forced"] += 1
             err, _ = self._step(Remove(key))
             items.append(wire.ok_item() if err is None else wire.error_item(err))
         return 0, {"items": items}
@@ -430,7 +613,12 @@ class MasterCore:
                 "free_extent_bytes": alloc.free_extent_bytes if alloc else 0,
                 "endpoint": info.endpoint if info else None,
             }
+        used, capacity = self._ledger_usage()
+        leases = {"ttl": self.leases.ttl, "held": len(self.leases.leases),
+                  "objects": len(self.leases.objects), "used": used, "capacity": capacity,
+                  "high_watermark": self.high_watermark, "free_fraction": self.free_fraction}
         return {"counters": dict(self.counters), "objects": len(self.directory.objects),
+                "leases": leases,
                 "pending": len(self._owner), "clients": len(self.sessions),
                 "next_token": self.directory.next_token, "segments": segments}
 
@@ -520,6 +708,8 @@ class MasterCore:
         for segment in late:
             if segment in self.segments:
                 self.segment_lost(segment, "a command went unanswered")
+        self._ltick()
+        self.evict()
         self._flush()
 
 
@@ -535,8 +725,11 @@ class MasterServer:
 
     def __init__(self, listen: str = "tcp://127.0.0.1:*", *, writer_timeout: float = 10.0,
                  storage_timeout: float = 10.0, max_header_bytes: int = wire.MASTER_MAX_HEADER,
-                 context: Optional[zmq.Context] = None) -> None:
-        self.core = MasterCore(writer_timeout=writer_timeout, storage_timeout=storage_timeout)
+                 context: Optional[zmq.Context] = None, lease_ttl: float = 5.0,
+                 high_watermark: float = 0.90, free_fraction: float = 0.05) -> None:
+        self.core = MasterCore(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
+                               lease_ttl=lease_ttl, high_watermark=high_watermark,
+                               free_fraction=free_fraction)
         self.max_header_bytes = max_header_bytes
         self._own_context = context is None
         self.ctx = context or zmq.Context()

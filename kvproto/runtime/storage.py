@@ -83,7 +83,8 @@ class StorageCore:
     """The node's logic without sockets."""
 
     COUNTERS = ("assigned", "freed", "writes", "reads", "refused", "rejected", "bytes_written",
-                "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated")
+                "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
+                "stale_reads", "reads_delayed")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
@@ -249,6 +250,11 @@ class StorageCore:
         region = self.table.regions[offset]
         if body["length"] != region.length:
             raise errors.InvalidArgument(f"read of {body['length']} bytes of a region of {region.length}")
+        # defence in depth: the region's reuse generation (the per-page word the
+        # same-host path checks) must name this token, written and complete
+        if self.memory.word(offset) != gen_word(token, True):
+            self.counters["stale_reads"] += 1
+            raise errors.StaleToken(f"region {offset} no longer holds token {token}")
         self.counters["reads"] += 1
         self.counters["bytes_read"] += region.length
         return {}, [self.memory.view(offset, region.length)]
@@ -273,13 +279,17 @@ class StorageServer:
     * ``reply_delay_ms``: hold data replies (``load``/``write`` answers) this
       long after the transfer ran: it *landed*, the bytes are late on the
       network, and a cancel acknowledgement (not delayed) can overtake them.
+    * ``read_delay_ms``: hold replies to plain network ``read`` requests this
+      long (the bytes are snapshotted when the read ran, as with
+      ``reply_delay_ms``): a read slower than its lease, for the lease tests.
     * ``drop``: drop the next N data replies.
     * ``duplicate``: send the next N data replies twice, the copy
       ``duplicate_delay_ms`` after the original.
     """
 
     BURST = 64
-    FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms")
+    FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms",
+              "read_delay_ms")
 
     def __init__(self, master: str, size: "int | str", *, listen: str = "tcp://127.0.0.1:*",
                  advertise: Optional[str] = None, page_size: int = 4096,
@@ -499,7 +509,12 @@ class StorageServer:
             log.exception("storage failed on %s", req.op)
             header = wire.encode_error(rid, errors.InternalError(f"{req.op}: {exc}"))
         frames = [identity, header, *out]
-        if req.op in ("load", "write") and any(self.faults[f] for f in self.FAULTS):
+        if req.op == "read" and self.faults["read_delay_ms"]:
+            self.core.counters["reads_delayed"] += 1
+            frames = [frames[0], frames[1], *(bytes(p) for p in frames[2:])]
+            heapq.heappush(self._outq, (time.monotonic() + self.faults["read_delay_ms"] / 1000,
+                                        next(self._seq), frames))
+        elif req.op in ("load", "write") and any(self.faults[f] for f in self.FAULTS):
             self._faulty_reply(frames)
         else:
             self._send(frames)

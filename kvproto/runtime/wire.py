@@ -107,6 +107,14 @@ def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Chec
     return check
 
 
+def boolean() -> Check:
+    def check(v, path):
+        if type(v) is not bool:
+            raise _malformed(path, f"expected bool, got {type(v).__name__}")
+        return v
+    return check
+
+
 def tuple_of(*items: Check) -> Check:
     def check(v, path):
         if type(v) is not list:
@@ -152,10 +160,13 @@ MASTER_OPS: dict[str, OpSchema] = {
     }),
     "put_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
-    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS}),
+    # ``lease: true`` asks for a read lease per key (lease id + TTL) instead of a pin
+    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS}, optional={"lease": boolean()}),
+    "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
+    "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     "exists": OpSchema({"keys": KEYS}),
-    "remove": OpSchema({"keys": KEYS}),
+    "remove": OpSchema({"keys": KEYS}, optional={"force": boolean()}),
     "heartbeat": OpSchema({"client": CLIENT}),
     "stats": OpSchema({}),
 }
@@ -191,7 +202,8 @@ STORAGE_OPS: dict[str, OpSchema] = {
 #: test-only fault injection, accepted only by a storage node built with ``debug=True``
 DEBUG_OPS: dict[str, OpSchema] = {
     "debug": OpSchema({}, optional={
-        "delay_ms": uint(60_000), "reply_delay_ms": uint(60_000), "drop": uint(1 << 20),
+        "delay_ms": uint(60_000), "reply_delay_ms": uint(60_000), "read_delay_ms": uint(60_000),
+        "drop": uint(1 << 20),
         "duplicate": uint(1 << 20), "duplicate_delay_ms": uint(60_000)}),
 }
 

@@ -76,7 +76,8 @@ def test_round_trip(cluster, client, remote, kind, size, replicas):
         assert np.array_equal(np.frombuffer(view, dtype=data.dtype), data)
 
     # `remote`'s read_end is fire-and-forget on another connection: it may still
-    # be on its way, and until it lands the object is pinned (ObjectBusy)
+    # be on its way, and until it lands the object is leased (ObjectLeased; or
+    # pinned, ObjectBusy, for a read without a lease)
     remove_when_unpinned(client, key)
     assert not client.exists(key)
     with pytest.raises(errors.KeyNotFound):
@@ -88,7 +89,7 @@ def remove_when_unpinned(client, key, timeout=5.0):
     while True:
         try:
             return client.remove(key)
-        except errors.ObjectBusy:
+        except (errors.ObjectBusy, errors.ObjectLeased):   # a pin or a read lease
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.005)

@@ -1,0 +1,109 @@
+"""Read leases in the runtime (``spec/Lease.tla``, docs/protocols/lease.md):
+grants with every get, the reader's acceptance check, ``ObjectLeased`` on
+remove (and ``force``), watermark eviction that skips leased objects, and the
+counters. Real embedded clusters on loopback, each bounded to a few seconds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import kvproto
+from kvproto import errors
+
+KiB = 1 << 10
+
+
+def counters(c):
+    s = c.stats()
+    return s["counters"], s["client"]
+
+
+def test_a_read_slower_than_its_lease_is_rejected_and_classified():
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", storage_debug=True,
+                          lease_ttl=0.3) as cluster:
+        writer = cluster.client()
+        reader = cluster.client(local_reads=False)       # the network path
+        writer.put(b"slow", b"a" * (64 * KiB))
+        node = cluster.storage[0]
+        node.faults["read_delay_ms"] = 600               # the transfer outlives the lease
+        with pytest.raises(errors.LeaseExpired):
+            reader.get(b"slow")
+        with pytest.raises(errors.LeaseExpired):
+            reader.get_many([b"slow", b"missing"])
+        master, client = counters(reader)
+        assert client["lease_rejected"] == 2
+        assert client["rejected_network-slow"] == 2       # the transfer overran its budget
+        assert reader.last_read.transferring >= 0.5
+        assert master["lease_grants"] >= 2
+        assert node.core.counters["reads_delayed"] == 2
+        node.faults["read_delay_ms"] = 0
+        assert bytes(reader.get(b"slow")) == b"a" * (64 * KiB)   # in time: accepted
+        assert counters(reader)[1]["lease_accepted"] == 1
+
+
+def test_remove_of_a_leased_object_is_refused_and_force_works(caplog):
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=30) as cluster:
+        c = cluster.client()
+        other = cluster.client()
+        c.put(b"held", b"x" * 100)
+        c.put(b"held2", b"y" * 100)
+        (lease,) = other.read_begin([b"held"])
+        assert lease.ttl == 30 and lease.length == 100
+        with pytest.raises(errors.ObjectLeased):
+            c.remove(b"held")
+        assert c.exists(b"held")
+        with caplog.at_level("WARNING", logger="kvproto.master"):
+            c.remove(b"held", force=True)
+        assert any("forced remove" in r.message for r in caplog.records)
+        assert not c.exists(b"held")
+        with pytest.raises(errors.LeaseExpired):        # the forced remove ended it
+            other.release([lease])
+        # release ends protection without deleting
+        (lease2,) = other.read_begin([b"held2"])
+        assert other.renew([lease2]) == [None]
+        other.release([lease2])
+        assert c.exists(b"held2")
+        c.remove(b"held2")
+        master, _ = counters(c)
+        assert master["removes_forced"] == 1 and master["leased_refusals"] == 1
+        assert master["lease_renewals"] == 1 and master["lease_releases"] >= 1
+
+
+def test_an_expired_lease_cannot_be_renewed_and_no_longer_protects():
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=0.2) as cluster:
+        c = cluster.client()
+        c.put(b"k", b"v")
+        (lease,) = c.read_begin([b"k"])
+        time.sleep(0.35)
+        (err,) = c.renew([lease])
+        assert isinstance(err, errors.LeaseExpired)
+        c.remove(b"k")                                   # expiry: no longer protected
+        master, client = counters(c)
+        assert master["lease_expiries"] >= 1 and client["renewals_refused"] == 1
+
+
+def test_eviction_spares_leased_objects_and_takes_them_after_release():
+    size = 100 * KiB
+    with kvproto.embedded(storage_nodes=1, segment_size="1MiB", lease_ttl=30) as cluster:
+        c = cluster.client()
+        keys = [f"ev{i}".encode() for i in range(12)]
+        for k in keys[:9]:                                # 900 KiB of 1 MiB: under 0.90
+            c.put(k, k * (size // len(k)) + b"." * (size % len(k)))
+        (lease,) = c.read_begin([keys[0]])               # ev0: held, and least recent below
+        for k in keys[1:9]:
+            c.get(k)
+        c.put(keys[9], b"9" * size)                      # past the watermark
+        assert c.exists(keys[0])                         # leased: spared
+        assert not c.exists(keys[1]) and not c.exists(keys[2])   # the LRU unleased ones
+        assert all(c.exists_many(keys[3:10]))
+        master, _ = counters(c)
+        assert master["evictions"] == 2
+        c.release([lease])
+        c.put(keys[10], b"a" * size)
+        c.put(keys[11], b"b" * size)                     # past the watermark again
+        assert not c.exists(keys[0])                     # released: now the LRU victim
+        assert counters(c)[0]["evictions"] >= 3
+        stats = c.stats()
+        assert stats["leases"]["used"] <= 0.90 * stats["leases"]["capacity"]
