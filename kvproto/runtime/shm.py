@@ -108,6 +108,9 @@ class SegmentMemory:
             self._shm.unlink()
             raise
         self.data: memoryview = self._shm.buf
+        # Fault every page in now, as a store registering its memory would, so
+        # the first write into a region does not pay the kernel's page faults.
+        np.frombuffer(self.data, dtype=np.uint8)[::mmap.PAGESIZE] = 0
         self.gens = np.ndarray((HEADER_WORDS + self.pages,), dtype=np.uint64, buffer=self._gen_shm.buf)
         self.gens[0] = MAGIC
         self.gens[2] = page_size
