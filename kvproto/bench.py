@@ -100,33 +100,53 @@ def _spawn(args: list[str]) -> subprocess.Popen:
 
 
 def _start_store(segment: str) -> tuple[list[subprocess.Popen], str]:
+    """A master and one storage node as processes; returns once the node registered."""
+    from kvproto.runtime.client import Client
+
     master = _spawn(["-m", "kvproto", "master", "--listen", "tcp://127.0.0.1:*"])
     address = master.stdout.readline().split()[-1]
     storage = _spawn(["-m", "kvproto", "storage", "--master", address, "--size", segment])
     storage.stdout.readline()
+    with Client(address, timeout=20.0) as client:
+        deadline = time.monotonic() + 20
+        while not any(s["live"] for s in client.stats()["segments"].values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("storage node did not register")
+            time.sleep(0.05)
     return [storage, master], address
 
 
-def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
+def _start_raw():
+    """The raw pyzmq peer: a process with a ROUTER, and a DEALER connected to it."""
     import zmq
-    from kvproto.runtime.client import Client
 
     raw = _spawn(["-c", _RAW_SERVER])
-    raw_port = int(raw.stdout.readline())
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(f"tcp://127.0.0.1:{raw_port}")
+    port = int(raw.stdout.readline())
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return raw, sock
+
+
+def _stop(procs: list[subprocess.Popen], raw=None, sock=None) -> None:
+    if sock is not None:
+        sock.send_multipart([b"stop"])
+        sock.close(linger=0)
+        raw.wait(5)
+    for p in procs:
+        p.terminate()
+        p.wait(10)
+
+
+def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
+    from kvproto.runtime.client import Client
+
+    raw, sock = _start_raw()
 
     procs, address = _start_store(f"{max(sizes_mib) * (repeat + 4)}MiB")
     rows = []
     try:
         net = Client(address, timeout=60.0, local_reads=False)
         local = Client(address, timeout=60.0)
-        deadline = time.monotonic() + 20
-        while not any(s["live"] for s in net.stats()["segments"].values()):
-            if time.monotonic() > deadline:
-                raise RuntimeError("storage node did not register")
-            time.sleep(0.05)
         for mib in sizes_mib:
             n = mib * MiB
             src = np.random.default_rng(mib).integers(0, 256, n, dtype=np.uint8)
@@ -167,12 +187,7 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
         net.close()
         local.close()
     finally:
-        sock.send_multipart([b"stop"])
-        sock.close(linger=0)
-        raw.wait(5)
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        _stop(procs, raw, sock)
     return rows
 
 
@@ -183,11 +198,6 @@ def metadata_bench(keys: int) -> list[dict]:
     rows = []
     try:
         client = Client(address, timeout=60.0)
-        deadline = time.monotonic() + 20
-        while not any(s["live"] for s in client.stats()["segments"].values()):
-            if time.monotonic() > deadline:
-                raise RuntimeError("storage node did not register")
-            time.sleep(0.05)
         blob = np.zeros(4096, dtype=np.uint8)
         for batch in (1, 128):
             names = [f"meta/{batch}/{i}".encode() for i in range(keys)]
@@ -208,29 +218,18 @@ def metadata_bench(keys: int) -> list[dict]:
             rows.append({"batch": batch, "put_keys_s": put_rate, "get_keys_s": get_rate})
         client.close()
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        _stop(procs)
     return rows
 
 
 def transfer_bench(count: int, repeat: int, size: int = 64 << 10) -> dict:
     """Gets/s of ``size``-byte objects: transfer engine, plain get, raw pyzmq."""
-    import zmq
     from kvproto.runtime.client import Client
 
-    raw = _spawn(["-c", _RAW_SERVER])
-    raw_port = int(raw.stdout.readline())
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(f"tcp://127.0.0.1:{raw_port}")
+    raw, sock = _start_raw()
     procs, address = _start_store("64MiB")
     try:
         client = Client(address, timeout=60.0, local_reads=False)
-        deadline = time.monotonic() + 20
-        while not any(s["live"] for s in client.stats()["segments"].values()):
-            if time.monotonic() > deadline:
-                raise RuntimeError("storage node did not register")
-            time.sleep(0.05)
         src = np.random.default_rng(64).integers(0, 256, size, dtype=np.uint8)
         key = b"bench/xfer"
         client.put(key, src)
@@ -265,12 +264,7 @@ def transfer_bench(count: int, repeat: int, size: int = 64 << 10) -> dict:
             raise AssertionError(f"unexpected timeouts in the bench: {counts}")
         client.close()
     finally:
-        sock.send_multipart([b"stop"])
-        sock.close(linger=0)
-        raw.wait(5)
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        _stop(procs, raw, sock)
     return rates
 
 
@@ -311,11 +305,6 @@ def lease_bench(keys: int, repeat: int) -> list[dict]:
     try:
         with Client(address, timeout=60.0, leases=True) as leased, \
                 Client(address, timeout=60.0, leases=False) as pinned:
-            deadline = time.monotonic() + 20
-            while not any(s["live"] for s in leased.stats()["segments"].values()):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("storage node did not register")
-                time.sleep(0.05)
             blob = bytes(4096)
             names = [f"lease/{i}".encode() for i in range(keys)]
             for at in range(0, keys, 128):
@@ -333,9 +322,7 @@ def lease_bench(keys: int, repeat: int) -> list[dict]:
                 rows.append({"batch": batch, "lease": statistics.median(with_l),
                              "pin": statistics.median(without)})
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        _stop(procs)
     return rows
 
 

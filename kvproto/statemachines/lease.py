@@ -55,6 +55,7 @@ import immutables
 
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
 # --------------------------------------------------------------------------
@@ -166,16 +167,6 @@ MasterEvent = Union[Tick, Put, Grant, Renew, Release, Remove, Evict]
 # --------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Refused:
-    """The event was refused and changed nothing."""
-
-    error: errors.KvError
-
-    @property
-    def code(self) -> int:
-        return self.error.code
-
 
 @attrs.frozen
 class Cached:
@@ -238,9 +229,6 @@ def new_table(ttl: int) -> LeaseTable:
         raise ValueError("ttl must be positive")
     return LeaseTable(ttl=ttl)
 
-
-def _refuse(state, error: errors.KvError):
-    return state, (Refused(error),)
 
 
 def is_leased(table: LeaseTable, key: Hashable) -> bool:
@@ -648,9 +636,6 @@ class System:
     def free_slots(self) -> list[str]:
         return [s for s in self.slots if s not in self.table.regions]
 
-
-def _accepted(effects: Effects) -> bool:
-    return not (effects and isinstance(effects[0], Refused))
 
 
 def _read(sys: System, r: str, *phases: Phase) -> Optional[ReadState]:

@@ -33,6 +33,7 @@ import immutables
 
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
 # --------------------------------------------------------------------------
@@ -230,16 +231,6 @@ StorageEvent = Union[AssignRegion, FreeRegion, WriteReplica, ReadReplica]
 # --------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Refused:
-    """The event was refused and changed nothing."""
-
-    error: errors.KvError
-
-    @property
-    def code(self) -> int:
-        return self.error.code
-
 
 @attrs.frozen
 class PutGranted:
@@ -289,9 +280,6 @@ Effects = tuple
 # Master
 # --------------------------------------------------------------------------
 
-
-def _refuse(state, error: errors.KvError):
-    return state, (Refused(error),)
 
 
 def _free_effects(record: ObjectRecord) -> tuple[FreeRegion, ...]:
@@ -539,9 +527,6 @@ class System:
         directory, effects = master_step(self.directory, event)
         return self._with(directory=directory, tables=apply_to_storage(self.tables, effects)), effects
 
-
-def _accepted(effects: Effects) -> bool:
-    return not (effects and isinstance(effects[0], Refused))
 
 
 def sys_put_start(sys: System, w: str, key: bytes, placement: tuple[Replica, ...]) -> Optional[System]:

@@ -67,6 +67,7 @@ import immutables
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
 from kvproto.statemachines.reuse import Outcome
+from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
 # --------------------------------------------------------------------------
@@ -264,16 +265,6 @@ PoolEvent = Union[AddBuffer, StartRequest, Acquire, Release, Issue, Complete, Ti
 # --------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Refused:
-    """The event was refused (or, for a callback, dropped) and changed nothing."""
-
-    error: errors.KvError
-
-    @property
-    def code(self) -> int:
-        return self.error.code
-
 
 @attrs.frozen
 class Issued:
@@ -366,9 +357,6 @@ Effects = tuple
 # The pool
 # --------------------------------------------------------------------------
 
-
-def _refuse(state, error: errors.KvError):
-    return state, (Refused(error),)
 
 
 def _active(pool: Pool, request: str):
@@ -828,9 +816,6 @@ class System:
         return self._with(pool=pool, node=node, moving=moving, cancels=cancels,
                           timed_out=timed_out, consumed=consumed), effects
 
-
-def _accepted(effects: Effects) -> bool:
-    return not (effects and isinstance(effects[0], Refused))
 
 
 def _client(event) -> Optional[System]:
