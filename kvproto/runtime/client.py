@@ -668,7 +668,8 @@ class Client:
     def transfer_engine(self, buffers: int = 16, buffer_size: int = 64 << 10, **kwargs: Any):
         """A new :class:`~kvproto.runtime.transfers.TransferEngine` over a pool of
         ``buffers`` host buffers of ``buffer_size`` bytes (closed with the client).
-        Keyword arguments: ``max_cancels``, ``max_leaked``, ``cancel_interval``."""
+        Keyword arguments: ``max_cancels``, ``max_leaked``, ``cancel_interval``,
+        ``memory`` (host memory to slice the buffers from)."""
         from kvproto.runtime.transfers import TransferEngine
         if self._closed:
             raise errors.ServerUnavailable("the client is closed")

@@ -5,7 +5,8 @@ A :class:`TransferEngine` belongs to a :class:`~kvproto.runtime.client.Client`
 (``client.transfer_engine(...)``). It holds
 
 * a :class:`BufferPool`: ``count`` host buffers of ``size`` bytes, slices of one
-  numpy array (the same API is meant to back GPU blocks later), and the pool
+  numpy array or the ``memory`` given (page-locked memory, for the GPU layer),
+  and the pool
   machine's state (:class:`~kvproto.statemachines.timeout.Pool`). The engine
   changes buffer, transfer and request state **only** by stepping
   :func:`~kvproto.statemachines.timeout.pool_step` and carrying out the effects
@@ -109,25 +110,22 @@ class PoolBuffer:
     engine: Any = attrs.field(default=None, eq=False, repr=False)
 
 
-class BufferPool:
-    """``count`` host buffers of ``size`` bytes and the pool machine's state.
+class MachinePool:
+    """Named destination buffers whose state is the pool machine's
+    (:class:`~kvproto.statemachines.timeout.Pool`), changed only by
+    :meth:`step` (:func:`~kvproto.statemachines.timeout.pool_step`).
 
-    The engine steps :attr:`state` under its lock; everything else here reads it.
+    The one piece of code that owns a pool machine for the runtime: the host
+    :class:`BufferPool` here and the device block pool
+    (:class:`kvproto.gpu.BlockPool`) are both this, with different memory.
+    Callers step it under their own lock.
     """
 
-    def __init__(self, count: int, size: int, *, max_cancels: int = 3, max_leaked: int = 4) -> None:
-        if count < 1 or size < 1:
-            raise ValueError("a pool needs at least one buffer of at least one byte")
-        self.count = count
-        self.size = size
-        self.memory = np.zeros(count * size, dtype=np.uint8)
-        self.names = [f"b{i}" for i in range(count)]
-        self._views = {n: memoryview(self.memory[i * size:(i + 1) * size]) for i, n in enumerate(self.names)}
+    def __init__(self, names: Iterable[str], *, max_cancels: int = 3, max_leaked: int = 4) -> None:
+        self.names = list(names)
+        if not self.names:
+            raise ValueError("a pool needs at least one buffer")
         self.state: T.Pool = T.new_pool(self.names, max_cancels=max_cancels, max_leaked=max_leaked)
-
-    def view(self, name: str) -> memoryview:
-        """The raw bytes of buffer ``name`` (for the engine and tests)."""
-        return self._views[name]
 
     def step(self, event) -> tuple:
         self.state, effects = T.pool_step(self.state, event)
@@ -157,6 +155,34 @@ class BufferPool:
             "stale_dropped": st.stale_dropped, "timed_out": st.timed_out,
             "written_off": st.written_off, "recovered": st.recovered,
         }
+
+
+class BufferPool(MachinePool):
+    """``count`` host buffers of ``size`` bytes and the pool machine's state.
+
+    ``memory``, when given, is the host memory to slice (a 1-D ``uint8`` numpy
+    array of at least ``count * size`` bytes, e.g. a view of page-locked
+    memory); by default a fresh numpy array. The engine steps :attr:`state`
+    under its lock; everything else here reads it.
+    """
+
+    def __init__(self, count: int, size: int, *, max_cancels: int = 3, max_leaked: int = 4,
+                 memory: Optional[np.ndarray] = None) -> None:
+        if count < 1 or size < 1:
+            raise ValueError("a pool needs at least one buffer of at least one byte")
+        super().__init__([f"b{i}" for i in range(count)], max_cancels=max_cancels, max_leaked=max_leaked)
+        self.count = count
+        self.size = size
+        if memory is None:
+            memory = np.zeros(count * size, dtype=np.uint8)
+        elif memory.dtype != np.uint8 or memory.ndim != 1 or memory.nbytes < count * size:
+            raise ValueError(f"memory must be a 1-D uint8 array of at least {count * size} bytes")
+        self.memory = memory
+        self._views = {n: memoryview(self.memory[i * size:(i + 1) * size]) for i, n in enumerate(self.names)}
+
+    def view(self, name: str) -> memoryview:
+        """The raw bytes of buffer ``name`` (for the engine and tests)."""
+        return self._views[name]
 
 
 class _Xfer:
@@ -261,9 +287,11 @@ class TransferEngine:
     """Loads into a :class:`BufferPool` under the Timeout protocol."""
 
     def __init__(self, client: "Client", buffers: int = 16, buffer_size: int = 64 << 10, *,
-                 max_cancels: int = 3, max_leaked: int = 4, cancel_interval: float = 0.2) -> None:
+                 max_cancels: int = 3, max_leaked: int = 4, cancel_interval: float = 0.2,
+                 memory: Optional[np.ndarray] = None) -> None:
         self.client = client
-        self.pool = BufferPool(buffers, buffer_size, max_cancels=max_cancels, max_leaked=max_leaked)
+        self.pool = BufferPool(buffers, buffer_size, max_cancels=max_cancels, max_leaked=max_leaked,
+                               memory=memory)
         self.cancel_interval = float(cancel_interval)
         self.owner = f"{client.client_id}/{uuid.uuid4().hex[:8]}"
         self._cv = threading.Condition(threading.RLock())

@@ -1,0 +1,329 @@
+"""kvproto.gpu on the CPU path (and the CUDA path where a device exists)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvproto  # noqa: E402
+from kvproto import errors  # noqa: E402
+from kvproto.gpu import (BlockPool, Copier, CpuBackend, DeviceKV, KVLayout,  # noqa: E402
+                         RestoreState, SaveState)
+from kvproto.statemachines import timeout as T  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=4)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def fill(pool: BlockPool, blocks, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for b in blocks:
+        pool.block(b).copy_(torch.randn(LAYOUT.block_shape, generator=g).to(pool.kv.dtype))
+
+
+def raw(pool: BlockPool, b: int) -> bytes:
+    return pool.block_bytes(b).cpu().numpy().tobytes()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with kvproto.embedded(storage_nodes=1, segment_size="16MiB") as c:
+        yield c
+
+
+@pytest.fixture
+def dkv(cluster):
+    client = cluster.client()
+    kv = DeviceKV(client, BlockPool.allocate(LAYOUT, 8, device="cpu"), max_blocks=4, staging=2,
+                  copy_timeout=2.0, load_timeout=2.0, cancel_interval=0.02, max_cancels=2)
+    yield kv
+    kv.close()
+    client.close()
+
+
+# ---------------------------------------------------------------- layout and pool
+
+
+def test_layout_value_and_tag():
+    assert LAYOUT.block_shape == (2, 2, 4, 2, 16)
+    assert LAYOUT.block_bytes == 2 * 2 * 4 * 2 * 16 * 2
+    assert LAYOUT.tag() == "kvl1:L2:H2:D16:bf16:B4:tp0/1"
+    assert KVLayout(32, 8, 128, "float16", 16, tp_rank=1, tp_size=2).tag() == "kvl1:L32:H8:D128:fp16:B16:tp1/2"
+    assert KVLayout(32, 8, 128).bytes_per_token == 128 << 10   # D12's example model
+    with pytest.raises(ValueError):
+        KVLayout(2, 2, 16, dtype="float32")
+    with pytest.raises(ValueError):
+        KVLayout(2, 2, 16, tp_rank=2, tp_size=2)
+
+
+def test_pool_registers_a_tensor_of_its_layout():
+    pool = BlockPool.allocate(LAYOUT, 4, device="cpu")
+    assert pool.num_blocks == 4 and pool.names == ["blk0", "blk1", "blk2", "blk3"]
+    assert all(pool.state_of(b) is T.BufState.FREE for b in range(4))
+    pool.block(2).fill_(1.0)
+    assert pool.block_bytes(2).numel() == LAYOUT.block_bytes and pool.block_bytes(1).sum() == 0
+    with pytest.raises(errors.InvalidArgument):
+        BlockPool(torch.zeros(LAYOUT.tensor_shape(2), dtype=torch.float16), LAYOUT)
+    with pytest.raises(errors.InvalidArgument):
+        BlockPool(torch.zeros((2, 2, 2, 4, 2, 8), dtype=torch.bfloat16), LAYOUT)
+
+
+# ---------------------------------------------------------------- chains through a real store
+
+
+def test_save_restore_round_trip_every_byte(dkv):
+    r = dkv.request()
+    src = r.acquire(3)
+    fill(dkv.blocks, src, 1)
+    want = [raw(dkv.blocks, b) for b in src]
+    save = r.save(b"rt", src)
+    assert save.wait(5) is SaveState.PUBLISHED and save.ok
+    assert save.history == [SaveState.COPYING, SaveState.DEVICE_COPIED, SaveState.PUBLISHED]
+    assert all(save.events[s].is_set() for s in (SaveState.DEVICE_COPIED, SaveState.PUBLISHED))
+    assert not save.events[SaveState.L2_SAVED].is_set()
+    r.release(src)
+    r.finish()
+    r2 = dkv.request()
+    dst = r2.acquire(3)
+    with pytest.raises(errors.BufferNotReady):   # not consumable before its copy completed
+        r2.consume(dst)
+    rest = r2.restore(b"rt", dst)
+    assert rest.wait(5) is RestoreState.CONSUMABLE, rest.error
+    assert rest.history == [RestoreState.LOOKING_UP, RestoreState.LOOKUP_ACKED, RestoreState.IN_HOST,
+                            RestoreState.CONSUMABLE]
+    tensors = r2.consume(dst)
+    assert [t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors] == want
+    r2.release(dst)
+    r2.finish()
+    c = dkv.counts()
+    assert c["blocks"]["free"] == 8 and c["staging"]["free"] == 2 and c["host"]["free"] == 2
+
+
+def test_second_tier_and_its_failure(cluster):
+    saved = {}
+    client = cluster.client()
+
+    def l2(key, view):
+        if key == b"l2-bad":
+            raise OSError("disk full")
+        saved[key] = bytes(view)
+    kv = DeviceKV(client, BlockPool.allocate(LAYOUT, 4, device="cpu"), max_blocks=2, l2=l2)
+    try:
+        r = kv.request()
+        blocks = r.acquire(2)
+        fill(kv.blocks, blocks, 2)
+        ok = r.save(b"l2-ok", blocks)
+        assert ok.wait(5) is SaveState.L2_SAVED and ok.ok
+        assert saved[b"l2-ok"] == b"".join(raw(kv.blocks, b) for b in blocks)
+        bad = r.save(b"l2-bad", blocks)
+        assert bad.wait(5) is SaveState.L2_FAILED and bad.failed and isinstance(bad.error, OSError)
+        assert bad.events[SaveState.PUBLISHED].is_set()       # L1 has it, L2 does not
+        assert client.exists(b"l2-bad")
+    finally:
+        kv.close()
+        client.close()
+
+
+def test_restore_named_failures(dkv):
+    r = dkv.request()
+    blocks = r.acquire(2)
+    miss = r.restore(b"no-such-key", blocks)
+    assert miss.wait(5) is RestoreState.MISS and miss.failed
+    assert not miss.events[RestoreState.LOOKUP_ACKED].is_set()
+    dkv.client.put(b"short", b"x" * (LAYOUT.block_bytes + 7))
+    bad = r.restore(b"short", blocks)
+    assert bad.wait(5) is RestoreState.LAYOUT_MISMATCH and bad.failed
+    assert bad.events[RestoreState.LOOKUP_ACKED].is_set()
+    assert not bad.events[RestoreState.CONSUMABLE].is_set()
+    assert all(dkv.blocks.state_of(b) is T.BufState.HELD for b in blocks)   # untouched
+
+
+def test_save_publish_failure_is_named(dkv):
+    r = dkv.request()
+    blocks = r.acquire(1)
+    dkv.client.close()      # the store is gone for this client
+    ch = r.save(b"pub-fail", blocks)
+    assert ch.wait(5) is SaveState.PUBLISH_FAILED and ch.failed
+    assert ch.events[SaveState.DEVICE_COPIED].is_set() and not ch.events[SaveState.PUBLISHED].is_set()
+
+
+# ---------------------------------------------------------------- timeouts, quarantine, late completions
+
+
+def test_save_copy_timeout_quarantines_staging_and_never_publishes(dkv):
+    r = dkv.request()
+    blocks = r.acquire(2)
+    fill(dkv.blocks, blocks, 3)
+    dkv.backend.hold()
+    ch = r.save(b"late-save", blocks, timeout=0.05)
+    assert ch.wait(5) is SaveState.COPY_TIMED_OUT and isinstance(ch.error, errors.TransferTimeout)
+    assert dkv.counts()["staging"]["quarantined"] + dkv.counts()["staging"]["leaked"] == 1
+    r.release(blocks)          # the late read lands only in the quarantined staging buffer
+    dkv.backend.resume()
+    assert dkv.copier.wait_idle(5)
+    assert dkv.counts()["staging"]["free"] == 2
+    assert not dkv.client.exists(b"late-save")
+
+
+def test_release_of_a_block_a_save_still_reads_is_refused(dkv):
+    r = dkv.request()
+    blocks = r.acquire(1)
+    dkv.backend.hold()
+    ch = r.save(b"busy", blocks, timeout=5)
+    deadline = time.monotonic() + 5
+    while not dkv.backend.running() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with pytest.raises(errors.TransferInFlight):
+        r.release(blocks)
+    dkv.backend.resume()
+    assert ch.wait(5) is SaveState.PUBLISHED
+    r.release(blocks)
+
+
+def _issue(copier, pool, req, block, value, timeout):
+    src = torch.full((LAYOUT.block_bytes,), value, dtype=torch.uint8)
+    return copier.issue(pool, req, BlockPool.name(block), [(pool.block_bytes(block), src)], timeout)
+
+
+def test_late_completion_after_timeout_never_touches_a_reassigned_block():
+    backend = CpuBackend()
+    copier = Copier(backend, cancel_interval=0.02)
+    pool = BlockPool.allocate(LAYOUT, 3, device="cpu", max_cancels=2)
+    try:
+        for r in ("r1", "r2", "r3"):
+            copier.step(pool, T.StartRequest(r))
+        copier.step(pool, T.Acquire("r1", "blk0"))
+        backend.hold()                                   # the copy starts, then stalls before writing
+        late = _issue(copier, pool, "r1", 0, 0xAA, timeout=0.05)
+        with pytest.raises(errors.TransferTimeout):
+            late.wait()
+        assert pool.state_of(0) in (T.BufState.QUARANTINED, T.BufState.LEAKED)
+        with pytest.raises(errors.BufferQuarantined):     # never handed out while it may be written
+            copier.step(pool, T.Acquire("r2", "blk0"))
+        copier.step(pool, T.Acquire("r2", "blk1"))        # recompute goes elsewhere
+        pool.block_bytes(1).fill_(0x11)
+        # the cancel cannot stop a running copy: it is written off after max_cancels
+        deadline = time.monotonic() + 5
+        while pool.state_of(0) is not T.BufState.LEAKED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.state_of(0) is T.BufState.LEAKED and pool.state.stats.written_off == 1
+        backend.resume()                                  # the late completion arrives
+        assert copier.wait_idle(5)
+        assert pool.state_of(0) is T.BufState.FREE and pool.state.stats.recovered == 1
+        assert bytes(pool.block_bytes(1).numpy()) == b"\x11" * LAYOUT.block_bytes   # untouched
+        # block 0 is reassigned and loaded under a new generation...
+        copier.step(pool, T.Acquire("r3", "blk0"))
+        fresh = _issue(copier, pool, "r3", 0, 0x55, timeout=2)
+        fresh.wait()
+        # ...and a replayed completion of the old generation is dropped without effect
+        before = pool.state.stats.stale_dropped
+        effects = copier.inject_completion(pool, late.gen, "blk0")
+        assert isinstance(effects[0], T.Refused) and isinstance(effects[0].error, errors.StaleGeneration)
+        assert pool.state.stats.stale_dropped == before + 1
+        assert pool.state_of(0) is T.BufState.READY
+        copier.step(pool, T.Consume("r3", "blk0"))
+        assert bytes(pool.block_bytes(0).numpy()) == b"\x55" * LAYOUT.block_bytes
+        assert bytes(pool.block_bytes(1).numpy()) == b"\x11" * LAYOUT.block_bytes
+    finally:
+        backend.resume()
+        copier.close()
+        backend.close()
+
+
+def test_cancelled_copies_queued_are_stopped_running_drain_late():
+    backend = CpuBackend()
+    copier = Copier(backend, cancel_interval=0.02)
+    pool = BlockPool.allocate(LAYOUT, 3, device="cpu")
+    try:
+        copier.step(pool, T.StartRequest("r"))
+        copier.step(pool, T.Acquire("r", "blk0"))
+        copier.step(pool, T.Acquire("r", "blk1"))
+        backend.hold()
+        running = _issue(copier, pool, "r", 0, 0x01, timeout=10)
+        queued = _issue(copier, pool, "r", 1, 0x02, timeout=10)
+        deadline = time.monotonic() + 5
+        while not backend.running() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        copier.step(pool, T.RequestCancel("r"))           # the result is no longer needed
+        for c in (running, queued):
+            with pytest.raises(errors.RequestNotActive):
+                c.wait()
+        # the queued copy was stopped before it wrote: acked, drained, never written
+        deadline = time.monotonic() + 5
+        while pool.state_of(1) is not T.BufState.FREE and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pool.state_of(1) is T.BufState.FREE
+        assert pool.block_bytes(1).sum() == 0
+        # the running one cannot be stopped: quarantined (written off once its cancels went unanswered)
+        assert pool.state_of(0) in (T.BufState.QUARANTINED, T.BufState.LEAKED)
+        backend.resume()
+        assert copier.wait_idle(5)
+        assert pool.block_bytes(0).sum() > 0          # the late bytes landed in the quarantined block only
+        assert pool.state_of(0) is T.BufState.FREE and "r" not in pool.state.requests
+    finally:
+        backend.resume()
+        copier.close()
+        backend.close()
+
+
+def test_chain_cancelled_by_request_cancel(dkv):
+    r = dkv.request()
+    blocks = r.acquire(1)
+    dkv.backend.hold()
+    ch = r.save(b"cancelled", blocks, timeout=5)
+    deadline = time.monotonic() + 5
+    while not dkv.backend.running() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r.cancel()
+    assert ch.wait(5) is SaveState.CANCELLED and ch.failed
+    dkv.backend.resume()
+    assert dkv.copier.wait_idle(5)
+    assert not dkv.client.exists(b"cancelled")
+
+
+def test_restore_device_copy_timeout_quarantines_blocks(dkv):
+    r = dkv.request()
+    src = r.acquire(2)
+    fill(dkv.blocks, src, 4)
+    assert r.save(b"to-restore", src).wait(5) is SaveState.PUBLISHED
+    r2 = dkv.request()
+    dst = r2.acquire(2)
+    dkv.backend.hold()
+    ch = r2.restore(b"to-restore", dst, timeout=0.3)
+    assert ch.wait_for(RestoreState.IN_HOST, 5)
+    assert ch.wait(5) is RestoreState.DEVICE_COPY_TIMED_OUT and ch.failed
+    assert not ch.events[RestoreState.CONSUMABLE].is_set()
+    assert any(dkv.blocks.state_of(b) in (T.BufState.QUARANTINED, T.BufState.LEAKED) for b in dst)
+    with pytest.raises(errors.BufferQuarantined):
+        r2.consume(dst)
+    dkv.backend.resume()
+    assert dkv.copier.wait_idle(5)
+
+
+@cuda
+def test_cuda_round_trip():   # pragma: no cover - needs a CUDA device
+    pool = BlockPool.allocate(LAYOUT, 4, device="cuda")
+    with kvproto.embedded(storage_nodes=1, segment_size="16MiB") as c, \
+            DeviceKV(c.client(), pool, max_blocks=2) as kv:
+        assert kv.backend.kind == "cuda"
+        r = kv.request()
+        blocks = r.acquire(2)
+        pool.kv[blocks] = torch.randn((2, *LAYOUT.block_shape), device="cuda").to(pool.kv.dtype)
+        want = pool.kv[blocks].clone()
+        assert r.save(b"cuda", blocks).wait(10) is SaveState.PUBLISHED
+        r2 = kv.request()
+        dst = r2.acquire(2)
+        assert r2.restore(b"cuda", dst).wait(10) is RestoreState.CONSUMABLE
+        got = torch.stack(r2.consume(dst))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_gpu_check_cpu_smoke():
+    import pathlib
+    import runpy
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+    main = runpy.run_path(str(path))["main"]
+    assert main(["--cpu", "--sizes", "8,32", "--block-kib", "4", "--iters", "1"]) == 0
