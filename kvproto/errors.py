@@ -184,6 +184,33 @@ class LeaseDeadlinePassed(KvError):
     code = 63
 
 
+# --- 70..79: master failover (spec/Failover.tla) ----------------------------
+
+class StaleTerm(KvError):
+    """The request is stamped with a term lower than the highest this node has seen (a newer master fenced it)."""
+    code = 70
+
+
+class MasterNotOpen(KvError):
+    """This master is not open for service (standby, fencing or recovering); treat a lookup as a miss."""
+    code = 71
+
+
+class FenceIncomplete(KvError):
+    """Recovery needs every live storage node to have acknowledged the new term first."""
+    code = 72
+
+
+class MasterNotStandby(KvError):
+    """Only a standby master may take a new term from the coordinator."""
+    code = 73
+
+
+class RecomputeLimited(KvError):
+    """The engine's fall-back to recomputation is over its rate limit; retry later."""
+    code = 74
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 

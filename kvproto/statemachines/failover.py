@@ -1,0 +1,942 @@
+"""Master failover of ``spec/Failover.tla`` as pure, sans-IO state machines.
+
+Four pieces, each a value with pure steps:
+
+* the master's failover phase machine, :class:`Master`, stepped by
+  :func:`master_step`: standby -> term obtained and fencing (waiting for the
+  storage nodes' acks) -> recovered (directory rebuilt from the nodes' indexes)
+  -> open; it steps down to standby on seeing a higher term;
+* a storage node's term fence and object index, :class:`StorageNode`, stepped
+  by :func:`storage_step`: every allocation, publish, read and index request is
+  stamped with a term, and one below the highest term the node has seen is
+  refused with :class:`~kvproto.errors.StaleTerm`;
+* :func:`rebuild_directory`, the directory rebuilt from the storage nodes'
+  indexes: only published objects whose bytes are on live nodes; unpublished
+  allocations of older terms are purged and their space freed;
+* :class:`RecomputeLimiter`, a token bucket that bounds the engine's fall-back
+  to recomputation while lookups miss during the switch.
+
+:class:`System` composes masters, a coordinator, storage nodes and readers
+into the closed system the spec describes; its actions (:data:`ACTIONS`) carry
+the spec's action names and its invariants (:data:`INVARIANTS`) the spec's
+invariant names. Every step is ``(state, event) -> (state, effects)``; a
+refused event returns the state unchanged and a single :class:`Refused`
+effect carrying a typed error from :mod:`kvproto.errors`. Time enters only as
+an argument (``RecomputeLimiter.take(now)``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import attrs
+import immutables
+
+from kvproto import errors
+from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
+from kvproto.statemachines.tla import Fn, ModelValue, model_names
+
+# --------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------
+
+
+class Phase(str, enum.Enum):
+    STANDBY = "standby"
+    FENCING = "fencing"        # term obtained; waiting for every live node's ack
+    RECOVERED = "recovered"    # directory rebuilt from the nodes' indexes; not yet serving
+    OPEN = "open"
+
+
+@attrs.frozen
+class IndexEntry:
+    """A storage node's index entry for one object it holds (``idx[n][k]``).
+
+    ``term`` is the term of the allocation, ``by`` the term of the publish that
+    made it visible (0 while unpublished). ``offset``, ``length`` and
+    ``checksum`` locate and check the bytes; the spec abstracts them away.
+    """
+
+    term: int
+    published: bool = False
+    by: int = 0
+    offset: int = 0
+    length: int = 1
+    checksum: int = 0
+
+
+@attrs.frozen
+class DirEntry:
+    """The master's directory entry for one key (``dir[m][k]``)."""
+
+    node: str
+    published: bool = False
+    offset: int = 0
+    length: int = 1
+    checksum: int = 0
+
+
+@attrs.frozen
+class Master:
+    """One master process: its failover phase, term, fence acks and directory."""
+
+    phase: Phase = Phase.STANDBY
+    term: int = 0
+    acked: frozenset = frozenset()
+    directory: immutables.Map = immutables.Map()
+
+
+@attrs.frozen
+class StorageNode:
+    """A storage node's fence (highest term seen) and its object index."""
+
+    term: int = 0
+    index: immutables.Map = immutables.Map()
+
+
+@attrs.frozen
+class Descriptor:
+    """What a lookup hands a reader: where the bytes are, stamped with a term."""
+
+    key: str
+    node: str
+    term: int
+    offset: int = 0
+    length: int = 1
+
+
+# --------------------------------------------------------------------------
+# Master events (named after the spec's actions where they are one)
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ObtainTerm:
+    """The coordinator granted ``term`` to this (standby) master."""
+
+    term: int
+
+
+@attrs.frozen
+class FenceAcked:
+    """Storage node ``node`` acknowledged this master's term."""
+
+    node: str
+
+
+@attrs.frozen
+class HigherTermSeen:
+    """A node (or the coordinator) refused this master with a higher ``term``: step down."""
+
+    term: int
+
+
+@attrs.frozen
+class Recover:
+    """Rebuild the directory from the indexes of the ``live`` storage nodes."""
+
+    live: frozenset
+    indexes: Mapping  # node -> immutables.Map[key, IndexEntry]
+
+
+@attrs.frozen
+class Open:
+    """Open service after recovery."""
+
+
+@attrs.frozen
+class Allocate:
+    """Ask to allocate ``key`` on ``node``; emits the stamped request for the node."""
+
+    key: str
+    node: str
+    length: int = 1
+    offset: int = 0
+
+
+@attrs.frozen
+class Allocated:
+    """The node accepted the stamped allocation; record it (unpublished)."""
+
+    key: str
+    node: str
+    length: int = 1
+    offset: int = 0
+
+
+@attrs.frozen
+class Publish:
+    """The writer finished ``key``; emits the stamped publish for its node."""
+
+    key: str
+
+
+@attrs.frozen
+class PublishAcked:
+    """The node accepted the stamped publish; the key is visible."""
+
+    key: str
+
+
+@attrs.frozen
+class Lookup:
+    """A reader asks where ``key`` is."""
+
+    key: str
+
+
+@attrs.frozen
+class NodeLost:
+    """A storage node died with its bytes."""
+
+    node: str
+
+
+MasterEvent = Union[ObtainTerm, FenceAcked, HigherTermSeen, Recover, Open, Allocate,
+                    Allocated, Publish, PublishAcked, Lookup, NodeLost]
+
+# --------------------------------------------------------------------------
+# Storage node events: each stamped with the sender's term
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Fence:
+    """A new master's term: from now on refuse anything stamped lower."""
+
+    term: int
+
+
+@attrs.frozen
+class StampedAllocate:
+    node: str
+    key: str
+    term: int
+    offset: int = 0
+    length: int = 1
+
+
+@attrs.frozen
+class StampedPublish:
+    node: str
+    key: str
+    term: int
+    checksum: int = 0
+
+
+@attrs.frozen
+class StampedRead:
+    node: str
+    key: str
+    term: int
+
+
+@attrs.frozen
+class IndexRequest:
+    """A recovering master asks for the node's index."""
+
+    term: int
+
+
+@attrs.frozen
+class PurgeUnpublished:
+    """Drop unpublished allocations of terms below ``below`` and free their space."""
+
+    node: str
+    below: int
+
+
+StorageEvent = Union[Fence, StampedAllocate, StampedPublish, StampedRead, IndexRequest,
+                     PurgeUnpublished]
+
+# --------------------------------------------------------------------------
+# Effects
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class FenceAck:
+    term: int
+
+
+@attrs.frozen
+class StorageAccepted:
+    key: str
+    term: int
+
+
+@attrs.frozen
+class ReadReturned:
+    key: str
+    entry: IndexEntry
+
+
+@attrs.frozen
+class IndexReturned:
+    index: immutables.Map
+
+
+@attrs.frozen
+class Purged:
+    """Unpublished allocations dropped by a node, and the bytes freed."""
+
+    keys: tuple
+    freed: int
+
+
+@attrs.frozen
+class SteppedDown:
+    term: int
+
+
+Effects = tuple
+
+# --------------------------------------------------------------------------
+# Directory rebuild (pure)
+# --------------------------------------------------------------------------
+
+
+def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables.Map:
+    """The directory recovered from the storage nodes' indexes (spec ``RecoveredDir``).
+
+    Lists exactly the published objects whose bytes are on a ``live`` node;
+    unpublished allocations are left out (the nodes purge them). If a key is
+    published on several live nodes (which the protocol never produces), the
+    entry with the highest publish term wins, then the least node name.
+    """
+    best: dict[str, tuple[tuple, DirEntry]] = {}
+    for node in sorted(indexes):
+        if node not in live:
+            continue
+        for key, entry in indexes[node].items():
+            if not entry.published:
+                continue
+            rank = (-entry.by, node)
+            if key not in best or rank < best[key][0]:
+                best[key] = (rank, DirEntry(node, True, entry.offset, entry.length, entry.checksum))
+    return immutables.Map({k: e for k, (_, e) in best.items()})
+
+
+def purge_unpublished(index: immutables.Map, below: int) -> tuple[immutables.Map, tuple, int]:
+    """Drop unpublished entries allocated in a term below ``below``: ``(index, keys, freed bytes)``."""
+    gone = sorted(k for k, e in index.items() if not e.published and e.term < below)
+    freed = sum(index[k].length for k in gone)
+    with index.mutate() as m:
+        for k in gone:
+            del m[k]
+        return m.finish(), tuple(gone), freed
+
+
+# --------------------------------------------------------------------------
+# Recompute limiter (pure token bucket)
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RecomputeLimiter:
+    """A token bucket bounding the engine's fall-back to recomputation.
+
+    ``rate`` tokens per second refill the bucket up to ``burst``; each allowed
+    recompute takes one. Over any interval ``[t0, t1]`` at most
+    ``burst + rate * (t1 - t0)`` recomputes are allowed. Time only enters as
+    ``now``; a ``now`` earlier than the last one refills nothing.
+    """
+
+    rate: float
+    burst: float
+    tokens: float = attrs.field(default=None)
+    last: Optional[float] = None
+
+    def __attrs_post_init__(self):
+        if self.rate < 0 or self.burst < 1:
+            raise errors.InvalidArgument("rate must be >= 0 and burst >= 1")
+        if self.tokens is None:
+            object.__setattr__(self, "tokens", float(self.burst))
+
+    def take(self, now: float) -> tuple["RecomputeLimiter", bool]:
+        """``(limiter, allowed)``: whether one recompute may start at ``now``."""
+        if self.last is None:
+            tokens, last = self.tokens, now
+        else:
+            elapsed = max(0.0, now - self.last)
+            tokens, last = min(self.burst, self.tokens + elapsed * self.rate), max(self.last, now)
+        if tokens >= 1:
+            return attrs.evolve(self, tokens=tokens - 1, last=last), True
+        return attrs.evolve(self, tokens=tokens, last=last), False
+
+
+# --------------------------------------------------------------------------
+# Master
+# --------------------------------------------------------------------------
+
+
+def _step_down(state: Master) -> Master:
+    """Back to standby; the (now stale) directory stays in memory until a crash."""
+    return Master(Phase.STANDBY, 0, frozenset(), state.directory)
+
+
+def fence_complete(state: Master, live) -> bool:
+    """Spec ``FenceComplete``: every live storage node acknowledged the term."""
+    return frozenset(live) <= state.acked
+
+
+def obtain_term(state: Master, ev: ObtainTerm):
+    """Spec ``ObtainTerm`` (master side): a standby master starts fencing."""
+    if state.phase is not Phase.STANDBY:
+        return _refuse(state, errors.MasterNotStandby(f"master is {state.phase.value}"))
+    if ev.term <= 0:
+        return _refuse(state, errors.InvalidArgument("terms start at 1"))
+    return Master(Phase.FENCING, ev.term, frozenset(), state.directory), ()
+
+
+def fence_acked(state: Master, ev: FenceAcked):
+    """Spec ``Fence`` (master side): record the node's ack."""
+    if state.phase is not Phase.FENCING:
+        return _refuse(state, errors.MasterNotOpen("not fencing"))
+    return attrs.evolve(state, acked=state.acked | {ev.node}), ()
+
+
+def higher_term_seen(state: Master, ev: HigherTermSeen):
+    """Step down on a higher term; a term not above ours changes nothing."""
+    if state.phase is Phase.STANDBY or ev.term <= state.term:
+        return _refuse(state, errors.InvalidArgument(f"term {ev.term} is not above {state.term}"))
+    return _step_down(state), (SteppedDown(ev.term),)
+
+
+def recover(state: Master, ev: Recover):
+    """Spec ``Recover``: after a complete fence, rebuild the directory from the
+    nodes' indexes and tell every live node to purge older unpublished allocations."""
+    if state.phase is not Phase.FENCING:
+        return _refuse(state, errors.MasterNotOpen("not fencing"))
+    if not fence_complete(state, ev.live):
+        return _refuse(state, errors.FenceIncomplete(
+            f"no ack from {sorted(frozenset(ev.live) - state.acked)}"))
+    directory = rebuild_directory(ev.indexes, ev.live)
+    purges = tuple(PurgeUnpublished(n, state.term) for n in sorted(ev.live))
+    return attrs.evolve(state, phase=Phase.RECOVERED, directory=directory), purges
+
+
+def open_service(state: Master, ev: Open):
+    """Spec ``Open``: only after recovery."""
+    if state.phase is not Phase.RECOVERED:
+        return _refuse(state, errors.MasterNotOpen(f"master is {state.phase.value}"))
+    return attrs.evolve(state, phase=Phase.OPEN), ()
+
+
+def _require_open(state: Master):
+    if state.phase is not Phase.OPEN:
+        return errors.MasterNotOpen(f"master is {state.phase.value}")
+    return None
+
+
+def allocate(state: Master, ev: Allocate):
+    """Spec ``Allocate`` (master side): emit the allocation stamped with our term."""
+    err = _require_open(state)
+    if err is None and ev.key in state.directory:
+        err = errors.KeyExists(f"{ev.key!r}")
+    if err is not None:
+        return _refuse(state, err)
+    return state, (StampedAllocate(ev.node, ev.key, state.term, ev.offset, ev.length),)
+
+
+def allocated(state: Master, ev: Allocated):
+    err = _require_open(state)
+    if err is None and ev.key in state.directory:
+        err = errors.KeyExists(f"{ev.key!r}")
+    if err is not None:
+        return _refuse(state, err)
+    entry = DirEntry(ev.node, False, ev.offset, ev.length)
+    return attrs.evolve(state, directory=state.directory.set(ev.key, entry)), ()
+
+
+def publish(state: Master, ev: Publish):
+    """Spec ``Publish`` (master side): emit the publish stamped with our term."""
+    err = _require_open(state)
+    entry = state.directory.get(ev.key)
+    if err is None and entry is None:
+        err = errors.KeyNotFound(f"{ev.key!r}")
+    if err is None and entry.published:
+        err = errors.KeyExists(f"{ev.key!r} is already published")
+    if err is not None:
+        return _refuse(state, err)
+    return state, (StampedPublish(entry.node, ev.key, state.term, entry.checksum),)
+
+
+def publish_acked(state: Master, ev: PublishAcked):
+    err = _require_open(state)
+    entry = state.directory.get(ev.key)
+    if err is None and (entry is None or entry.published):
+        err = errors.NotPublished(f"{ev.key!r} is not being published")
+    if err is not None:
+        return _refuse(state, err)
+    return attrs.evolve(state, directory=state.directory.set(
+        ev.key, attrs.evolve(entry, published=True))), ()
+
+
+def lookup(state: Master, ev: Lookup):
+    """Spec ``Lookup``: a descriptor stamped with our term, or a refusal the
+    client treats as a miss (``MasterNotOpen``, ``KeyNotFound``)."""
+    err = _require_open(state)
+    entry = state.directory.get(ev.key)
+    if err is None and (entry is None or not entry.published):
+        err = errors.KeyNotFound(f"{ev.key!r}")
+    if err is not None:
+        return _refuse(state, err)
+    return state, (Descriptor(ev.key, entry.node, state.term, entry.offset, entry.length),)
+
+
+def node_lost(state: Master, ev: NodeLost):
+    """Spec ``NodeLost`` (master side): a serving master drops the node's entries."""
+    if state.phase not in (Phase.RECOVERED, Phase.OPEN):
+        return state, ()
+    gone = [k for k, e in state.directory.items() if e.node == ev.node]
+    with state.directory.mutate() as m:
+        for k in gone:
+            del m[k]
+        return attrs.evolve(state, directory=m.finish()), ()
+
+
+_MASTER_HANDLERS: dict[type, Callable] = {
+    ObtainTerm: obtain_term, FenceAcked: fence_acked, HigherTermSeen: higher_term_seen,
+    Recover: recover, Open: open_service, Allocate: allocate, Allocated: allocated,
+    Publish: publish, PublishAcked: publish_acked, Lookup: lookup, NodeLost: node_lost,
+}
+
+
+def master_step(state: Master, event: MasterEvent) -> tuple[Master, Effects]:
+    """Apply one event to a master."""
+    return _MASTER_HANDLERS[type(event)](state, event)
+
+
+# --------------------------------------------------------------------------
+# Storage node: the term fence
+# --------------------------------------------------------------------------
+
+
+def node_accepts(node: StorageNode, term: int) -> bool:
+    """Spec ``NodeAccepts``: a request stamped below the node's term is refused."""
+    return term >= node.term
+
+
+def _stale(node: StorageNode, term: int):
+    return _refuse(node, errors.StaleTerm(f"term {term} is below {node.term}"))
+
+
+def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, Effects]:
+    """Apply one stamped request to a storage node.
+
+    The term fence comes after the request's own checks (the region must be
+    free for an allocation, allocated and unpublished for a publish), as in the
+    spec; any request accepted raises the node's term to the request's.
+    """
+    if isinstance(event, Fence):
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
+        return attrs.evolve(node, term=event.term), (FenceAck(event.term),)
+    if isinstance(event, StampedAllocate):
+        if event.key in node.index:
+            return _refuse(node, errors.KeyExists(f"{event.key!r} is held here"))
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
+        entry = IndexEntry(event.term, False, 0, event.offset, event.length)
+        return (StorageNode(max(node.term, event.term), node.index.set(event.key, entry)),
+                (StorageAccepted(event.key, event.term),))
+    if isinstance(event, StampedPublish):
+        entry = node.index.get(event.key)
+        if entry is None or entry.published:
+            return _refuse(node, errors.NotPublished(f"{event.key!r} is not an open allocation here"))
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
+        entry = attrs.evolve(entry, published=True, by=event.term, checksum=event.checksum)
+        return (StorageNode(max(node.term, event.term), node.index.set(event.key, entry)),
+                (StorageAccepted(event.key, event.term),))
+    if isinstance(event, StampedRead):
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
+        entry = node.index.get(event.key)
+        if entry is None:
+            return _refuse(node, errors.KeyNotFound(f"{event.key!r}"))
+        return node, (ReadReturned(event.key, entry),)
+    if isinstance(event, IndexRequest):
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
+        return node, (IndexReturned(node.index),)
+    if isinstance(event, PurgeUnpublished):
+        index, keys, freed = purge_unpublished(node.index, event.below)
+        return attrs.evolve(node, index=index), (Purged(keys, freed),)
+    raise TypeError(f"not a storage event: {event!r}")
+
+
+# --------------------------------------------------------------------------
+# The closed system of the spec
+# --------------------------------------------------------------------------
+
+#: The result of a read that missed (spec ``Miss``).
+MISS = IndexEntry(term=0, published=False, by=0)
+
+
+@attrs.frozen
+class System:
+    coord_term: int
+    masters: immutables.Map         # master -> Master
+    nodes: immutables.Map           # node -> StorageNode (dead ones keep their term)
+    live: frozenset
+    desc: immutables.Map            # reader -> Descriptor | None
+    got: immutables.Map             # reader -> IndexEntry | MISS | None
+    stale_accepted: frozenset       # history: nodes that accepted a stale-term write
+
+    @classmethod
+    def initial(cls, masters: Sequence[str], nodes: Sequence[str], readers: Sequence[str]) -> "System":
+        return cls(0, immutables.Map({m: Master() for m in masters}),
+                   immutables.Map({n: StorageNode() for n in nodes}), frozenset(nodes),
+                   immutables.Map({r: None for r in readers}),
+                   immutables.Map({r: None for r in readers}), frozenset())
+
+    def _with(self, **changes) -> "System":
+        return attrs.evolve(self, **changes)
+
+    def _master(self, m: str, event) -> tuple["System", Effects]:
+        new, effects = master_step(self.masters[m], event)
+        return self._with(masters=self.masters.set(m, new)), effects
+
+    def _node(self, n: str, event) -> tuple["System", Effects]:
+        new, effects = storage_step(self.nodes[n], event)
+        return self._with(nodes=self.nodes.set(n, new)), effects
+
+
+def _refused_term(effects: Effects) -> bool:
+    return bool(effects) and isinstance(effects[0], Refused) \
+        and isinstance(effects[0].error, errors.StaleTerm)
+
+
+def _step_down_on(sys: System, m: str, n: str) -> System:
+    new, _ = sys._master(m, HigherTermSeen(sys.nodes[n].term))
+    return new
+
+
+def sys_obtain_term(sys: System, m: str) -> Optional[System]:
+    new, effects = sys._master(m, ObtainTerm(sys.coord_term + 1))
+    if not _accepted(effects):
+        return None
+    return new._with(coord_term=sys.coord_term + 1)
+
+
+def sys_fence(sys: System, m: str, n: str) -> Optional[System]:
+    master = sys.masters[m]
+    if master.phase is not Phase.FENCING or n not in sys.live or n in master.acked:
+        return None
+    new, effects = sys._node(n, Fence(master.term))
+    if not _accepted(effects):
+        return _step_down_on(sys, m, n)
+    new, _ = new._master(m, FenceAcked(n))
+    return new
+
+
+def sys_recover(sys: System, m: str) -> Optional[System]:
+    master = sys.masters[m]
+    if master.phase is not Phase.FENCING or not fence_complete(master, sys.live):
+        return None
+    indexes = {}
+    for n in sorted(sys.live):
+        _, effects = storage_step(sys.nodes[n], IndexRequest(master.term))
+        if not _accepted(effects):
+            return _step_down_on(sys, m, n)
+        indexes[n] = effects[0].index
+    new, effects = sys._master(m, Recover(sys.live, indexes))
+    if not _accepted(effects):
+        return None
+    for purge in effects:
+        new, _ = new._node(purge.node, purge)
+    return new
+
+
+def sys_open(sys: System, m: str) -> Optional[System]:
+    new, effects = sys._master(m, Open())
+    return new if _accepted(effects) else None
+
+
+def sys_crash(sys: System, m: str) -> Optional[System]:
+    """Spec ``Crash``: the process dies and loses its directory."""
+    if sys.masters[m].phase is Phase.STANDBY:
+        return None
+    return sys._with(masters=sys.masters.set(m, Master()))
+
+
+def sys_allocate(sys: System, m: str, key: str, n: str) -> Optional[System]:
+    if n not in sys.live:
+        return None
+    _, effects = master_step(sys.masters[m], Allocate(key, n))
+    if not _accepted(effects):
+        return None
+    request = effects[0]
+    node = sys.nodes[n]
+    new, effects = sys._node(n, request)
+    if _refused_term(effects):
+        return _step_down_on(sys, m, n)
+    if not _accepted(effects):
+        return None
+    new, _ = new._master(m, Allocated(key, n))
+    if request.term < node.term:
+        new = new._with(stale_accepted=new.stale_accepted | {n})
+    return new
+
+
+def sys_publish(sys: System, m: str, key: str) -> Optional[System]:
+    _, effects = master_step(sys.masters[m], Publish(key))
+    if not _accepted(effects):
+        return None
+    request = effects[0]
+    n = request.node
+    if n not in sys.live:
+        return None
+    node = sys.nodes[n]
+    new, effects = sys._node(n, request)
+    if _refused_term(effects):
+        return _step_down_on(sys, m, n)
+    if not _accepted(effects):
+        return None
+    new, _ = new._master(m, PublishAcked(key))
+    if request.term < node.term:
+        new = new._with(stale_accepted=new.stale_accepted | {n})
+    return new
+
+
+def sys_lookup(sys: System, r: str, m: str, key: str) -> Optional[System]:
+    """Spec ``Lookup``; a refused lookup is a miss and changes nothing."""
+    if sys.desc[r] is not None:
+        return None
+    _, effects = master_step(sys.masters[m], Lookup(key))
+    if not _accepted(effects):
+        return None
+    return sys._with(desc=sys.desc.set(r, effects[0]))
+
+
+def sys_read(sys: System, r: str) -> Optional[System]:
+    """Spec ``Read``: a dead node, a stale term or a missing region is a miss."""
+    d = sys.desc[r]
+    if d is None:
+        return None
+    result = MISS
+    if d.node in sys.live:
+        _, effects = storage_step(sys.nodes[d.node], StampedRead(d.node, d.key, d.term))
+        if _accepted(effects):
+            result = effects[0].entry
+    return sys._with(desc=sys.desc.set(r, None), got=sys.got.set(r, result))
+
+
+def sys_node_lost(sys: System, n: str) -> Optional[System]:
+    if n not in sys.live:
+        return None
+    node = sys.nodes[n]
+    new = sys._with(live=sys.live - {n},
+                    nodes=sys.nodes.set(n, StorageNode(node.term, immutables.Map())))
+    for m in sys.masters:
+        new, _ = new._master(m, NodeLost(n))
+    return new
+
+
+#: The spec's actions, each a function on :class:`System` returning the
+#: successor or ``None`` when the action is not enabled.
+ACTIONS: dict[str, Callable[..., Optional[System]]] = {
+    "ObtainTerm": sys_obtain_term,
+    "Fence": sys_fence,
+    "Recover": sys_recover,
+    "Open": sys_open,
+    "Crash": sys_crash,
+    "Allocate": sys_allocate,
+    "Publish": sys_publish,
+    "Lookup": sys_lookup,
+    "Read": sys_read,
+    "NodeLost": sys_node_lost,
+}
+
+# --------------------------------------------------------------------------
+# Invariants (spec names in INVARIANTS)
+# --------------------------------------------------------------------------
+
+
+def type_ok(sys: System) -> bool:
+    """Spec ``TypeOK``."""
+    for master in sys.masters.values():
+        if not (isinstance(master.phase, Phase) and 0 <= master.term <= sys.coord_term
+                and master.acked <= frozenset(sys.nodes)):
+            return False
+        if (master.phase is Phase.STANDBY) != (master.term == 0):
+            return False
+        if any(not isinstance(e, DirEntry) or e.node not in sys.nodes
+               for e in master.directory.values()):
+            return False
+    for node in sys.nodes.values():
+        if not 0 <= node.term <= sys.coord_term:
+            return False
+        if any(not (1 <= e.term <= sys.coord_term and 0 <= e.by <= sys.coord_term)
+               for e in node.index.values()):
+            return False
+    return sys.live <= frozenset(sys.nodes) and sys.stale_accepted <= frozenset(sys.nodes)
+
+
+def current(sys: System, m: str) -> bool:
+    """Spec ``Current``: serving, with the coordinator's latest term."""
+    master = sys.masters[m]
+    return master.phase in (Phase.RECOVERED, Phase.OPEN) and master.term == sys.coord_term
+
+
+def can_mutate(sys: System, m: str) -> bool:
+    """Spec ``CanMutate``: open, and some live node would accept its term."""
+    master = sys.masters[m]
+    return master.phase is Phase.OPEN and any(node_accepts(sys.nodes[n], master.term)
+                                              for n in sys.live)
+
+
+def no_split_brain_allocation(sys: System) -> bool:
+    """Spec ``NoSplitBrainAllocation``: at most one master can allocate or publish."""
+    return sum(1 for m in sys.masters if can_mutate(sys, m)) <= 1
+
+
+def no_stale_term_write_accepted(sys: System) -> bool:
+    """Spec ``NoStaleTermWriteAccepted``."""
+    return not sys.stale_accepted
+
+
+def directory_only_lists_live_bytes(sys: System) -> bool:
+    """Spec ``DirectoryOnlyListsLiveBytes``."""
+    for m, master in sys.masters.items():
+        if not current(sys, m):
+            continue
+        for key, e in master.directory.items():
+            held = sys.nodes[e.node].index.get(key) if e.node in sys.live else None
+            if held is None or held.published != e.published:
+                return False
+    return True
+
+
+def unpublished_purged_after_recovery(sys: System) -> bool:
+    """Spec ``UnpublishedPurgedAfterRecovery``."""
+    for m, master in sys.masters.items():
+        if not current(sys, m):
+            continue
+        for n in sys.live:
+            for key, e in sys.nodes[n].index.items():
+                if e.published:
+                    continue
+                d = master.directory.get(key)
+                if e.term != master.term or d is None or d.node != n or d.published:
+                    return False
+    return True
+
+
+def reads_return_published_bytes_or_miss(sys: System) -> bool:
+    """Spec ``ReadsReturnPublishedBytesOrMiss``."""
+    return all(g is None or g == MISS or (g.published and g.by == g.term)
+               for g in sys.got.values())
+
+
+INVARIANTS: dict[str, Callable[[System], bool]] = {
+    "TypeOK": type_ok,
+    "NoSplitBrainAllocation": no_split_brain_allocation,
+    "NoStaleTermWriteAccepted": no_stale_term_write_accepted,
+    "DirectoryOnlyListsLiveBytes": directory_only_lists_live_bytes,
+    "UnpublishedPurgedAfterRecovery": unpublished_purged_after_recovery,
+    "ReadsReturnPublishedBytesOrMiss": reads_return_published_bytes_or_miss,
+}
+
+# --------------------------------------------------------------------------
+# Model constants, successors and the stated mapping
+# --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Constants:
+    masters: tuple[str, ...]
+    nodes: tuple[str, ...]
+    keys: tuple[str, ...]
+    readers: tuple[str, ...]
+    max_term: int
+
+    @classmethod
+    def from_tla(cls, consts: Mapping) -> "Constants":
+        return cls(model_names(consts["Masters"]), model_names(consts["Nodes"]),
+                   model_names(consts["Keys"]), model_names(consts["Readers"]),
+                   consts["MaxTerm"])
+
+    def initial(self) -> System:
+        return System.initial(self.masters, self.nodes, self.readers)
+
+
+def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
+    """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
+    def emit(name, new):
+        if new is not None:
+            yield name, new
+
+    for m in c.masters:
+        if sys.coord_term < c.max_term:
+            yield from emit("ObtainTerm", sys_obtain_term(sys, m))
+        yield from emit("Recover", sys_recover(sys, m))
+        yield from emit("Open", sys_open(sys, m))
+        yield from emit("Crash", sys_crash(sys, m))
+        for n in c.nodes:
+            yield from emit("Fence", sys_fence(sys, m, n))
+        for k in c.keys:
+            for n in c.nodes:
+                yield from emit("Allocate", sys_allocate(sys, m, k, n))
+            yield from emit("Publish", sys_publish(sys, m, k))
+    for r in c.readers:
+        for m in c.masters:
+            for k in c.keys:
+                yield from emit("Lookup", sys_lookup(sys, r, m, k))
+        yield from emit("Read", sys_read(sys, r))
+    for n in c.nodes:
+        yield from emit("NodeLost", sys_node_lost(sys, n))
+
+
+NONE = ModelValue("None")
+
+
+def to_tla(sys: System, c: Constants) -> Fn:
+    """The stated mapping from a :class:`System` to the spec's variables.
+
+    Masters, nodes, keys and readers map to model values of the same name; an
+    absent directory or index entry, descriptor or read result to ``None``;
+    offsets, lengths and checksums are abstracted away.
+    """
+    def dir_entry(e: Optional[DirEntry]):
+        return NONE if e is None else Fn.of({"node": ModelValue(e.node), "pub": e.published})
+
+    def idx_entry(e: Optional[IndexEntry]):
+        return NONE if e is None else Fn.of({"term": e.term, "pub": e.published, "by": e.by})
+
+    def descriptor(d: Optional[Descriptor]):
+        return NONE if d is None else Fn.of(
+            {"key": ModelValue(d.key), "node": ModelValue(d.node), "term": d.term})
+
+    ms = sys.masters
+    return Fn.of({
+        "coordTerm": sys.coord_term,
+        "phase": Fn.of({ModelValue(m): ms[m].phase.value for m in c.masters}),
+        "mterm": Fn.of({ModelValue(m): ms[m].term for m in c.masters}),
+        "acked": Fn.of({ModelValue(m): frozenset(ModelValue(n) for n in ms[m].acked)
+                        for m in c.masters}),
+        "dir": Fn.of({ModelValue(m): Fn.of({ModelValue(k): dir_entry(ms[m].directory.get(k))
+                                            for k in c.keys}) for m in c.masters}),
+        "live": frozenset(ModelValue(n) for n in sys.live),
+        "nodeTerm": Fn.of({ModelValue(n): sys.nodes[n].term for n in c.nodes}),
+        "idx": Fn.of({ModelValue(n): Fn.of({ModelValue(k): idx_entry(sys.nodes[n].index.get(k))
+                                            for k in c.keys}) for n in c.nodes}),
+        "desc": Fn.of({ModelValue(r): descriptor(sys.desc[r]) for r in c.readers}),
+        "got": Fn.of({ModelValue(r): idx_entry(sys.got[r]) for r in c.readers}),
+        "staleAccepted": frozenset(ModelValue(n) for n in sys.stale_accepted),
+    })
+
+
+BINDING = SpecBinding(
+    module="Failover",
+    constants=Constants.from_tla,
+    initial=lambda c: [c.initial()],
+    successors=successors,
+    to_tla=to_tla,
+    actions=ACTIONS,
+    invariants=INVARIANTS,
+)

@@ -1,0 +1,290 @@
+------------------------------ MODULE Failover ------------------------------
+(***************************************************************************)
+(* Master failover of the kvproto store (design atlas D11).                *)
+(*                                                                         *)
+(* The master (the directory) can crash, or pause and wake up later still *)
+(* believing it is the master.  A new master takes over in this order:    *)
+(* ObtainTerm (a higher term from the coordinator), Fence (every live      *)
+(* storage node learns the term and from then on refuses any allocation, *)
+(* publish or read stamped with a lower term), Recover (rebuild the        *)
+(* directory from the storage nodes' own indexes: published objects on    *)
+(* live nodes only; unpublished allocations of older terms are purged),   *)
+(* and only then Open.  A master that is refused because of a higher term *)
+(* steps down.  A paused master is not a separate action: a master that   *)
+(* takes no step for a while is paused, and when it takes one again it     *)
+(* acts on its old term and old directory.                                 *)
+(*                                                                         *)
+(* Storage nodes keep the index of what they hold: key -> allocation term, *)
+(* published or not, and the term of the publish that made it visible.   *)
+(* Each object has one replica (the publish protocol covers replicas).    *)
+(* Readers hold descriptors stamped with the term of the master that      *)
+(* handed them out; a refused or failed read is a miss.                   *)
+(***************************************************************************)
+EXTENDS Naturals, FiniteSets
+
+CONSTANTS
+    Masters,   \* master processes (one active at a time, others standby)
+    Nodes,     \* storage nodes (one segment each)
+    Keys,      \* object keys
+    Readers,   \* client readers
+    MaxTerm,   \* bound on terms the coordinator issues (keeps the model finite)
+    None       \* model value: no entry, no descriptor, no read yet
+
+Terms == 1..MaxTerm
+Phases == {"standby", "fencing", "recovered", "open"}
+
+VARIABLES
+    coordTerm,      \* coordinator: the highest term issued
+    phase,          \* master -> phase
+    mterm,          \* master -> its term (0 while standby)
+    acked,          \* master -> storage nodes that acknowledged its fence
+    dir,            \* master -> key -> None | [node, pub]
+    live,           \* storage nodes still alive (with their bytes)
+    nodeTerm,       \* storage node -> highest term it has seen
+    idx,            \* storage node -> key -> None | [term, pub, by]
+    desc,           \* reader -> None | [key, node, term]
+    got,            \* reader -> None | Miss | the index entry its last read returned
+    staleAccepted   \* history: storage nodes that accepted a request stamped below their term
+
+vars == <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted>>
+
+DirEntry == [node : Nodes, pub : BOOLEAN]
+IdxEntry == [term : Terms, pub : BOOLEAN, by : 0..MaxTerm]
+Descriptor == [key : Keys, node : Nodes, term : Terms]
+
+(* The result of a read that missed. *)
+Miss == [term |-> 0, pub |-> FALSE, by |-> 0]
+
+Max(a, b) == IF a > b THEN a ELSE b
+NoDir == [k \in Keys |-> None]
+
+(***************************************************************************)
+(* Guards that the weakened models replace (see the Failover_Weak_*.cfg). *)
+(***************************************************************************)
+\* A storage node accepts an allocation, publish or read stamped with term t
+\* only if t is not below the highest term it has seen.
+NodeAccepts(n, t) == t >= nodeTerm[n]
+\* Recovery starts only when every live storage node acknowledged the fence.
+FenceComplete(m) == live \subseteq acked[m]
+\* The recovered directory: published objects whose bytes are on a live node.
+RecoveredDir(m) ==
+    [k \in Keys |->
+        IF \E n \in live : idx[n][k] # None /\ idx[n][k].pub
+        THEN [node |-> CHOOSE n \in live : idx[n][k] # None /\ idx[n][k].pub, pub |-> TRUE]
+        ELSE None]
+
+WeakNodeIgnoresTerm(n, t) == TRUE
+WeakNoFence(m) == TRUE
+WeakStaleSnapshot(m) == dir[m]   \* the directory it last held, not reconciled with storage
+
+(* The master learns of a higher term and goes back to standby.  It keeps *)
+(* its (now stale) directory in memory; a crash loses it.                *)
+StepDown(m) ==
+    /\ phase' = [phase EXCEPT ![m] = "standby"]
+    /\ mterm' = [mterm EXCEPT ![m] = 0]
+    /\ acked' = [acked EXCEPT ![m] = {}]
+
+(***************************************************************************)
+(* Actions                                                                 *)
+(***************************************************************************)
+Init ==
+    /\ coordTerm = 0
+    /\ phase = [m \in Masters |-> "standby"]
+    /\ mterm = [m \in Masters |-> 0]
+    /\ acked = [m \in Masters |-> {}]
+    /\ dir = [m \in Masters |-> NoDir]
+    /\ live = Nodes
+    /\ nodeTerm = [n \in Nodes |-> 0]
+    /\ idx = [n \in Nodes |-> [k \in Keys |-> None]]
+    /\ desc = [r \in Readers |-> None]
+    /\ got = [r \in Readers |-> None]
+    /\ staleAccepted = {}
+
+(* A standby master obtains a higher term from the coordinator.  The      *)
+(* coordinator may do so at any time: it cannot tell a dead master from a *)
+(* paused one.                                                            *)
+ObtainTerm(m) ==
+    /\ phase[m] = "standby"
+    /\ coordTerm < MaxTerm
+    /\ coordTerm' = coordTerm + 1
+    /\ phase' = [phase EXCEPT ![m] = "fencing"]
+    /\ mterm' = [mterm EXCEPT ![m] = coordTerm + 1]
+    /\ acked' = [acked EXCEPT ![m] = {}]
+    /\ UNCHANGED <<dir, live, nodeTerm, idx, desc, got, staleAccepted>>
+
+(* Storage node n learns m's term, or refuses it (it saw a higher one).  *)
+Fence(m, n) ==
+    /\ phase[m] = "fencing"
+    /\ n \in live \ acked[m]
+    /\ IF nodeTerm[n] <= mterm[m]
+       THEN /\ nodeTerm' = [nodeTerm EXCEPT ![n] = mterm[m]]
+            /\ acked' = [acked EXCEPT ![m] = @ \cup {n}]
+            /\ UNCHANGED <<phase, mterm>>
+       ELSE /\ StepDown(m)                         \* refused: StaleTerm
+            /\ UNCHANGED nodeTerm
+    /\ UNCHANGED <<coordTerm, dir, live, idx, desc, got, staleAccepted>>
+
+(* Rebuild the directory from the live storage nodes' indexes; the nodes *)
+(* purge unpublished allocations of older terms and free their space.   *)
+Recover(m) ==
+    /\ phase[m] = "fencing"
+    /\ FenceComplete(m)
+    /\ IF \A n \in live : nodeTerm[n] <= mterm[m]
+       THEN /\ dir' = [dir EXCEPT ![m] = RecoveredDir(m)]
+            /\ idx' = [n \in Nodes |-> [k \in Keys |->
+                         IF idx[n][k] # None /\ ~idx[n][k].pub /\ idx[n][k].term < mterm[m]
+                         THEN None ELSE idx[n][k]]]
+            /\ phase' = [phase EXCEPT ![m] = "recovered"]
+            /\ UNCHANGED <<mterm, acked>>
+       ELSE /\ StepDown(m)                         \* refused: StaleTerm
+            /\ UNCHANGED <<dir, idx>>
+    /\ UNCHANGED <<coordTerm, live, nodeTerm, desc, got, staleAccepted>>
+
+Open(m) ==
+    /\ phase[m] = "recovered"
+    /\ phase' = [phase EXCEPT ![m] = "open"]
+    /\ UNCHANGED <<coordTerm, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted>>
+
+(* The master dies and loses its in-memory directory. *)
+Crash(m) ==
+    /\ phase[m] # "standby"
+    /\ StepDown(m)
+    /\ dir' = [dir EXCEPT ![m] = NoDir]
+    /\ UNCHANGED <<coordTerm, live, nodeTerm, idx, desc, got, staleAccepted>>
+
+(* An open master allocates key k on node n, stamped with its term. *)
+Allocate(m, k, n) ==
+    /\ phase[m] = "open"
+    /\ dir[m][k] = None
+    /\ n \in live
+    /\ idx[n][k] = None
+    /\ IF NodeAccepts(n, mterm[m])
+       THEN /\ idx' = [idx EXCEPT ![n][k] = [term |-> mterm[m], pub |-> FALSE, by |-> 0]]
+            /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+            /\ dir' = [dir EXCEPT ![m][k] = [node |-> n, pub |-> FALSE]]
+            /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
+                                ELSE staleAccepted
+            /\ UNCHANGED <<phase, mterm, acked>>
+       ELSE /\ StepDown(m)                         \* refused: StaleTerm
+            /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, live, desc, got>>
+
+(* The writer finished; the master publishes k, stamped with its term. *)
+Publish(m, k) ==
+    /\ phase[m] = "open"
+    /\ dir[m][k] # None
+    /\ ~dir[m][k].pub
+    /\ LET n == dir[m][k].node IN
+         /\ n \in live
+         /\ idx[n][k] # None
+         /\ ~idx[n][k].pub
+         /\ IF NodeAccepts(n, mterm[m])
+            THEN /\ idx' = [idx EXCEPT ![n][k].pub = TRUE, ![n][k].by = mterm[m]]
+                 /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+                 /\ dir' = [dir EXCEPT ![m][k].pub = TRUE]
+                 /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
+                                     ELSE staleAccepted
+                 /\ UNCHANGED <<phase, mterm, acked>>
+            ELSE /\ StepDown(m)                    \* refused: StaleTerm
+                 /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, live, desc, got>>
+
+(* A reader looks k up at a master that believes it is open (a paused old *)
+(* master answers too) and gets a descriptor stamped with that master's    *)
+(* term.  A failed lookup is a miss and changes nothing.                  *)
+Lookup(r, m, k) ==
+    /\ desc[r] = None
+    /\ phase[m] = "open"
+    /\ dir[m][k] # None
+    /\ dir[m][k].pub
+    /\ desc' = [desc EXCEPT ![r] = [key |-> k, node |-> dir[m][k].node, term |-> mterm[m]]]
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, got, staleAccepted>>
+
+(* The reader reads from the storage node.  A dead node, a refused term or *)
+(* a missing region is a miss; the reader drops the descriptor either way. *)
+Read(r) ==
+    /\ desc[r] # None
+    /\ LET n == desc[r].node
+           k == desc[r].key IN
+         got' = [got EXCEPT ![r] =
+                   IF n \in live /\ NodeAccepts(n, desc[r].term) /\ idx[n][k] # None
+                   THEN idx[n][k] ELSE Miss]
+    /\ desc' = [desc EXCEPT ![r] = None]
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, staleAccepted>>
+
+(* A storage node dies with its bytes and its index.  Masters that serve  *)
+(* (recovered or open) notice and drop its entries.                       *)
+NodeLost(n) ==
+    /\ n \in live
+    /\ live' = live \ {n}
+    /\ idx' = [idx EXCEPT ![n] = [k \in Keys |-> None]]
+    /\ dir' = [m \in Masters |->
+                 IF phase[m] \in {"recovered", "open"}
+                 THEN [k \in Keys |-> IF dir[m][k] # None /\ dir[m][k].node = n
+                                      THEN None ELSE dir[m][k]]
+                 ELSE dir[m]]
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, nodeTerm, desc, got, staleAccepted>>
+
+Next ==
+    \/ \E m \in Masters : ObtainTerm(m) \/ Recover(m) \/ Open(m) \/ Crash(m)
+    \/ \E m \in Masters, n \in Nodes : Fence(m, n)
+    \/ \E m \in Masters, k \in Keys, n \in Nodes : Allocate(m, k, n)
+    \/ \E m \in Masters, k \in Keys : Publish(m, k)
+    \/ \E r \in Readers, m \in Masters, k \in Keys : Lookup(r, m, k)
+    \/ \E r \in Readers : Read(r)
+    \/ \E n \in Nodes : NodeLost(n)
+
+Spec == Init /\ [][Next]_vars
+
+(***************************************************************************)
+(* Invariants                                                              *)
+(***************************************************************************)
+TypeOK ==
+    /\ coordTerm \in 0..MaxTerm
+    /\ phase \in [Masters -> Phases]
+    /\ mterm \in [Masters -> 0..MaxTerm]
+    /\ acked \in [Masters -> SUBSET Nodes]
+    /\ dir \in [Masters -> [Keys -> {None} \cup DirEntry]]
+    /\ live \subseteq Nodes
+    /\ nodeTerm \in [Nodes -> 0..MaxTerm]
+    /\ idx \in [Nodes -> [Keys -> {None} \cup IdxEntry]]
+    /\ desc \in [Readers -> {None} \cup Descriptor]
+    /\ got \in [Readers -> {None, Miss} \cup IdxEntry]
+    /\ staleAccepted \subseteq Nodes
+
+(* The master that holds the coordinator's current term and serves. *)
+Current(m) == phase[m] \in {"recovered", "open"} /\ mterm[m] = coordTerm
+
+(* A master may allocate or publish if it is open and some live node would *)
+(* accept its term.  Never two at once.                                   *)
+CanMutate(m) == phase[m] = "open" /\ \E n \in live : NodeAccepts(n, mterm[m])
+NoSplitBrainAllocation == \A m1, m2 \in Masters : m1 # m2 => ~(CanMutate(m1) /\ CanMutate(m2))
+
+(* No storage node ever accepted an allocation or publish stamped with a  *)
+(* term below the highest it had seen.                                    *)
+NoStaleTermWriteAccepted == staleAccepted = {}
+
+(* The current master lists only objects whose bytes exist on a live node, *)
+(* and lists as published only what the node holds as published.         *)
+DirectoryOnlyListsLiveBytes ==
+    \A m \in Masters : Current(m) =>
+        \A k \in Keys : dir[m][k] # None =>
+            LET n == dir[m][k].node IN
+                /\ n \in live
+                /\ idx[n][k] # None
+                /\ dir[m][k].pub = idx[n][k].pub
+
+(* Once a master has recovered, every unpublished allocation on a live    *)
+(* node is its own (of its term, in its directory): older ones were purged.*)
+UnpublishedPurgedAfterRecovery ==
+    \A m \in Masters : Current(m) =>
+        \A n \in live, k \in Keys : idx[n][k] # None /\ ~idx[n][k].pub =>
+            /\ idx[n][k].term = mterm[m]
+            /\ dir[m][k] = [node |-> n, pub |-> FALSE]
+
+(* A read returns a miss or bytes published by the attempt that wrote them *)
+(* (the publish was stamped with the allocation's term).                  *)
+ReadsReturnPublishedBytesOrMiss ==
+    \A r \in Readers : got[r] \in {None, Miss} \/ (got[r].pub /\ got[r].by = got[r].term)
+
+=============================================================================
