@@ -31,7 +31,9 @@ master, writer, count, replicas = sys.argv[1], sys.argv[2], int(sys.argv[3]), in
 with Client(master, timeout=30.0) as client:
     for i in range(count):
         key = f"demo/{writer}/{i}".encode()
-        client.put(key, payload(key), replicas=replicas)
+        data = payload(key)
+        print("putting", key.decode(), flush=True)
+        client.put(key, data, replicas=replicas)
         print(key.decode(), flush=True)
 """
 
@@ -94,11 +96,16 @@ def main(writers: int = 4, killed: int = 2, objects: int = 8, replicas: int = 2,
         procs = {f"w{i}": spawn(f"w{i}") for i in range(writers)}
         victims = {f"k{i}": spawn(f"k{i}") for i in range(killed)}
 
-        # Kill each victim in the middle of a put: after its first object is
-        # published, while the next one is being written.
+        # Kill each victim in the middle of a put: its first object is
+        # published, and it has just started putting the second.
         for name, proc in victims.items():
-            proc.stdout.readline()
-            time.sleep(0.05)
+            lines = iter(proc.stdout.readline, "")
+            started = 0
+            for line in lines:
+                started += line.startswith("putting")
+                if started == 2:
+                    break
+            time.sleep(0.003)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
 
@@ -108,8 +115,9 @@ def main(writers: int = 4, killed: int = 2, objects: int = 8, replicas: int = 2,
 
         def collect(proc: subprocess.Popen) -> None:
             for line in proc.stdout:
-                with done_lock:
-                    done.append(line.strip().encode())
+                if not line.startswith("putting"):
+                    with done_lock:
+                        done.append(line.strip().encode())
 
         collectors = [threading.Thread(target=collect, args=(p,)) for p in procs.values()]
         for t in collectors:
