@@ -109,16 +109,17 @@ def main(argv=None) -> int:
 
                 def layer(d2h: bool) -> float:
                     if d2h:
-                        kv.copier.step(kv.staging, T.Acquire(r.name, slot))
+                        kv.copier.step(kv.blocks, T.Acquire(r.name, slot))
                     else:
                         reset(db)
                     stage = kv._staging_slice(slot, nbytes)
                     sync()
                     t0 = time.perf_counter()
                     if d2h:
-                        c = kv.copier.issue(kv.staging, r.name, slot,
+                        c = kv.copier.issue(kv.blocks, r.name, slot,
                                             [(stage[i * layout.block_bytes:(i + 1) * layout.block_bytes],
-                                              pool.block_bytes(b)) for i, b in enumerate(sb)], 30)
+                                              pool.block_bytes(b)) for i, b in enumerate(sb)], 30,
+                                            sources=[pool.name(b) for b in sb])
                         c.wait()
                     else:
                         cs = [kv.copier.issue(pool, r.name, pool.name(b),
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
                             c.wait()
                     dt = time.perf_counter() - t0
                     if d2h:
-                        kv.copier.step(kv.staging, T.Release(r.name, slot))
+                        kv.copier.step(kv.blocks, T.Release(r.name, slot))
                     return dt
 
                 for d2h, name in ((True, "device->host"), (False, "host->device")):

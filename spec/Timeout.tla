@@ -60,11 +60,21 @@
 (* never runs and is, to the client, a transfer stopped at once.  So no   *)
 (* record of an unknown cancel ("tombstone") is needed: no load of that   *)
 (* generation can arrive after it.                                        *)
+(*                                                                         *)
+(* A copy may also read buffers of the same pool (a save copies device     *)
+(* blocks into a staging buffer): Issue names its sources, buffers the     *)
+(* request holds with bytes to read.  While the request still awaits such *)
+(* a copy, its sources are neither released nor loaded into (Release and  *)
+(* Issue refuse them: SourceNotReassignedWhileRead), else the copy would  *)
+(* read reassigned bytes and the request would take them as its own.     *)
+(* Once the copy timed out (or the request ended, abandoning it) its       *)
+(* bytes land only in a quarantined destination that is never consumed,   *)
+(* so its sources may go, though it may still read them.                  *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
 CONSTANTS
-    Buffers,     \* the client's destination buffers
+    Buffers,     \* the client's buffers: destinations and sources of copies
     Requests,    \* inference requests
     MaxGen,      \* bound on transfers issued: generations are 1..MaxGen
     MaxCancels,  \* cancel messages sent for one timed-out transfer before GiveUp
@@ -75,7 +85,7 @@ ASSUME MaxGen \in Nat /\ MaxCancels \in Nat /\ MaxLeaked \in Nat
 
 VARIABLES
     pool,      \* client: buffer -> [owner, gen, st]
-    xfer,      \* client: generation -> None | [req, buf, st, cancels]
+    xfer,      \* client: generation -> None | [req, buf, src, st, cancels]
     req,       \* client: request -> "active" | "draining" | "ended"
     nextGen,   \* client: the next generation number
     wire,      \* storage node: its transfer table, generation -> None | [buf, st]
@@ -104,6 +114,8 @@ LeakedBuffers == {b \in Buffers : pool[b].st = "leaked"}
 Known(g)    == wire[g] # None
 \* Transfer g is physically in progress (it may still write its buffer).
 Moving(g)   == \E b \in Buffers : <<g, b>> \in moving
+\* Buffer c is a source of a copy its request still awaits.
+ReadBy(c)   == \E g \in Gens : Tracked(g) /\ xfer[g].st = "inflight" /\ c \in xfer[g].src
 
 (***************************************************************************)
 (* Guards and updates that the weakened models (Timeout_Weak_...) replace. *)
@@ -139,6 +151,11 @@ Started(g, b) == [buf |-> b, st |-> "running"]
 \* Weakened: the node hands the transfer to the NIC and forgets it at once,
 \* while it still runs.
 WeakForgetRunning(g, b) == None
+
+\* A buffer that an awaited copy reads may be neither released nor loaded into.
+MayReassign(c) == ~ReadBy(c)
+\* Weakened: the source of a copy in flight is handed back like any other.
+WeakReassignRead(c) == TRUE
 \* What it remembers once transfer g finished with outcome st ("landed" or
 \* "stopped"): nothing.
 Finished(g, st) == None
@@ -200,18 +217,23 @@ Release(r, b) ==
     /\ req[r] = "active"
     /\ pool[b].owner = r
     /\ pool[b].st \in {"held", "ready", "used"}
+    /\ MayReassign(b)
     /\ pool' = [pool EXCEPT ![b] = FreeBuf]
     /\ UNCHANGED <<xfer, req, nextGen, wire, moving, data, cbs, cancels, acks, timedOut, consumed>>
 
 \* Load into a held buffer: a new generation, tracked by the client and
-\* started on the storage node / NIC.
-Issue(r, b) ==
+\* started on the storage node / NIC.  The copy reads the sources S (none
+\* for a load from storage): other buffers the request holds with bytes.
+Issue(r, b, S) ==
     /\ req[r] = "active"
     /\ pool[b].owner = r
     /\ pool[b].st = "held"
+    /\ MayReassign(b)
+    /\ b \notin S
+    /\ \A c \in S : pool[c].owner = r /\ pool[c].st \in {"held", "ready", "used"}
     /\ nextGen \in Gens
     /\ pool' = [pool EXCEPT ![b] = [owner |-> r, gen |-> nextGen, st |-> "loading"]]
-    /\ xfer' = [xfer EXCEPT ![nextGen] = [req |-> r, buf |-> b, st |-> "inflight", cancels |-> 0]]
+    /\ xfer' = [xfer EXCEPT ![nextGen] = [req |-> r, buf |-> b, src |-> S, st |-> "inflight", cancels |-> 0]]
     /\ wire' = [wire EXCEPT ![nextGen] = Started(nextGen, b)]
     /\ moving' = moving \cup {<<nextGen, b>>}
     /\ nextGen' = nextGen + 1
@@ -337,7 +359,8 @@ Consume(r, b) ==
 
 Next ==
     \/ \E r \in Requests, b \in Buffers :
-          Acquire(r, b) \/ Release(r, b) \/ Issue(r, b) \/ Consume(r, b)
+          \/ Acquire(r, b) \/ Release(r, b) \/ Consume(r, b)
+          \/ \E S \in SUBSET Buffers : Issue(r, b, S)
     \/ \E g \in Gens :
           \/ Land(g) \/ Timeout(g) \/ Cancel(g)
           \/ StorageCancel(g) \/ CancelAck(g) \/ GiveUp(g)
@@ -362,7 +385,7 @@ Spec == Init /\ [][Next]_vars /\ Fairness
 (***************************************************************************)
 TypeOK ==
     /\ pool \in [Buffers -> [owner : Requests \cup {None}, gen : 0..MaxGen, st : BufState]]
-    /\ xfer \in [Gens -> {None} \cup [req : Requests, buf : Buffers,
+    /\ xfer \in [Gens -> {None} \cup [req : Requests, buf : Buffers, src : SUBSET Buffers,
                                       st : {"inflight", "timedout", "leaked"},
                                       cancels : 0..MaxCancels]]
     /\ req \in [Requests -> {"active", "draining", "ended"}]
@@ -381,6 +404,15 @@ NoWriteIntoReassignedBuffer ==
     \A m \in moving :
         /\ pool[m[2]].gen = m[1]
         /\ pool[m[2]].st \in {"loading", "quarantined", "leaked"}
+
+(* A copy the request still awaits reads what the request holds: while it *)
+(* may still read them, its sources stay held by its request, with bytes,  *)
+(* not released, not reassigned, not being loaded into.                    *)
+SourceNotReassignedWhileRead ==
+    \A g \in Gens : Tracked(g) /\ xfer[g].st = "inflight" /\ Moving(g) =>
+        \A c \in xfer[g].src :
+            /\ pool[c].owner = xfer[g].req
+            /\ pool[c].st \in {"held", "ready", "used"}
 
 (* The storage node forgets only transfers that can no longer write: every *)
 (* transfer in progress is one the node knows as running, into its buffer.*)

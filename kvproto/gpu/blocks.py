@@ -17,11 +17,13 @@ not started (then ``CancelAck``) — a CUDA copy never can, so its own event is
 the acknowledgement; cancels unanswered ``max_cancels`` times are written off
 (``GiveUp``) and a late completion recovers the buffer.
 
-The one thing the Timeout spec does not cover is the *source* of a copy (it
-models destinations). The copier keeps a copy's sources held: a source block
-cannot be released while a save that reads it is still awaited (in flight);
-see :meth:`Copier.reading`. After such a save times out its bytes land only in
-a quarantined staging buffer and are never published, so the source may go.
+A copy may read *sources* of the same pool: a save issues
+``Issue(request, staging_buffer, sources=blocks)``, so the staging buffers are
+buffers of the block pool's machine too (:class:`StagingBuffers`). The machine
+refuses to release or load into a source while the request still awaits the
+copy (``TransferInFlight``, spec ``SourceNotReassignedWhileRead``); after the
+copy timed out its bytes land only in a quarantined staging buffer that is never
+published, so the source may go. The copier keeps no bookkeeping of its own.
 """
 
 from __future__ import annotations
@@ -79,13 +81,39 @@ class BlockPool(MachinePool):
         return self.state.buffers[self.name(block)].state
 
 
+class StagingBuffers:
+    """``count`` host buffers of ``size`` bytes (``memory``, a 1-D uint8 array)
+    added to ``blocks``' machine as buffers ``stg0``, ``stg1``, ... (``AddBuffer``),
+    so that a save into one may name the blocks it reads as its sources. Stepped
+    only through ``blocks``; this object slices the memory and counts its buffers."""
+
+    def __init__(self, blocks: BlockPool, count: int, size: int, memory) -> None:
+        if count < 1 or size < 1 or memory.nbytes < count * size:
+            raise ValueError("staging needs at least one buffer of at least one byte, and the memory")
+        self.blocks, self.size, self.memory = blocks, size, memory
+        self.names = [f"stg{i}" for i in range(count)]
+        for n in self.names:
+            Copier.check(blocks.step(T.AddBuffer(n)))
+        self._views = {n: memoryview(memory[i * size:(i + 1) * size]) for i, n in enumerate(self.names)}
+
+    @property
+    def state(self) -> T.Pool:
+        return self.blocks.state
+
+    first_free = MachinePool.first_free
+    counts = MachinePool.counts
+
+    def view(self, name: str) -> memoryview:
+        return self._views[name]
+
+
 class _Copy:
-    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline", "sources",
+    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline",
                  "done", "error", "next_cancel")
 
-    def __init__(self, pool, gen, buffer, request, handle, deadline, sources) -> None:
+    def __init__(self, pool, gen, buffer, request, handle, deadline) -> None:
         self.pool, self.gen, self.buffer, self.request = pool, gen, buffer, request
-        self.handle, self.deadline, self.sources = handle, deadline, tuple(sources)
+        self.handle, self.deadline = handle, deadline
         self.done = threading.Event()          # the copy's outcome is known to the caller
         self.error: Optional[errors.KvError] = None
         self.next_cancel: Optional[float] = None
@@ -120,7 +148,6 @@ class Copier:
         self.poll_interval = float(poll_interval)
         self.cv = threading.Condition(threading.RLock())
         self._copies: dict[tuple, _Copy] = {}      # (id(pool), gen) -> tracked copy
-        self._reading: dict[tuple, int] = {}       # (id(pool), buffer) -> awaited copies reading it
         self._closed = False
         self._thread = threading.Thread(target=self._poll_loop, daemon=True, name="kvproto-gpu-copier")
         self._thread.start()
@@ -134,12 +161,13 @@ class Copier:
         return effects
 
     def issue(self, pool: MachinePool, request: str, buffer: str, pairs: Sequence[tuple],
-              timeout: float, *, sources: Iterable[tuple] = ()) -> DeviceCopy:
+              timeout: float, *, sources: Iterable[str] = ()) -> DeviceCopy:
         """``Issue`` a copy of ``pairs`` into ``buffer`` (held by ``request`` in
-        ``pool``) and submit it; ``sources`` are ``(pool, buffer)`` pairs the copy
-        reads, kept unreleasable while it is awaited."""
+        ``pool``) and submit it; ``sources`` are buffers of ``pool`` the copy
+        reads: the machine keeps them from being released or loaded into while
+        the copy is awaited."""
         with self.cv:
-            (issued,) = self.check(pool.step(T.Issue(request, buffer)))
+            (issued,) = self.check(pool.step(T.Issue(request, buffer, frozenset(sources))))
             try:
                 handle = self.backend.submit(pairs)
             except BaseException:
@@ -148,18 +176,10 @@ class Copier:
                 self._apply(pool.step(T.Cancel(issued.gen)))
                 self._apply(pool.step(T.CancelAck(issued.gen)))
                 raise
-            rec = _Copy(pool, issued.gen, buffer, request, handle, time.monotonic() + timeout,
-                        [(id(p), b) for p, b in sources])
+            rec = _Copy(pool, issued.gen, buffer, request, handle, time.monotonic() + timeout)
             self._copies[(id(pool), issued.gen)] = rec
-            for s in rec.sources:
-                self._reading[s] = self._reading.get(s, 0) + 1
             self.cv.notify_all()
             return DeviceCopy(self, rec)
-
-    def reading(self, pool: MachinePool, buffer: str) -> bool:
-        """True while an awaited copy reads ``buffer`` of ``pool``."""
-        with self.cv:
-            return self._reading.get((id(pool), buffer), 0) > 0
 
     def step(self, pool: MachinePool, event) -> tuple:
         """Step ``pool`` (refusals raise) and carry out the effects."""
@@ -246,16 +266,6 @@ class Copier:
 
     def _untrack(self, rec: _Copy) -> None:
         self._copies.pop((id(rec.pool), rec.gen), None)
-        self._unread(rec)
-
-    def _unread(self, rec: _Copy) -> None:
-        for s in rec.sources:
-            n = self._reading.get(s, 0) - 1
-            if n > 0:
-                self._reading[s] = n
-            else:
-                self._reading.pop(s, None)
-        rec.sources = ()
 
     def _apply(self, effects: tuple, pool: Optional[MachinePool] = None) -> None:
         """Carry out pool machine effects (under ``cv``)."""
@@ -269,7 +279,6 @@ class Copier:
             elif isinstance(eff, T.LoadFailed):
                 if rec is not None:
                     rec.error = eff.error
-                    self._unread(rec)          # its bytes will never be used
                     rec.done.set()
                     if isinstance(eff.error, errors.RequestNotActive):   # abandoned: cancel it
                         self._retry(rec)

@@ -26,8 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from kvproto import errors
 from kvproto.gpu.backend import select_backend
-from kvproto.gpu.blocks import BlockPool, Copier
-from kvproto.runtime.transfers import BufferPool
+from kvproto.gpu.blocks import BlockPool, Copier, StagingBuffers
 from kvproto.statemachines import timeout as T
 
 
@@ -152,7 +151,11 @@ class DeviceKV:
     """Moves KV blocks of a :class:`BlockPool` to and from the store.
 
     ``staging`` page-locked host buffers of ``max_blocks`` blocks each back
-    saves (device -> host copies under the pool machine); a transfer engine
+    saves (device -> host copies under the pool machine). They are buffers of
+    the block pool's own machine (:class:`StagingBuffers`), so a save names the
+    blocks it reads as its sources and the machine keeps them from being
+    released while the save is awaited (its leak ledger and ``max_cancels`` are
+    the block pool's). A transfer engine
     over ``staging`` more page-locked buffers backs restores (store -> host
     under the pool machine), from which host -> device copies go to blocks.
     ``l2``, when given, is called ``l2(key, bytes)`` after publication (the
@@ -173,8 +176,8 @@ class DeviceKV:
         self.copy_timeout, self.load_timeout, self.l2 = copy_timeout, load_timeout, l2
         size = max_blocks * self.layout.block_bytes
         self._save_mem = self.backend.host_buffer(staging * size)
-        self.staging = BufferPool(staging, size, max_cancels=max_cancels, max_leaked=max_leaked,
-                                  memory=self._save_mem.numpy())
+        # buffers of the block pool's machine, so a save names the blocks it reads
+        self.staging = StagingBuffers(blocks, staging, size, self._save_mem.numpy())
         self._load_mem = self.backend.host_buffer(staging * size)
         self.engine = client.transfer_engine(staging, size, memory=self._load_mem.numpy(),
                                              max_cancels=max_cancels, max_leaked=max_leaked,
@@ -187,7 +190,6 @@ class DeviceKV:
         name = f"g{uuid.uuid4().hex[:10]}"
         with self.copier.cv:
             self.copier.check(self.blocks.step(T.StartRequest(name)))
-            self.copier.check(self.staging.step(T.StartRequest(name)))
         return DeviceRequest(self, name)
 
     def counts(self) -> dict:
@@ -223,7 +225,7 @@ class DeviceKV:
                 slot = self.staging.first_free()
                 if slot is None:
                     raise errors.BufferBusy(f"no free staging buffer ({self.staging.counts()})")
-                copier.step(self.staging, T.Acquire(name, slot))
+                copier.step(self.blocks, T.Acquire(name, slot))
         except errors.KvError as e:
             chain._fail(_failure(e, SaveState.NO_STAGING, SaveState.NO_STAGING, SaveState.CANCELLED), e)
             return
@@ -233,8 +235,8 @@ class DeviceKV:
             pairs = [(dst[i * bb:(i + 1) * bb], self.blocks.block_bytes(b))
                      for i, b in enumerate(chain.blocks)]
             try:
-                copy = copier.issue(self.staging, name, slot, pairs, timeout,
-                                    sources=[(self.blocks, self.blocks.name(b)) for b in chain.blocks])
+                copy = copier.issue(self.blocks, name, slot, pairs, timeout,
+                                    sources=[self.blocks.name(b) for b in chain.blocks])
                 copy.wait()
             except errors.KvError as e:
                 release = False   # quarantined (or the request ended): the machine owns it now
@@ -244,7 +246,7 @@ class DeviceKV:
             chain._reach(SaveState.DEVICE_COPIED)
             try:
                 with copier.cv:
-                    copier.step(self.staging, T.Consume(name, slot))
+                    copier.step(self.blocks, T.Consume(name, slot))
                 view = self.staging.view(slot)[:bb * len(chain.blocks)]
                 self.client.put(chain.key, view, replicas=replicas, timeout=timeout)
             except Exception as e:   # noqa: BLE001 - the chain records it
@@ -267,7 +269,7 @@ class DeviceKV:
                                                          T.BufState.USED):
                         req_live = self.staging.state.requests.get(name)
                         if req_live is not None and req_live.state is T.ReqState.ACTIVE:
-                            copier.step(self.staging, T.Release(name, slot))
+                            copier.step(self.blocks, T.Release(name, slot))
 
     # ------------------------------------------------------------------ the restore chain
 
@@ -358,15 +360,17 @@ class DeviceRequest:
         return block
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Give blocks back; refused (``TransferInFlight``) while an awaited save reads one,
-        (``BufferQuarantined``) while a copy may still write one."""
+        """Give blocks back, all or none: the machine refuses (``TransferInFlight``)
+        a block an awaited save reads, (``BufferQuarantined``) one a copy may still write."""
         kv, copier = self.kv, self.kv.copier
+        events = [T.Release(self.name, BlockPool.name(b)) for b in blocks]
         with copier.cv:
-            for b in blocks:
-                if copier.reading(kv.blocks, BlockPool.name(b)):
-                    raise errors.TransferInFlight(f"block {b}: a save still reads it")
-            for b in blocks:
-                copier.step(kv.blocks, T.Release(self.name, BlockPool.name(b)))
+            trial = kv.blocks.state                      # the machine is pure: try them all first
+            for ev in events:
+                trial, effects = T.pool_step(trial, ev)
+                copier.check(effects)
+            for ev in events:
+                copier.step(kv.blocks, ev)
 
     def consume(self, blocks: Sequence[int]) -> list:
         """``Consume``: the restored blocks as tensors, only of blocks whose own copy completed."""
@@ -395,25 +399,22 @@ class DeviceRequest:
         return chain
 
     def cancel(self) -> None:
-        """``RequestCancel`` in both pools: awaited copies are abandoned (their
-        destinations quarantined until they drain), idle blocks freed."""
+        """``RequestCancel``: awaited copies are abandoned (their destinations
+        quarantined until they drain), idle blocks and staging buffers freed."""
         kv, copier = self.kv, self.kv.copier
         with copier.cv:
-            for pool in (kv.staging, kv.blocks):
-                if self.name in pool.state.requests:
-                    copier.step(pool, T.RequestCancel(self.name))
+            if self.name in kv.blocks.state.requests:
+                copier.step(kv.blocks, T.RequestCancel(self.name))
 
     def finish(self) -> None:
-        """``RequestFinish`` in both pools (refused while a copy is awaited)."""
+        """``RequestFinish`` (refused while a copy is awaited)."""
         kv, copier = self.kv, self.kv.copier
         with copier.cv:
-            for pool in (kv.staging, kv.blocks):
-                req = pool.state.requests.get(self.name)
-                if req is not None and req.pending:
-                    raise errors.TransferInFlight(f"request {self.name}: copies still awaited")
-            for pool in (kv.staging, kv.blocks):
-                if self.name in pool.state.requests:
-                    copier.step(pool, T.RequestFinish(self.name))
+            req = kv.blocks.state.requests.get(self.name)
+            if req is not None and req.pending:
+                raise errors.TransferInFlight(f"request {self.name}: copies still awaited")
+            if req is not None:
+                copier.step(kv.blocks, T.RequestFinish(self.name))
 
     def _check_blocks(self, blocks: Sequence[int], states: tuple) -> None:
         kv = self.kv

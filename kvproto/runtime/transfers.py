@@ -140,8 +140,8 @@ class MachinePool:
     def counts(self) -> dict:
         """Buffers by fate, and the machine's observations."""
         by = {s: 0 for s in T.BufState}
-        for buf in self.state.buffers.values():
-            by[buf.state] += 1
+        for name in self.names:   # this pool's buffers (a machine may hold others too)
+            by[self.state.buffers[name].state] += 1
         st = self.state.stats
         return {
             "free": by[T.BufState.FREE],

@@ -43,7 +43,13 @@ How the pool keeps the rule:
   beyond), so at most that many buffers are ever lost to silent storage nodes,
   and a draining request always holds a quarantined buffer, so lingering
   requests never outnumber the pool. The write-off is kept tracked: a late
-  completion or ack still brings the buffer back.
+  completion or ack still brings the buffer back;
+* a copy may read **sources** of the same pool (``Issue.sources``: a save reads
+  device blocks into a staging buffer), buffers its request holds with bytes.
+  While the request still awaits the copy, ``Release`` and ``Issue`` refuse its
+  sources (``TransferInFlight``: ``SourceNotReassignedWhileRead``); once it
+  timed out (or its request ended) its bytes land only in a quarantined
+  destination, so the sources may go.
 
 Every step is ``(state, event) -> (state, effects)``. A refused event returns
 the state unchanged (the same object) and one :class:`Refused` effect carrying
@@ -120,6 +126,7 @@ class Transfer:
     buffer: str
     state: XferState = XferState.INFLIGHT
     cancels: int = 0
+    sources: frozenset = frozenset()   # buffers of the pool the copy reads
 
 
 @attrs.frozen
@@ -193,10 +200,12 @@ class Release:
 
 @attrs.frozen
 class Issue:
-    """``Issue``: load into the request's held ``buffer``; answered with :class:`Issued`."""
+    """``Issue``: load into the request's held ``buffer``; answered with :class:`Issued`.
+    ``sources``: other buffers the request holds that the copy reads (a save)."""
 
     request: str
     buffer: str
+    sources: frozenset = attrs.field(default=frozenset(), converter=frozenset)
 
 
 @attrs.frozen
@@ -410,8 +419,18 @@ def acquire(pool: Pool, ev: Acquire):
                         requests=pool.requests.set(ev.request, req)), ()
 
 
+def _read_by(pool: Pool, req: Request, buffer: str) -> Optional[int]:
+    """Spec ``ReadBy``: the awaited copy of ``req`` that reads ``buffer``, if any.
+    (A source is held by its copy's request until the copy is no longer awaited.)"""
+    for gen in req.pending:
+        t = pool.transfers[gen]
+        if t.state is XferState.INFLIGHT and buffer in t.sources:
+            return gen
+    return None
+
+
 def release(pool: Pool, ev: Release):
-    """Spec ``Release``: only a buffer no transfer may write goes back."""
+    """Spec ``Release``: only a buffer no transfer may write or awaited copy read goes back."""
     req, refusal = _active(pool, ev.request)
     if refusal:
         return _refuse(pool, refusal)
@@ -422,6 +441,10 @@ def release(pool: Pool, ev: Release):
     if buf.state is BufState.LOADING:
         return _refuse(pool, errors.TransferInFlight(
             f"buffer {ev.buffer!r}: transfer {buf.gen} in flight; time it out first"))
+    reader = _read_by(pool, req, ev.buffer)
+    if reader is not None:
+        return _refuse(pool, errors.TransferInFlight(
+            f"buffer {ev.buffer!r}: awaited copy {reader} still reads it"))
     req = attrs.evolve(req, buffers=req.buffers.delete(ev.buffer))
     return (attrs.evolve(pool, buffers=pool.buffers.set(ev.buffer, FREE_BUFFER),
                          requests=pool.requests.set(ev.request, req)),
@@ -441,12 +464,25 @@ def issue(pool: Pool, ev: Issue):
         return _refuse(pool, errors.TransferInFlight(f"buffer {ev.buffer!r}: transfer {buf.gen} in flight"))
     if buf.state is not BufState.HELD:
         return _refuse(pool, errors.BufferBusy(f"buffer {ev.buffer!r} holds loaded data; release it first"))
+    reader = _read_by(pool, req, ev.buffer)
+    if reader is not None:
+        return _refuse(pool, errors.TransferInFlight(
+            f"buffer {ev.buffer!r}: awaited copy {reader} still reads it"))
+    for src in ev.sources:
+        if src == ev.buffer:
+            return _refuse(pool, errors.InvalidArgument(f"buffer {src!r} cannot be its own copy's source"))
+        refusal = _buffer_refusal(pool.buffers.get(src), src, ev.request)
+        if refusal:
+            return _refuse(pool, refusal)
+        if pool.buffers[src].state is BufState.LOADING:
+            return _refuse(pool, errors.TransferInFlight(
+                f"source {src!r}: transfer {pool.buffers[src].gen} still writes it"))
     gen = pool.next_gen
     req = attrs.evolve(req, pending=req.pending.set(gen, True))
     new = attrs.evolve(
         pool,
         buffers=pool.buffers.set(ev.buffer, Buffer(ev.request, gen, BufState.LOADING)),
-        transfers=pool.transfers.set(gen, Transfer(gen, ev.request, ev.buffer)),
+        transfers=pool.transfers.set(gen, Transfer(gen, ev.request, ev.buffer, sources=ev.sources)),
         requests=pool.requests.set(ev.request, req),
         next_gen=gen + 1)
     return new, (Issued(ev.request, ev.buffer, gen),)
@@ -833,8 +869,8 @@ def sys_release(sys: System, r: str, b: str) -> Optional[System]:
     return _client(Release(r, b))(sys)
 
 
-def sys_issue(sys: System, r: str, b: str) -> Optional[System]:
-    return _client(Issue(r, b))(sys)
+def sys_issue(sys: System, r: str, b: str, s=frozenset()) -> Optional[System]:
+    return _client(Issue(r, b, s))(sys)
 
 
 def sys_consume(sys: System, r: str, b: str) -> Optional[System]:
@@ -943,7 +979,9 @@ def type_ok(sys: System) -> bool:
     pending: dict[str, set] = {}
     for gen, t in pool.transfers.items():
         if not (isinstance(t, Transfer) and t.gen == gen and 0 < gen < pool.next_gen
-                and 0 <= t.cancels <= pool.max_cancels and t.buffer in pool.buffers):
+                and 0 <= t.cancels <= pool.max_cancels and t.buffer in pool.buffers
+                and isinstance(t.sources, frozenset) and t.buffer not in t.sources
+                and all(c in pool.buffers for c in t.sources)):
             return False
         if t.state is not XferState.LEAKED:
             pending.setdefault(t.request, set()).add(gen)
@@ -972,6 +1010,20 @@ def no_write_into_reassigned_buffer(sys: System) -> bool:
         if buf.gen != gen or buf.state not in (BufState.LOADING, BufState.QUARANTINED,
                                                BufState.LEAKED):
             return False
+    return True
+
+
+def source_not_reassigned_while_read(sys: System) -> bool:
+    """Spec ``SourceNotReassignedWhileRead``: the sources of an awaited copy
+    that may still read them stay held by its request, with bytes."""
+    pool = sys.pool
+    moving = {g for g, _ in sys.moving}
+    for gen, t in pool.transfers.items():
+        if t.state is XferState.INFLIGHT and gen in moving:
+            for c in t.sources:
+                buf = pool.buffers[c]
+                if buf.owner != t.request or buf.state not in (BufState.HELD, *_LOADED):
+                    return False
     return True
 
 
@@ -1053,6 +1105,7 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
     "BuffersAccounted": buffers_accounted,
     "NodeKnowsWhatMoves": node_knows_what_moves,
     "NodeTableBounded": node_table_bounded,
+    "SourceNotReassignedWhileRead": source_not_reassigned_while_read,
 }
 
 
@@ -1093,7 +1146,8 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
             yield from emit("Acquire", sys_acquire(sys, r, b))
             yield from emit("Release", sys_release(sys, r, b))
             if sys.pool.next_gen <= c.max_gen:
-                yield from emit("Issue", sys_issue(sys, r, b))
+                for s in _subsets(c.buffers):
+                    yield from emit("Issue", sys_issue(sys, r, b, s))
             yield from emit("Consume", sys_consume(sys, r, b))
     for g in range(1, c.max_gen + 1):
         yield from emit("Land", sys_land(sys, g))
@@ -1108,6 +1162,12 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
     for r in c.requests:
         yield from emit("RequestCancel", sys_request_cancel(sys, r))
         yield from emit("RequestFinish", sys_request_finish(sys, r))
+
+
+def _subsets(items: Sequence[str]) -> Iterator[frozenset]:
+    """``SUBSET items``."""
+    for mask in range(1 << len(items)):
+        yield frozenset(x for i, x in enumerate(items) if mask >> i & 1)
 
 
 NONE = ModelValue("None")
@@ -1132,7 +1192,8 @@ def to_tla(sys: System, c: Constants) -> Fn:
         t = pool.transfers.get(g)
         if t is None:
             return NONE
-        return Fn.of({"req": mv(t.request), "buf": mv(t.buffer), "st": t.state.value,
+        return Fn.of({"req": mv(t.request), "buf": mv(t.buffer),
+                      "src": frozenset(ModelValue(c) for c in t.sources), "st": t.state.value,
                       "cancels": t.cancels})
 
     def wire(g: int):

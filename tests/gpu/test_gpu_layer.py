@@ -171,16 +171,24 @@ def test_save_copy_timeout_quarantines_staging_and_never_publishes(dkv):
 def test_release_of_a_block_a_save_still_reads_is_refused(dkv):
     r = dkv.request()
     blocks = r.acquire(1)
+    spare = r.acquire(1)
     dkv.backend.hold()
     ch = r.save(b"busy", blocks, timeout=5)
     deadline = time.monotonic() + 5
     while not dkv.backend.running() and time.monotonic() < deadline:
         time.sleep(0.005)
+    # the save is a copy of the pool machine that names its source blocks: the
+    # machine (spec SourceNotReassignedWhileRead) refuses, not a runtime guard
+    (save,) = dkv.blocks.state.transfers.values()
+    assert save.sources == {BlockPool.name(b) for b in blocks}
     with pytest.raises(errors.TransferInFlight):
-        r.release(blocks)
+        r.release(spare + blocks)
+    assert dkv.blocks.state_of(spare[0]) is T.BufState.HELD        # all or none
+    with pytest.raises(errors.TransferInFlight):
+        dkv.copier.step(dkv.blocks, T.Issue(r.name, BlockPool.name(blocks[0])))
     dkv.backend.resume()
     assert ch.wait(5) is SaveState.PUBLISHED
-    r.release(blocks)
+    r.release(blocks + spare)
 
 
 def _issue(copier, pool, req, block, value, timeout):

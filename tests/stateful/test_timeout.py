@@ -97,8 +97,11 @@ class TimeoutSystem(RuleBasedStateMachine):
         r = self.pick(data, self.live())
         b = self.buffer_for(data, r)
         buf = self.sys.pool.buffers[b]
+        reading = [g for g, t in self.sys.pool.transfers.items()
+                   if t.state is T.XferState.INFLIGHT and b in t.sources]
         _, refused = self.step(T.Release(r, b))
         if not refused:
+            assert not reading, "released the source of an awaited copy"
             assert buf.owner == r and buf.state in (T.BufState.HELD, T.BufState.READY, T.BufState.USED)
             assert self.sys.pool.buffers[b] == T.FREE_BUFFER
 
@@ -112,6 +115,34 @@ class TimeoutSystem(RuleBasedStateMachine):
             (issued,) = effects
             assert self.sys.pool.buffers[b] == T.Buffer(r, issued.gen, T.BufState.LOADING)
             assert self.sys.node.transfers[issued.gen].buffer == b
+
+    @precondition(lambda self: self.sys.pool.requests)
+    @rule(data=st.data())
+    def issue_sourced(self, data):
+        """A copy that reads other buffers (a save of blocks into a staging
+        buffer); then a source's release or reuse is refused while the copy is
+        awaited, and allowed once it timed out."""
+        r = self.pick(data, self.live())
+        b = self.buffer_for(data, r)
+        sources = frozenset(self.buffer_for(data, r) for _ in range(data.draw(st.integers(1, 3))))
+        effects, refused = self.step(T.Issue(r, b, sources))
+        if refused:
+            return
+        (issued,) = effects
+        assert b not in sources
+        for c in sources:
+            src = self.sys.pool.buffers[c]
+            assert src.owner == r and src.state in (T.BufState.HELD, T.BufState.READY,
+                                                    T.BufState.USED)
+        assert self.sys.pool.transfers[issued.gen].sources == sources
+        c = data.draw(st.sampled_from(sorted(sources)))
+        held = self.sys.pool.buffers[c].state is T.BufState.HELD
+        for ev in (T.Release(r, c), T.Issue(r, c)):
+            effects, refused = self.step(ev)
+            assert refused, ev
+            if held or isinstance(ev, T.Release):
+                assert isinstance(effects[0].error, errors.TransferInFlight), effects
+        event("sourced copy: source release refused while awaited")
 
     @precondition(lambda self: self.active() and self.free())
     @rule()
