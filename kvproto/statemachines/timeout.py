@@ -389,6 +389,15 @@ def _buffer_refusal(buf: Optional[Buffer], name: str, request: str) -> Optional[
     return None
 
 
+def _owned(pool: Pool, request: str, buffer: str):
+    """``(req, buf, None)`` when the active ``request`` holds ``buffer``, else the refusal."""
+    req, refusal = _active(pool, request)
+    if refusal:
+        return None, None, refusal
+    buf = pool.buffers.get(buffer)
+    return req, buf, _buffer_refusal(buf, buffer, request)
+
+
 def add_buffer(pool: Pool, ev: AddBuffer):
     if ev.buffer in pool.buffers:
         return _refuse(pool, errors.InvalidArgument(f"buffer {ev.buffer!r} already in the pool"))
@@ -429,22 +438,25 @@ def _read_by(pool: Pool, req: Request, buffer: str) -> Optional[int]:
     return None
 
 
+def _read_refusal(pool: Pool, req: Request, buffer: str) -> Optional[errors.KvError]:
+    """Spec ``MayReassign``: refused while an awaited copy still reads ``buffer``."""
+    reader = _read_by(pool, req, buffer)
+    if reader is None:
+        return None
+    return errors.TransferInFlight(f"buffer {buffer!r}: awaited copy {reader} still reads it")
+
+
 def release(pool: Pool, ev: Release):
     """Spec ``Release``: only a buffer no transfer may write or awaited copy read goes back."""
-    req, refusal = _active(pool, ev.request)
-    if refusal:
-        return _refuse(pool, refusal)
-    buf = pool.buffers.get(ev.buffer)
-    refusal = _buffer_refusal(buf, ev.buffer, ev.request)
+    req, buf, refusal = _owned(pool, ev.request, ev.buffer)
     if refusal:
         return _refuse(pool, refusal)
     if buf.state is BufState.LOADING:
         return _refuse(pool, errors.TransferInFlight(
             f"buffer {ev.buffer!r}: transfer {buf.gen} in flight; time it out first"))
-    reader = _read_by(pool, req, ev.buffer)
-    if reader is not None:
-        return _refuse(pool, errors.TransferInFlight(
-            f"buffer {ev.buffer!r}: awaited copy {reader} still reads it"))
+    refusal = _read_refusal(pool, req, ev.buffer)
+    if refusal:
+        return _refuse(pool, refusal)
     req = attrs.evolve(req, buffers=req.buffers.delete(ev.buffer))
     return (attrs.evolve(pool, buffers=pool.buffers.set(ev.buffer, FREE_BUFFER),
                          requests=pool.requests.set(ev.request, req)),
@@ -453,21 +465,16 @@ def release(pool: Pool, ev: Release):
 
 def issue(pool: Pool, ev: Issue):
     """Spec ``Issue``: a fresh generation for a load into a held buffer."""
-    req, refusal = _active(pool, ev.request)
-    if refusal:
-        return _refuse(pool, refusal)
-    buf = pool.buffers.get(ev.buffer)
-    refusal = _buffer_refusal(buf, ev.buffer, ev.request)
+    req, buf, refusal = _owned(pool, ev.request, ev.buffer)
     if refusal:
         return _refuse(pool, refusal)
     if buf.state is BufState.LOADING:
         return _refuse(pool, errors.TransferInFlight(f"buffer {ev.buffer!r}: transfer {buf.gen} in flight"))
     if buf.state is not BufState.HELD:
         return _refuse(pool, errors.BufferBusy(f"buffer {ev.buffer!r} holds loaded data; release it first"))
-    reader = _read_by(pool, req, ev.buffer)
-    if reader is not None:
-        return _refuse(pool, errors.TransferInFlight(
-            f"buffer {ev.buffer!r}: awaited copy {reader} still reads it"))
+    refusal = _read_refusal(pool, req, ev.buffer)
+    if refusal:
+        return _refuse(pool, refusal)
     for src in ev.sources:
         if src == ev.buffer:
             return _refuse(pool, errors.InvalidArgument(f"buffer {src!r} cannot be its own copy's source"))
@@ -659,11 +666,7 @@ def request_finish(pool: Pool, ev: RequestFinish):
 
 def consume(pool: Pool, ev: Consume):
     """Spec ``Consume``: only a buffer whose own transfer completed."""
-    req, refusal = _active(pool, ev.request)
-    if refusal:
-        return _refuse(pool, refusal)
-    buf = pool.buffers.get(ev.buffer)
-    refusal = _buffer_refusal(buf, ev.buffer, ev.request)
+    req, buf, refusal = _owned(pool, ev.request, ev.buffer)
     if refusal:
         return _refuse(pool, refusal)
     if buf.state is not BufState.READY:
