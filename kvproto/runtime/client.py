@@ -295,11 +295,7 @@ class Client:
             if remaining <= 0:
                 break
             for sock, _ in poller.poll(max(1, int(remaining * 1000))):
-                while True:
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in wire.waiting(sock):
                     try:
                         reply = wire.decode_reply(frames)
                     except errors.KvError:

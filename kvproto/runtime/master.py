@@ -774,11 +774,7 @@ class MasterServer:
         self._send_out()
 
     def _drain_router(self) -> None:
-        for _ in range(self.BURST):
-            try:
-                frames = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in wire.waiting(self.router, self.BURST):
             self._on_request(frames)
             self._send_out()
 
@@ -809,11 +805,7 @@ class MasterServer:
             pass
 
     def _drain_dealer(self, sock: zmq.Socket, segment: str) -> None:
-        for _ in range(self.BURST):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in wire.waiting(sock, self.BURST):
             try:
                 reply = wire.decode_reply(frames)
             except errors.KvError as err:

@@ -433,11 +433,7 @@ class StorageServer:
                 if events.get(self.router):
                     self._drain_router()
                 if self.dealer is not None and events.get(self.dealer):
-                    for _ in range(self.BURST):
-                        try:
-                            frames = self.dealer.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
+                    for frames in wire.waiting(self.dealer, self.BURST):
                         self._on_master_reply(frames)
                 self._timers()
             self._deregister()
@@ -461,11 +457,7 @@ class StorageServer:
         self.registered.clear()
 
     def _drain_router(self) -> None:
-        for _ in range(self.BURST):
-            try:
-                frames = self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in wire.waiting(self.router, self.BURST):
             self._on_request(frames)
 
     def _on_request(self, frames: list) -> None:

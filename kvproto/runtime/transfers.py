@@ -605,11 +605,7 @@ def _io_loop(ref: "weakref.ref[TransferEngine]", ctx: zmq.Context, wake: zmq.Soc
                         except zmq.Again:
                             break
                     continue
-                for _ in range(256):
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in wire.waiting(sock, 256):
                     if sock is socks.get(None):
                         continue   # read_end answers
                     try:

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgpack
+import zmq
 
 from kvproto import errors
 
@@ -386,3 +387,15 @@ def items_of(reply: Reply, expected: int) -> list:
         raise errors.MalformedFrame(f"reply has {len(items) if isinstance(items, list) else 'no'} "
                                     f"items, expected {expected}")
     return items
+
+
+def waiting(sock: "zmq.Socket", limit: Optional[int] = None):
+    """The multipart messages already waiting on ``sock`` (at most ``limit``),
+    received without blocking and without copying their frames."""
+    n = 0
+    while limit is None or n < limit:
+        try:
+            yield sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        n += 1
