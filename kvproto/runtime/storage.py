@@ -503,7 +503,7 @@ class StorageServer:
         frames = [identity, header, *out]
         if req.op == "read" and self.faults["read_delay_ms"]:
             self.core.counters["reads_delayed"] += 1
-            frames = [frames[0], frames[1], *(bytes(p) for p in frames[2:])]
+            frames = _snapshot(frames)
             heapq.heappush(self._outq, (time.monotonic() + self.faults["read_delay_ms"] / 1000,
                                         next(self._seq), frames))
         elif req.op in ("load", "write") and any(self.faults[f] for f in self.FAULTS):
@@ -522,8 +522,7 @@ class StorageServer:
             f["duplicate"] -= 1
             self.core.counters["duplicated"] += 1
             copies.append(f["reply_delay_ms"] + f["duplicate_delay_ms"])
-        # a held reply must keep the bytes that were sent (the segment may change)
-        frames = [frames[0], frames[1], *(bytes(p) for p in frames[2:])] if max(copies) else frames
+        frames = _snapshot(frames) if max(copies) else frames
         for delay in copies:
             if delay:
                 heapq.heappush(self._outq, (time.monotonic() + delay / 1000, next(self._seq), frames))
@@ -553,3 +552,9 @@ class StorageServer:
         if self._own_context:
             self.ctx.term()
         self.memory.close()
+
+
+def _snapshot(frames: list) -> list:
+    """A reply held back by a test fault keeps the bytes it would have sent
+    (the segment may change meanwhile)."""
+    return [frames[0], frames[1], *(bytes(p) for p in frames[2:])]
