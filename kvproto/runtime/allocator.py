@@ -50,6 +50,32 @@ class SegmentAllocator:
         self._lengths = [capacity]
         self._extent_bytes = capacity
 
+    @classmethod
+    def with_used(cls, capacity: int, page_size: int,
+                  used: Iterable[tuple[int, int]]) -> "SegmentAllocator":
+        """An allocator whose ``(offset, length)`` regions are already taken
+        (a directory recovered after failover)."""
+        alloc = cls(capacity, page_size)
+        starts, lengths = [], []
+        pos = 0
+        taken = 0
+        for offset, length in sorted(used):
+            need = alloc.rounded(length)
+            if offset < pos or offset % page_size or offset + need > capacity:
+                raise AllocatorCorrupt(f"recovered region {offset}+{length} overlaps or is outside")
+            if offset > pos:
+                starts.append(pos)
+                lengths.append(offset - pos)
+            pos = offset + need
+            taken += length
+        if pos < capacity:
+            starts.append(pos)
+            lengths.append(capacity - pos)
+        alloc._starts, alloc._lengths = starts, lengths
+        alloc._extent_bytes = sum(lengths)
+        alloc.free_bytes = capacity - taken
+        return alloc
+
     def rounded(self, length: int) -> int:
         mask = self.page_size - 1
         return (length + mask) & ~mask

@@ -65,17 +65,26 @@ class IndexEntry:
     offset: int = 0
     length: int = 1
     checksum: int = 0
+    token: int = 0
 
 
 @attrs.frozen
 class DirEntry:
-    """The master's directory entry for one key (``dir[m][k]``)."""
+    """The master's directory entry for one key (``dir[m][k]``).
+
+    ``node`` is the replica the spec names; ``replicas`` lists every live
+    node holding the same published allocation (``(node, offset)`` pairs, the
+    publish protocol's replicas; the spec has one replica per object) and
+    ``token`` that allocation's publish-protocol token.
+    """
 
     node: str
     published: bool = False
     offset: int = 0
     length: int = 1
     checksum: int = 0
+    token: int = 0
+    replicas: tuple = ()
 
 
 @attrs.frozen
@@ -216,6 +225,7 @@ class StampedAllocate:
     term: int
     offset: int = 0
     length: int = 1
+    token: int = 0
 
 
 @attrs.frozen
@@ -248,8 +258,22 @@ class PurgeUnpublished:
     below: int
 
 
+@attrs.frozen
+class StampedFree:
+    """The publish protocol freed ``key``'s region (its ``FreeRegion``: the
+    object was removed, evicted or its attempt revoked): the entry of
+    allocation ``token`` leaves the index with its region. The spec abstracts
+    removal away (keys are never removed in its model); the term fence applies
+    as to every request of a master."""
+
+    node: str
+    key: str
+    term: int
+    token: int
+
+
 StorageEvent = Union[Fence, StampedAllocate, StampedPublish, StampedRead, IndexRequest,
-                     PurgeUnpublished]
+                     PurgeUnpublished, StampedFree]
 
 # --------------------------------------------------------------------------
 # Effects
@@ -302,21 +326,26 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
     """The directory recovered from the storage nodes' indexes (spec ``RecoveredDir``).
 
     Lists exactly the published objects whose bytes are on a ``live`` node;
-    unpublished allocations are left out (the nodes purge them). If a key is
-    published on several live nodes (which the protocol never produces), the
-    entry with the highest publish term wins, then the least node name.
+    unpublished allocations are left out (the nodes purge them). The entry
+    names the live node whose publish has the highest term, then the least node
+    name (the protocol publishes one allocation per key, so the nodes agree);
+    ``replicas`` are all live nodes that published that same allocation
+    (same token), in node order.
     """
-    best: dict[str, tuple[tuple, DirEntry]] = {}
+    best: dict = {}
     for node in sorted(indexes):
         if node not in live:
             continue
         for key, entry in indexes[node].items():
             if not entry.published:
                 continue
-            rank = (-entry.by, node)
-            if key not in best or rank < best[key][0]:
-                best[key] = (rank, DirEntry(node, True, entry.offset, entry.length, entry.checksum))
-    return immutables.Map({k: e for k, (_, e) in best.items()})
+            held = best.get(key)
+            if held is None or entry.by > held[1].by:
+                best[key] = (node, entry, [(node, entry.offset)])
+            elif entry.by == held[1].by and entry.token == held[1].token:
+                held[2].append((node, entry.offset))
+    return immutables.Map({k: DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r))
+                           for k, (n, e, r) in best.items()})
 
 
 def purge_unpublished(index: immutables.Map, below: int) -> tuple[immutables.Map, tuple, int]:
@@ -540,7 +569,7 @@ def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, E
             return _refuse(node, errors.KeyExists(f"{event.key!r} is held here"))
         if not node_accepts(node, event.term):
             return _stale(node, event.term)
-        entry = IndexEntry(event.term, False, 0, event.offset, event.length)
+        entry = IndexEntry(event.term, False, 0, event.offset, event.length, 0, event.token)
         return (StorageNode(max(node.term, event.term), node.index.set(event.key, entry)),
                 (StorageAccepted(event.key, event.term),))
     if isinstance(event, StampedPublish):
@@ -566,6 +595,15 @@ def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, E
     if isinstance(event, PurgeUnpublished):
         index, keys, freed = purge_unpublished(node.index, event.below)
         return attrs.evolve(node, index=index), (Purged(keys, freed),)
+    if isinstance(event, StampedFree):
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
+        entry = node.index.get(event.key)
+        if entry is None or entry.token != event.token:
+            return _refuse(node, errors.StaleToken(
+                f"{event.key!r} is not held here with token {event.token}"))
+        return (StorageNode(max(node.term, event.term), node.index.delete(event.key)),
+                (StorageAccepted(event.key, event.term),))
     raise TypeError(f"not a storage event: {event!r}")
 
 

@@ -231,6 +231,22 @@ def new_table(ttl: int) -> LeaseTable:
 
 
 
+def restored_table(ttl: int, now, objects: Iterable[tuple[Hashable, str, int]]) -> LeaseTable:
+    """The table of a master that opens after ``spec/Failover.tla``'s ``Recover``:
+    every recovered ``(key, region, size)`` is cached (as by ``Put``) and no
+    lease is held (leases of an older term are not carried over)."""
+    cached, regions, used = {}, {}, 0
+    for key, region, size in objects:
+        if key in cached or region in regions or size <= 0:
+            raise ValueError(f"recovered object {key!r} repeats a key or region, or is empty")
+        cached[key] = CachedObject(region, size)
+        regions[region] = key
+        used += size
+    return LeaseTable(ttl=ttl, now=now, objects=immutables.Map(cached),
+                      regions=immutables.Map(regions), used=used,
+                      last_used=immutables.Map(dict.fromkeys(cached, now)))
+
+
 def is_leased(table: LeaseTable, key: Hashable) -> bool:
     """Spec ``Leased(k)``: some lease on ``key`` is unexpired by the master's clock."""
     holders = table.by_key.get(key)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import attrs
 import immutables
@@ -317,6 +317,30 @@ def add_segment(state: Directory, ev: AddSegment):
         return _refuse(state, errors.InvalidArgument("segment capacity must be positive"))
     ledger = SegmentLedger(capacity=ev.capacity, free=ev.capacity)
     return attrs.evolve(state, segments=state.segments.set(ev.segment, ledger)), ()
+
+
+def restored(capacities: Mapping[str, int], objects: Iterable[tuple[bytes, int, int, tuple]],
+             next_token: int) -> Directory:
+    """The directory a new master opens with after ``spec/Failover.tla``'s
+    ``Recover``: every object in ``objects`` (``(key, token, length, replicas)``)
+    is published on its replicas, the segments in ``capacities`` are live with
+    those replicas' bytes taken from their free space, and tokens continue from
+    ``next_token``. A replica on a segment not in ``capacities`` is dropped
+    (its bytes are gone); an object left with no replica is not listed."""
+    used = dict.fromkeys(capacities, 0)
+    listed = {}
+    for key, token, length, replicas in objects:
+        kept = tuple(r for r in replicas if r.segment in used)
+        if not kept:
+            continue
+        for r in kept:
+            used[r.segment] += r.length
+        listed[key] = ObjectRecord(Status.PUBLISHED, token, kept, length)
+        next_token = max(next_token, token + 1)
+    segments = {s: SegmentLedger(capacity=c, free=c - used[s]) for s, c in capacities.items()}
+    if any(ledger.free < 0 for ledger in segments.values()):
+        raise ValueError("recovered objects exceed a segment's capacity")
+    return Directory(immutables.Map(listed), immutables.Map(segments), next_token)
 
 
 def put_start(state: Directory, ev: PutStart):

@@ -199,7 +199,7 @@ def test_storage_refuses_every_lower_term_request(node_term, term, key):
     node = F.StorageNode(node_term, immutables.Map({key: entry}))
     for ev in (F.Fence(term), F.StampedAllocate("n", "other", term),
                F.StampedPublish("n", key, term), F.StampedRead("n", key, term),
-               F.IndexRequest(term)):
+               F.IndexRequest(term), F.StampedFree("n", key, term, entry.token)):
         after, effects = F.storage_step(node, ev)
         if term < node_term:
             assert after is node and len(effects) == 1
@@ -209,13 +209,23 @@ def test_storage_refuses_every_lower_term_request(node_term, term, key):
             assert after.term == max(node_term, term) or isinstance(ev, (F.StampedRead, F.IndexRequest))
 
 
+@given(term=st.integers(1, 6), token=st.integers(1, 9), other=st.integers(1, 9))
+def test_free_drops_only_the_entry_of_its_own_allocation(term, token, other):
+    node = F.StorageNode(term, immutables.Map({"k": F.IndexEntry(term, True, term, token=token)}))
+    after, effects = F.storage_step(node, F.StampedFree("n", "k", term, other))
+    if other == token:
+        assert "k" not in after.index and effects == (F.StorageAccepted("k", term),)
+    else:   # a free of an older allocation of the key leaves the newer one
+        assert after is node and isinstance(effects[0].error, errors.StaleToken)
+
+
 # --------------------------------------------------------------------------
 # Directory rebuild
 # --------------------------------------------------------------------------
 
 entries = st.builds(F.IndexEntry, term=st.integers(1, 5), published=st.booleans(),
                     by=st.integers(1, 5), offset=st.integers(0, 100), length=st.integers(1, 16),
-                    checksum=st.integers(0, 2**32 - 1))
+                    checksum=st.integers(0, 2**32 - 1), token=st.integers(0, 3))
 indexes = st.dictionaries(st.sampled_from(NODES),
                           st.dictionaries(st.sampled_from(KEYS), entries).map(immutables.Map))
 
@@ -231,6 +241,11 @@ def test_rebuild_lists_exactly_published_objects_on_live_nodes(indexes, live):
         held = indexes[d.node][key]
         assert held.published and (held.offset, held.length, held.checksum) == \
             (d.offset, d.length, d.checksum)
+        # every live node holding the same published allocation is a replica
+        same = sorted((n, idx[key].offset) for n, idx in indexes.items()
+                      if n in live and key in idx and idx[key].published
+                      and (idx[key].by, idx[key].token) == (held.by, held.token))
+        assert list(d.replicas) == same and d.token == held.token
 
 
 @given(index=st.dictionaries(st.sampled_from(KEYS), entries).map(immutables.Map),
