@@ -211,6 +211,11 @@ class RecomputeLimited(KvError):
     code = 74
 
 
+class CoordinatorUnavailable(KvError):
+    """The election/membership coordinator (e.g. etcd) could not be reached or did not answer."""
+    code = 75
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 

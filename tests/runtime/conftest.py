@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import pytest
 
+from kvproto.runtime.coordinator import LocalEtcd
 from runtime_helpers import Child, Raw
 
 
@@ -31,3 +35,36 @@ def children():
     yield spawn
     for c in reversed(started):
         c.stop()
+
+
+# --- etcd, for the coordinator tests -----------------------------------------
+
+class EtcdServer(LocalEtcd):
+    """A loopback etcd for the tests: one that cannot start fails the test (never skips)."""
+
+    def __init__(self, datadir: Path) -> None:
+        try:
+            super().__init__(datadir)
+        except RuntimeError as err:
+            pytest.fail(str(err), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def etcd(etcd_server):
+    """``etcd://127.0.0.1:PORT/<prefix>`` with a prefix of this test's own."""
+    return f"{etcd_server.url}/kvproto-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def private_etcd(tmp_path):
+    """An etcd of this test's own (it may stop it); stopped at the end."""
+    server = EtcdServer(tmp_path)
+    yield server
+    server.stop()
