@@ -27,6 +27,16 @@ Leases: 4 KiB gets in keys/s with a read lease per key (grant, the reader's
 acceptance check, release) and without (the publish pin), batch 1 and 128, on
 one store in the same run, with the ratios.
 
+Failover: the time from ``kill -9`` of the active master to the first
+successful put through the new one (two ``kvproto master --coordinator``
+processes, one storage node; a client putting in a loop with short timeouts;
+the killed master is restarted as a standby for the next trial), with the
+embedded coordinator and with etcd (a loopback etcd this benchmark starts),
+median and worst; and the rebuild rate: a new master fenced by storage nodes
+whose indexes hold one million published objects (the nodes' ``fence``
+answers, i.e. the index encoded as each node sends it, decoded, rebuilt and
+opened by the master), in objects per second.
+
 Every figure is a median over repetitions and is printed with its ratio to the
 baseline measured in the same run.
 """
@@ -78,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-keys", type=int, default=2048,
                         help="4 KiB keys per lease-vs-pin get run (0 skips the section)")
     parser.add_argument("--lease-repeat", type=int, default=5, help="lease-vs-pin runs")
+    parser.add_argument("--failover-trials", type=int, default=10,
+                        help="kill -9 trials per coordinator backend (0 skips the section)")
+    parser.add_argument("--rebuild-objects", type=int, default=1_000_000,
+                        help="objects the failover rebuild recovers (0 skips it)")
 
 
 def _median_rate(samples: list[float], nbytes: int) -> float:
@@ -326,6 +340,124 @@ def lease_bench(keys: int, repeat: int) -> list[dict]:
     return rows
 
 
+def _failover_trials(url: str, trials: int, ttl: float) -> list[dict]:
+    """``trials`` kills of the active master; seconds to the first put on the next."""
+    from kvproto import errors
+    from kvproto.runtime.client import Client
+    from kvproto.runtime.coordinator import connect
+
+    def master() -> tuple[subprocess.Popen, str]:
+        p = _spawn(["-m", "kvproto", "master", "--listen", "tcp://127.0.0.1:*", "--coordinator", url,
+                    "--standby", "--ttl", str(ttl), "--fence-timeout", "1"])
+        return p, p.stdout.readline().split()[-1]
+
+    coord = connect(url, ttl=ttl)
+    masters: dict[str, subprocess.Popen] = {}             # address -> process
+    for _ in range(2):
+        proc, address = master()
+        masters[address] = proc
+    storage = _spawn(["-m", "kvproto", "storage", "--master", url, "--size", "64MiB"])
+    storage.stdout.readline()
+    client = Client(url, timeout=0.2, lookup_timeout=0.2)
+    out = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:    # the first master open, with the node registered
+            try:
+                client.put(b"warm-up", b"w" * 4096)
+                break
+            except errors.KvError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("no master opened")
+                time.sleep(0.05)
+        for trial in range(trials):
+            term, address = coord.leader()
+            masters.pop(address).kill()
+            killed = time.perf_counter()
+            key = f"after-kill-{trial}".encode()
+            while True:
+                try:
+                    client.put(key, b"x" * 4096)
+                    break
+                except errors.KvError:
+                    if time.perf_counter() - killed > 60:
+                        raise RuntimeError("no master took over within 60 s")
+            took = time.perf_counter() - killed
+            last = client.stats()["failover"]["last"]
+            out.append({"s": took, "fence_s": last["fence_s"], "recover_s": last["recover_s"]})
+            proc, addr = master()                          # the next standby
+            masters[addr] = proc
+    finally:
+        client.close()
+        _stop([storage, *masters.values()])
+        coord.close()
+    return out
+
+
+def failover_bench(trials: int, ttl: float = 1.0) -> dict:
+    """kill -9 -> first put on the new master, embedded and etcd coordinators."""
+    import tempfile
+    from kvproto.runtime.coordinator import LocalEtcd
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        results["embedded"] = _failover_trials(f"file://{tmp}/coordinator", trials, ttl)
+        etcd = LocalEtcd(tmp)
+        try:
+            results["etcd"] = _failover_trials(f"{etcd.url}/bench", trials, ttl)
+        finally:
+            etcd.stop()
+    return results
+
+
+def rebuild_bench(objects: int, nodes: int = 4) -> dict:
+    """A new master fenced by ``nodes`` storage nodes holding ``objects``
+    published 4 KiB objects: the nodes' ``fence`` replies (encoding the index),
+    then the master's decode, ``Recover`` (rebuild), allocator and lease
+    tables, and ``Open``. Returns seconds per stage and objects/s."""
+    import immutables
+    from kvproto.runtime import wire
+    from kvproto.runtime.master import MasterCore
+    from kvproto.runtime.shm import SegmentMemory
+    from kvproto.runtime.storage import StorageCore
+    from kvproto.statemachines import failover as fm
+
+    per = objects // nodes
+    page = 4096
+    capacity = per * page
+    cores, memories = {}, []
+    for n in range(nodes):
+        memory = SegmentMemory(page, page)   # the bytes are not what is measured
+        memories.append(memory)
+        core = StorageCore(memory, f"node{n}")
+        core.fence = fm.StorageNode(1, immutables.Map({
+            f"key-{n}-{i:09d}".encode(): fm.IndexEntry(1, True, 1, i * page, page, 0, n * per + i + 1)
+            for i in range(per)}))
+        cores[f"node{n}"] = core
+    try:
+        master = MasterCore(term=None, fence_timeout=600.0)
+        master.take_term(2, {s: f"tcp://127.0.0.1:{9000 + i}" for i, s in enumerate(cores)})
+        sent = {body["segment"]: cmd_id for _, op, cmd_id, body in master.outbox if op == "fence"}
+        t0 = time.perf_counter()
+        replies = []
+        for segment, core in cores.items():
+            body, frames = core.handle("fence", {"segment": segment, "term": 2}, [])
+            body = {**body, "segment": segment, "capacity": capacity, "endpoint": "tcp://127.0.0.1:1",
+                    "host": "h", "shm": "s", "gen_shm": "g", "nonce": 1, "page_size": page}
+            replies.append((segment, wire.Reply(0, sent[segment], body, [memoryview(f) for f in frames])))
+        t1 = time.perf_counter()
+        for segment, reply in replies:
+            master.storage_reply(segment, reply)
+        t2 = time.perf_counter()
+        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != per * nodes:
+            raise RuntimeError(f"rebuild incomplete: {master.failover.phase}, {len(master.directory.objects)}")
+    finally:
+        for m in memories:
+            m.close()
+    return {"objects": per * nodes, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
+            "objects_s": per * nodes / (t2 - t0), "last": master.last_failover}
+
+
 def main(args: argparse.Namespace) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"kvproto bench (medians of {args.repeat} transfers; loopback TCP; "
@@ -355,6 +487,19 @@ def main(args: argparse.Namespace) -> int:
         for r in lease_bench(args.lease_keys, args.lease_repeat):
             print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
                   f"leased / pinned {r['lease'] / r['pin']:.2f}")
+    if args.rebuild_objects:
+        r = rebuild_bench(args.rebuild_objects)
+        print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes recovered in "
+              f"{r['encode_s'] + r['rebuild_s']:.2f}s ({r['objects_s']:,.0f} objects/s; nodes encode "
+              f"their index {r['encode_s']:.2f}s, master decodes, rebuilds and opens {r['rebuild_s']:.2f}s)")
+    if args.failover_trials:
+        print(f"\nkill -9 of the active master -> first successful put on the new one "
+              f"({args.failover_trials} trials per coordinator, lease TTL 1 s, one storage node)")
+        for name, runs in failover_bench(args.failover_trials).items():
+            secs = [r["s"] for r in runs]
+            print(f"  {name:>8}: median {statistics.median(secs):.2f}s   worst {max(secs):.2f}s   "
+                  f"(fence median {statistics.median(r['fence_s'] for r in runs) * 1000:.1f} ms, "
+                  f"recover median {statistics.median(r['recover_s'] for r in runs) * 1000:.1f} ms)")
     if args.memory_objects:
         per = memory_per_object(args.memory_objects)
         print(f"\nmaster memory: {per:.0f} bytes per published object "

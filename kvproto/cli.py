@@ -198,20 +198,49 @@ def _summary(results: list[tlc.TlcResult]) -> str:
 
 def _master_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="tcp://127.0.0.1:5555", help="endpoint to bind")
+    parser.add_argument("--advertise", default=None,
+                        help="endpoint others reach this master at (default: the bound one)")
     parser.add_argument("--writer-timeout", type=float, default=10.0,
                         help="seconds without heartbeats before a writer's allocations are reclaimed")
     parser.add_argument("--storage-timeout", type=float, default=10.0,
                         help="seconds without heartbeats before a storage segment counts as lost")
+    parser.add_argument("--coordinator", default=None,
+                        help="elect one master through a coordinator: file:///dir (one host) "
+                             "or etcd://host:port[/prefix]")
+    parser.add_argument("--standby", action="store_true",
+                        help="with --coordinator: wait as a standby while another master is "
+                             "active, and take over when it fails")
+    parser.add_argument("--ttl", type=float, default=2.0,
+                        help="leadership lease in seconds (with --coordinator)")
+    parser.add_argument("--fence-timeout", type=float, default=2.0,
+                        help="seconds a new master waits for storage nodes' fence acks; "
+                             "a node that does not answer is lost with its objects")
 
 
 def master(args: argparse.Namespace) -> int:
     from .runtime.embedded import run_master
-    run_master(args.listen, writer_timeout=args.writer_timeout, storage_timeout=args.storage_timeout)
+    coordinator = None
+    if args.coordinator:
+        from .runtime.coordinator import connect
+        coordinator = connect(args.coordinator, ttl=args.ttl)
+        leader = coordinator.leader()
+        if leader is not None and not args.standby:
+            print(f"kvproto master: term {leader[0]} is held by {leader[1]}; "
+                  "start with --standby to wait for it", file=sys.stderr)
+            return 1
+    elif args.standby:
+        print("kvproto master: --standby needs --coordinator", file=sys.stderr)
+        return 2
+    run_master(args.listen, writer_timeout=args.writer_timeout, storage_timeout=args.storage_timeout,
+               coordinator=coordinator, advertise=args.advertise, fence_timeout=args.fence_timeout,
+               log_level="INFO" if coordinator is not None else "WARNING")
     return 0
 
 
 def _storage_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master", required=True, help="the master's endpoint")
+    parser.add_argument("--master", required=True,
+                        help="the master's endpoint, or the coordinator the masters use "
+                             "(file:///dir, etcd://host:port[/prefix]) to follow failovers")
     parser.add_argument("--size", required=True, help="segment size, e.g. 1GiB")
     parser.add_argument("--listen", default="tcp://127.0.0.1:*", help="data endpoint to bind")
     parser.add_argument("--advertise", default=None,

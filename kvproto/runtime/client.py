@@ -72,6 +72,10 @@ from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.shm import LocalSegment, host_id, shm_exists
 from kvproto.statemachines import lease as lm
+from kvproto.statemachines.failover import RecomputeLimiter
+
+#: errors that mean "the master is switching": a lookup answered so is a miss
+SWITCHING = (errors.MasterNotOpen, errors.RequestTimeout, errors.CoordinatorUnavailable)
 
 Key = Any  # bytes-like or str
 
@@ -113,17 +117,24 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
     client = ref()
     if client is None:
         return
-    sock = client._socket(client.master)
     client_id = client.client_id
     del client
+    address, sock = "", None     # follows the client's master (it changes on failover)
     rid, last_sent = 0, 0.0
     try:
         while not stop.wait(0.05):
             client = ref()
             if client is None:
                 return
-            active, interval = client._active, client._hb_interval
+            active, interval, master = client._active, client._hb_interval, client.master
+            if master != address:
+                if sock is not None:
+                    sock.close(linger=0)
+                address = master
+                sock = client._socket(address) if address else None
             del client
+            if sock is None:
+                continue
             now = time.monotonic()
             if active and now - last_sent >= interval:
                 rid += 1
@@ -136,7 +147,8 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             while sock.poll(0):  # drop the answers
                 sock.recv_multipart()
     finally:
-        sock.close(linger=0)
+        if sock is not None:
+            sock.close(linger=0)
 
 
 class ReadLease:
@@ -171,12 +183,31 @@ class Client:
     #: keys per master request; larger batches are sent in chunks so that one
     #: request never holds the master's loop for long
     BATCH = 4096
+    #: with a coordinator, how often (seconds) the client asks it who the master is
+    LEADER_RECHECK = 1.0
 
     def __init__(self, master: str, *, timeout: float = 30.0, local_reads: bool = True,
                  context: Optional[zmq.Context] = None, leases: bool = True,
-                 max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None) -> None:
+                 max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None,
+                 lookup_timeout: float = 2.0, recompute_rate: float = 100.0,
+                 recompute_burst: float = 100.0) -> None:
         if max_skew < 0:
             raise ValueError("max_skew must be >= 0")
+        #: ``master`` is the master's address, or a coordinator URL
+        #: (``etcd://host:port[/prefix]``, ``file:///dir``) through which the
+        #: client finds the current master, and finds it again after a failover
+        self._coordinator = None
+        self._leader_checked = 0.0
+        if master.startswith(("etcd://", "file://")):
+            from kvproto.runtime.coordinator import connect
+            self._coordinator = connect(master)
+            master = ""
+        #: a lookup unanswered this long is a miss (the master may be switching)
+        self.lookup_timeout = float(lookup_timeout)
+        #: the engine's fall-back to recomputation, rate-limited (``may_recompute``)
+        self.recompute = RecomputeLimiter(float(recompute_rate), float(recompute_burst))
+        self.failover_counters = {"masters_found": 0, "switch_misses": 0, "stale_term_relookups": 0,
+                                  "recomputes_allowed": 0, "recomputes_refused": 0}
         #: gets take a read lease (and check it after the transfer); off: a pin
         self.leases = leases
         #: bound on this client's error measuring one read against the master's clock
@@ -305,13 +336,55 @@ class Client:
         return got
 
     def _call_master(self, op: str, body: dict, deadline: float) -> wire.Reply:
-        sock = self._master()
-        rid = self._send(sock, op, body)
-        reply = self._gather({rid: sock}, deadline).get(rid)
+        """One request to the master. With a coordinator, a master that is not
+        open or does not answer makes the client look the master up again, and
+        the request is sent once more if the coordinator names another one."""
+        if self._coordinator is not None and time.monotonic() - self._leader_checked > self.LEADER_RECHECK:
+            self._find_master()
+        for attempt in (0, 1):
+            if not self.master:
+                self._find_master()
+                if not self.master:
+                    raise errors.MasterNotOpen("the coordinator names no master")
+            asked = self.master
+            sock = self._master()
+            rid = self._send(sock, op, body)
+            reply = self._gather({rid: sock}, deadline).get(rid)
+            if reply is not None and reply.status != errors.MasterNotOpen.code:
+                return reply.raise_for_status()
+            if reply is None:
+                self._reset_master()
+            self._find_master()
+            if attempt or self.master == asked or not self.master or time.monotonic() >= deadline:
+                break
         if reply is None:
-            self._reset_master()
-            raise errors.RequestTimeout(f"master {self.master} did not answer {op} in time")
+            raise errors.RequestTimeout(f"master {asked} did not answer {op} in time")
         return reply.raise_for_status()
+
+    def _find_master(self) -> None:
+        """Ask the coordinator (if any) who the master is now; reconnect if it changed."""
+        if self._coordinator is None:
+            return
+        self._leader_checked = time.monotonic()
+        try:
+            leader = self._coordinator.leader()
+        except errors.KvError:
+            return
+        address = leader[1] if leader is not None else ""
+        if address != self.master:
+            self._reset_master()
+            self.master = address
+            if address:
+                self.failover_counters["masters_found"] += 1
+
+    def may_recompute(self) -> bool:
+        """Whether the engine may recompute a missed block now: a token bucket
+        (``recompute_rate`` per second, bursts of ``recompute_burst``) bounds
+        the fall-back while lookups miss, e.g. during a master failover."""
+        with self._lock:
+            self.recompute, allowed = self.recompute.take(time.monotonic())
+        self.failover_counters["recomputes_allowed" if allowed else "recomputes_refused"] += 1
+        return allowed
 
     def _deadline(self, timeout: Optional[float]) -> float:
         return time.monotonic() + (self.timeout if timeout is None else float(timeout))
@@ -386,6 +459,7 @@ class Client:
                 "items": [[k, v.nbytes] for _, k, v in todo]}, deadline)
             self._note_interval(reply)
             grants: dict[int, tuple[bytes, memoryview, int, list]] = {}
+            term = reply.body.get("term", 0)
             for (i, k, v), item in zip(todo, wire.items_of(reply, len(todo))):
                 err, grant = wire.item_result(item)
                 if err is not None:
@@ -394,7 +468,7 @@ class Client:
                     grants[i] = (k, v, grant["token"], grant["replicas"])
             ended: set[int] = set()
             try:
-                failed = self._write_all(grants, reply.body.get("segments", {}), deadline)
+                failed = self._write_all(grants, reply.body.get("segments", {}), deadline, term)
                 for i, err in failed.items():
                     results[i] = err
                 ok = [i for i in grants if i not in failed]
@@ -416,7 +490,8 @@ class Client:
     #: how long a put whose writes timed out waits for the nodes' cancel acks
     CANCEL_GRACE = 0.2
 
-    def _write_all(self, grants: dict, segments: dict, deadline: float) -> dict[int, errors.KvError]:
+    def _write_all(self, grants: dict, segments: dict, deadline: float,
+                   term: int) -> dict[int, errors.KvError]:
         """Send every replica write at once; wait for the acks. Returns failures.
 
         Every write is a tracked transfer (``owner``/``xfer``): a write unacked
@@ -435,7 +510,8 @@ class Client:
                 sock = self._data_sock(info[0])
                 self._put_gen += 1
                 rid = self._send(sock, "write", {"segment": seg, "offset": offset, "token": token,
-                                                 "owner": self._put_owner, "xfer": self._put_gen},
+                                                 "term": term, "owner": self._put_owner,
+                                                 "xfer": self._put_gen},
                                  [view])
                 pending[rid] = sock
                 whose[rid] = (i, info[0], self._put_gen)
@@ -485,7 +561,12 @@ class Client:
                                        max(deadline - time.monotonic(), 0.0), raise_miss=False))
         return out
 
-    def _get_batch(self, keys: list, timeout: Optional[float], raise_miss: bool) -> list:
+    def _get_batch(self, keys: list, timeout: Optional[float], raise_miss: bool,
+                   relookup: bool = True) -> list:
+        """One lookup and read of ``keys``. A lookup the master cannot answer
+        (it is switching: not open, silent past ``lookup_timeout``) is a miss
+        for every key; a replica that refuses a descriptor's stale term is
+        looked up again once (at the new master), then missed."""
         deadline = self._deadline(timeout)
         if not keys:
             return []
@@ -497,8 +578,16 @@ class Client:
             if leased:
                 body["lease"] = True
             sent = time.monotonic()            # the lease deadline runs from here
-            reply = self._call_master("read_begin", body, deadline)
+            try:
+                reply = self._call_master("read_begin", body,
+                                          min(deadline, sent + self.lookup_timeout))
+            except SWITCHING as err:
+                self.failover_counters["switch_misses"] += len(ks)
+                if raise_miss:
+                    raise errors.KeyNotFound(f"{ks[0]!r}: a miss while the master switches ({err})")
+                return results
             self._note_interval(reply)
+            term = reply.body.get("term", 0)
             segments = reply.body.get("segments", {})
             granted: dict[int, tuple[int, int, list]] = {}
             lease_of: dict[int, tuple[int, float]] = {}
@@ -514,11 +603,28 @@ class Client:
             try:
                 started = time.monotonic()
                 done_at: dict[int, float] = {}
-                errs = self._read_all(ks, granted, segments, deadline, results, done_at)
+                errs = self._read_all(ks, granted, segments, deadline, results, done_at, term)
+                stale = [i for i in sorted(errs) if isinstance(errs[i], errors.StaleTerm)]
+                if stale:
+                    # the descriptor's master was replaced: look up again (once)
+                    self.failover_counters["stale_term_relookups"] += len(stale)
+                    self._find_master()
+                    again = self._get_batch([ks[i] for i in stale],
+                                            max(deadline - time.monotonic(), 0.0),
+                                            False, relookup=False) if relookup else [None] * len(stale)
+                    for i, view in zip(stale, again):
+                        results[i] = view
+                        del errs[i]
+                        if view is None and raise_miss:
+                            first_error = first_error or errors.KeyNotFound(f"{ks[i]!r}")
+                        elif view is not None and done_at is not None:
+                            done_at[i] = time.monotonic()
                 for i in sorted(errs):
                     first_error = first_error or errs[i]
-                if lease_of:
-                    first_error = self._check_leases(ks, lease_of, sent, started, done_at,
+                # a key read again was judged by its second read's own lease
+                first_leases = {i: v for i, v in lease_of.items() if i not in stale}
+                if first_leases:
+                    first_error = self._check_leases(ks, first_leases, sent, started, done_at,
                                                      results) or first_error
             finally:
                 pins = [[ks[i], g[0]] for i, g in granted.items() if i not in lease_of]
@@ -596,7 +702,8 @@ class Client:
                 del self._local[name]
 
     def _read_all(self, keys: list, granted: dict, segments: dict, deadline: float,
-                  results: list, done_at: Optional[dict] = None) -> dict[int, errors.KvError]:
+                  results: list, done_at: Optional[dict] = None,
+                  term: int = 0) -> dict[int, errors.KvError]:
         """Fill ``results`` for granted keys; returns keys no replica could serve."""
         need: dict[int, list] = {}
         for i, (token, length, replicas) in granted.items():
@@ -632,7 +739,7 @@ class Client:
                 seg, offset, length = left.pop(0)
                 endpoint = segments[seg][0]
                 sock = self._data_sock(endpoint)
-                rid = self._send(sock, "read", {"segment": seg, "offset": offset,
+                rid = self._send(sock, "read", {"segment": seg, "offset": offset, "term": term,
                                                 "token": granted[i][0], "length": length})
                 pending[rid] = sock
                 whose[rid] = (i, endpoint)
@@ -697,7 +804,13 @@ class Client:
         with self._lock:
             for at in range(0, len(ks), self.BATCH):
                 chunk = ks[at:at + self.BATCH]
-                reply = self._call_master("exists", {"keys": chunk}, deadline)
+                try:
+                    reply = self._call_master("exists", {"keys": chunk},
+                                              min(deadline, time.monotonic() + self.lookup_timeout))
+                except SWITCHING:
+                    self.failover_counters["switch_misses"] += len(chunk)
+                    out.extend([False] * len(chunk))
+                    continue
                 for item in wire.items_of(reply, len(chunk)):
                     err, value = wire.item_result(item)
                     if err is not None:

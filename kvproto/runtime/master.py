@@ -37,6 +37,10 @@ from __future__ import annotations
 import logging
 import re
 import time
+
+import attrs
+import immutables
+import msgpack
 from collections import OrderedDict, defaultdict
 from typing import Any, Callable, Optional
 
@@ -48,8 +52,10 @@ from kvproto.runtime.allocator import Placer
 from kvproto.statemachines.publish import (
     AddSegment, AssignRegion, Directory, FreeRegion, MasterEvent, PutEnd, PutGranted,
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
-    Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status, master_step,
+    Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status, master_step, restored,
 )
+from kvproto.runtime.allocator import SegmentAllocator
+from kvproto.statemachines import failover as fm
 
 from kvproto.statemachines import lease as lm
 
@@ -95,15 +101,37 @@ class ClientSession:
 
 
 class Parked:
-    """A put_start reply waiting for storage nodes to acknowledge assigns."""
+    """A reply waiting for storage nodes: a ``put_start`` for their ``assign``
+    acks, a ``put_end`` for their ``publish`` acks (``index``: key -> item)."""
 
-    __slots__ = ("reply_to", "request_id", "items", "waiting")
+    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "index")
 
-    def __init__(self, reply_to: ReplyTo, request_id: int, items: list) -> None:
+    def __init__(self, reply_to: ReplyTo, request_id: int, items: list, op: str = "put_start") -> None:
         self.reply_to = reply_to
         self.request_id = request_id
         self.items = items
         self.waiting: set[int] = set()
+        self.op = op
+        self.index: dict[bytes, int] = {}
+
+
+class FenceRound:
+    """A new master's fence: the nodes the coordinator listed, their answers."""
+
+    __slots__ = ("term", "started", "deadline", "nodes", "infos", "indexes", "failed",
+                 "recovered_at")
+
+    def __init__(self, term: int, nodes: dict, now: float, timeout: float) -> None:
+        self.term = term
+        self.started = now
+        self.deadline = now + timeout
+        self.nodes = dict(nodes)                     # segment -> endpoint
+        self.infos: dict[str, dict] = {}             # segment -> registration body
+        self.indexes: dict[str, immutables.Map] = {}  # segment -> key -> IndexEntry
+        self.failed: set[str] = set()
+
+    def settled(self, now: float) -> bool:
+        return now >= self.deadline or len(self.infos) + len(self.failed) >= len(self.nodes)
 
 
 class Command:
@@ -126,7 +154,9 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "storage_refusals", "rejected", "refused",
             # read leases (spec/Lease.tla) and the eviction policy
             "lease_grants", "lease_renewals", "lease_renewals_refused", "lease_releases",
-            "lease_expiries", "leased_refusals", "removes_forced", "evictions", "eviction_short")
+            "lease_expiries", "leased_refusals", "removes_forced", "evictions", "eviction_short",
+            # failover (spec/Failover.tla)
+            "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open")
 
 
 class MasterCore:
@@ -139,7 +169,8 @@ class MasterCore:
 
     def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
-                 high_watermark: float = 0.90, free_fraction: float = 0.05) -> None:
+                 high_watermark: float = 0.90, free_fraction: float = 0.05,
+                 fence_timeout: float = 2.0, term: Optional[int] = 1) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if lease_ttl <= 0:
@@ -169,6 +200,13 @@ class MasterCore:
         self._next_cmd = 1
         self._queue: list[tuple[str, str, list]] = []     # (segment, op, region) in effect order
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        #: the failover phase machine (spec/Failover.tla), replaced only by
+        #: ``failover.master_step``: standby -> fencing -> recovered -> open
+        self.failover = fm.Master()
+        self.fence_timeout = float(fence_timeout)
+        self._round: Optional[FenceRound] = None
+        #: the last takeover: term, seconds in each phase, objects recovered/purged
+        self.last_failover: dict = {}
         #: ``(segment, op, command_id, body)`` to send, in order (drained by the server)
         self.outbox: list[tuple[str, str, int, dict]] = []
         #: parked replies now complete: ``(reply_to, request_id, status, body)``
@@ -177,6 +215,9 @@ class MasterCore:
         self.opened: list[tuple[str, str]] = []
         self.closed: list[str] = []
         self._next_tick = 0.0
+        if term is not None:
+            # a master without a coordinator: the only one, at a fixed term
+            self.take_term(term, {})
 
     # ------------------------------------------------------------------ stepping
 
@@ -203,6 +244,10 @@ class MasterCore:
                 self._forget_pending(e.token)
                 self.counters["puts_published"] += 1
                 self._lease_put(e.key, e.token)
+                # the storage nodes' index learns the publish (StampedPublish),
+                # so a new master recovers the object after a failover
+                for r in self.directory.objects[e.key].replicas:
+                    self._queue.append((r.segment, "publish", [r.offset, e.key, e.token]))
             elif isinstance(e, Revoked):
                 self._forget_pending(e.token)
                 parked = self._parked_tokens.pop(e.token, None)
@@ -232,7 +277,7 @@ class MasterCore:
         room: dict[str, int] = {}
         for segment, op, region in self._queue:
             runs = per_segment[segment]
-            cost = 48 + (len(region[2]) if op == "assign" else 0)
+            cost = 48 + (len(region[2]) if op == "assign" else len(region[1]) if op == "publish" else 0)
             if runs and runs[-1][0] == op and room[segment] >= cost \
                     and len(runs[-1][1]) < self.COMMAND_MAX_REGIONS:
                 runs[-1][1].append(region)
@@ -248,11 +293,12 @@ class MasterCore:
             for op, regions in runs:
                 cmd_id = self._next_cmd
                 self._next_cmd += 1
-                owner = parked if op == "assign" else None
+                owner = parked if op in ("assign", "publish") else None
                 self._commands[cmd_id] = Command(cmd_id, segment, op, regions, owner, now)
                 if owner is not None:
                     owner.waiting.add(cmd_id)
-                self.outbox.append((segment, op, cmd_id, {"segment": segment, "regions": regions}))
+                self.outbox.append((segment, op, cmd_id, {"segment": segment, "regions": regions,
+                                                          "term": self.failover.term}))
 
     def _session(self, client: str, create: bool = False) -> Optional[ClientSession]:
         session = self.sessions.get(client)
@@ -364,6 +410,10 @@ class MasterCore:
         """Handle a validated request. Returns ``(status, body)``, or ``None`` when
         the reply is parked (it will appear in :attr:`ready`)."""
         try:
+            if self.failover.phase is not fm.Phase.OPEN and op != "stats":
+                self.counters["not_open"] += 1
+                raise errors.MasterNotOpen(f"master is {self.failover.phase.value} "
+                                           f"(term {self.failover.term})")
             handler = getattr(self, "_op_" + op)
             return handler(body, reply_to, request_id)
         finally:
@@ -377,6 +427,11 @@ class MasterCore:
             raise errors.InvalidArgument("capacity must be a multiple of page_size")
         if not _ENDPOINT.match(body["endpoint"]):
             raise errors.InvalidArgument(f"endpoint {body['endpoint']!r} is not tcp://host:port or ipc://path")
+        known = self.segments.get(body["segment"])
+        if known is not None and known.endpoint == body["endpoint"] and known.nonce == body["nonce"]:
+            # a node this master fenced and recovered, now following it
+            known.last_seen = self.clock()
+            return 0, {"heartbeat": self.storage_timeout / 4, "term": self.failover.term}
         err, _ = self._step(AddSegment(body["segment"], capacity))
         if err is not None:
             raise err
@@ -386,7 +441,7 @@ class MasterCore:
         self.opened.append((info.segment, info.endpoint))
         self.counters["segments_joined"] += 1
         log.info("segment %s joined: %d bytes at %s", info.segment, capacity, info.endpoint)
-        return 0, {"heartbeat": self.storage_timeout / 4}
+        return 0, {"heartbeat": self.storage_timeout / 4, "term": self.failover.term}
 
     def _op_storage_heartbeat(self, body, reply_to, request_id):
         info = self.segments.get(body["segment"])
@@ -441,6 +496,8 @@ class MasterCore:
         return self._complete(parked)
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
+        if parked.op == "put_end":
+            return 0, {"items": parked.items}
         segments: dict[str, list] = {}
         for item in parked.items:
             if item[0] == 0:
@@ -450,22 +507,31 @@ class MasterCore:
                     if info is not None:
                         segments[seg] = info.wire()
         return 0, {"items": parked.items, "segments": segments,
-                   "heartbeat": self.writer_timeout / 4}
+                   "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
 
-    def _end_or_revoke(self, body, event_type):
+    def _end_or_revoke(self, body, event_type, parked: Optional[Parked] = None):
         self._session(body["client"])
-        items = []
+        items = parked.items if parked is not None else []
         for key, token in body["items"]:
             err, _ = self._step(event_type(key, token))
             if err is None and event_type is PutRevoke:
                 self.counters["puts_revoked"] += 1
+            if parked is not None and err is None:
+                parked.index[key] = len(items)
             items.append(wire.ok_item() if err is None else wire.error_item(err))
         return 0, {"items": items}
 
     def _op_put_end(self, body, reply_to, request_id):
-        result = self._end_or_revoke(body, PutEnd)
+        """``PutEnd``; the reply waits until every replica's node has recorded
+        the publish in its index (``publish``), so a published object survives
+        a failover."""
+        parked = Parked(reply_to, request_id, [], "put_end")
+        self._end_or_revoke(body, PutEnd, parked)
+        self._flush(parked)
         self.evict()
-        return result
+        if parked.waiting:
+            return None
+        return self._complete(parked)
 
     def _op_put_revoke(self, body, reply_to, request_id):
         return self._end_or_revoke(body, PutRevoke)
@@ -516,7 +582,8 @@ class MasterCore:
             items.append(wire.ok_item(item))
         if session.empty():
             del self.sessions[client]
-        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4}
+        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4,
+                   "term": self.failover.term}
 
     def _op_read_end(self, body, reply_to, request_id):
         client = body["client"]
@@ -617,7 +684,10 @@ class MasterCore:
         leases = {"ttl": self.leases.ttl, "held": len(self.leases.leases),
                   "objects": len(self.leases.objects), "used": used, "capacity": capacity,
                   "high_watermark": self.high_watermark, "free_fraction": self.free_fraction}
+        failover = {"term": self.failover.term, "phase": self.failover.phase.value,
+                    "last": dict(self.last_failover)}
         return {"counters": dict(self.counters), "objects": len(self.directory.objects),
+                "failover": failover,
                 "leases": leases,
                 "pending": len(self._owner), "clients": len(self.sessions),
                 "next_token": self.directory.next_token, "segments": segments}
@@ -629,6 +699,14 @@ class MasterCore:
         cmd = self._commands.pop(reply.request_id, None)
         if cmd is None or cmd.segment != segment:
             return
+        if reply.status == errors.StaleTerm.code:
+            # a newer master fenced this node: step down (HigherTermSeen)
+            self.counters["stale_term_refusals"] += 1
+            self.step_down(reply.error())
+            return
+        if cmd.op in ("fence", "purge"):
+            self._fence_or_purge_reply(cmd, reply)
+            return
         try:
             if reply.status == errors.SegmentUnavailable.code:
                 self.segment_lost(segment, "the node no longer serves it")
@@ -639,9 +717,15 @@ class MasterCore:
             for region, result in zip(cmd.regions, results):
                 err, _ = wire.item_result(result)
                 if err is None:
+                    if cmd.op == "publish":
+                        self.counters["publish_marks"] += 1
                     continue
                 self.counters["storage_refusals"] += 1
                 log.error("segment %s refused %s %r: %s", segment, cmd.op, region, err)
+                if cmd.op == "publish":
+                    # the object stays published here, but a new master
+                    # would not recover it (the node's index lacks the publish)
+                    self.counters["publish_mark_refusals"] += 1
                 if cmd.op == "assign":
                     self._step(PutRevoke(region[2], region[3]), errors.RegionMismatch(
                         f"segment {segment!r} refused the region: {err.message}"))
@@ -657,6 +741,135 @@ class MasterCore:
         if not parked.waiting:
             status, body = self._complete(parked)
             self.ready.append((parked.reply_to, parked.request_id, status, body))
+
+    # ------------------------------------------------------------------ failover
+
+    def take_term(self, term: int, nodes: dict[str, str]) -> None:
+        """Spec ``ObtainTerm`` (this master won ``term``), then ``Fence``: send
+        ``fence`` to every storage node the coordinator lists (``segment ->
+        endpoint``). Each answers with its index; recovery follows when all
+        answered or ``fence_timeout`` passed (:meth:`_maybe_recover`). Without
+        a coordinator a master takes term 1 with no nodes and opens at once."""
+        new, effects = fm.master_step(self.failover, fm.ObtainTerm(term))
+        if effects and isinstance(effects[0], fm.Refused):
+            raise effects[0].error
+        self.failover = new
+        now = self.clock()
+        self._round = FenceRound(term, nodes, now, self.fence_timeout)
+        log.info("term %d: fencing %d storage node(s)", term, len(nodes))
+        for segment, endpoint in sorted(nodes.items()):
+            self.opened.append((segment, endpoint))
+            cmd_id = self._next_cmd
+            self._next_cmd += 1
+            self._commands[cmd_id] = Command(cmd_id, segment, "fence", [], None, now)
+            self.outbox.append((segment, "fence", cmd_id, {"segment": segment, "term": term}))
+        self._maybe_recover()
+
+    def _fence_or_purge_reply(self, cmd: Command, reply: wire.Reply) -> None:
+        segment = cmd.segment
+        if cmd.op == "purge":
+            if reply.status == 0:
+                self.last_failover["purged"] = self.last_failover.get("purged", 0) + reply.body.get("purged", 0)
+                self.last_failover["bytes_purged"] = (self.last_failover.get("bytes_purged", 0)
+                                                      + reply.body.get("freed", 0))
+            else:
+                log.error("segment %s refused the purge: %s", segment, reply.error())
+            return
+        rnd = self._round
+        if rnd is None or self.failover.phase is not fm.Phase.FENCING or segment not in rnd.nodes:
+            return
+        try:
+            if reply.status != 0:
+                raise reply.error()
+            info = {k: reply.body[k] for k in ("segment", "capacity", "endpoint", "host", "shm",
+                                               "gen_shm", "nonce", "page_size")}
+            if info["segment"] != segment or len(reply.payloads) != 1:
+                raise errors.MalformedFrame("fence reply for another segment or without its index")
+            rows = msgpack.unpackb(reply.payloads[0], raw=False)
+            index = immutables.Map({bytes(k): fm.IndexEntry(term, pub, by, off, length, 0, token)
+                                    for k, off, length, token, term, pub, by in rows})
+        except (errors.KvError, KeyError, ValueError, TypeError) as err:
+            log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
+            rnd.failed.add(segment)
+        else:
+            self.failover, _ = fm.master_step(self.failover, fm.FenceAcked(segment))
+            rnd.infos[segment] = info
+            rnd.indexes[segment] = index
+        self._maybe_recover()
+
+    def _maybe_recover(self) -> None:
+        """Spec ``Recover`` then ``Open``, once the fence round settled: the
+        directory is rebuilt from the fenced nodes' indexes (published objects
+        only); a node that did not answer is lost, with its objects; every
+        fenced node purges unpublished allocations of older terms (sent before
+        any allocation of this term on the same connection)."""
+        rnd = self._round
+        now = self.clock()
+        if rnd is None or self.failover.phase is not fm.Phase.FENCING or not rnd.settled(now):
+            return
+        fenced_at = now
+        live = frozenset(rnd.infos)
+        for segment in set(rnd.nodes) - live:
+            self.closed.append(segment)
+        for cmd_id, cmd in list(self._commands.items()):
+            if cmd.op == "fence":
+                del self._commands[cmd_id]
+        new, effects = fm.master_step(self.failover, fm.Recover(live, rnd.indexes))
+        if effects and isinstance(effects[0], fm.Refused):
+            raise effects[0].error  # cannot happen: live is exactly the acked nodes
+        self.failover = new
+        next_token = 1 + max((e.token for index in rnd.indexes.values() for e in index.values()),
+                             default=0)
+        objects = [(key, e.token, e.length, tuple(Replica(n, off, e.length) for n, off in e.replicas))
+                   for key, e in new.directory.items()]
+        self.directory = restored({s: rnd.infos[s]["capacity"] for s in live}, objects, next_token)
+        # the failover machine's copy of the directory has served its purpose
+        self.failover = attrs.evolve(new, directory=immutables.Map())
+        used: dict[str, list] = {s: [] for s in live}
+        for _, _, length, replicas in objects:
+            for r in replicas:
+                used[r.segment].append((r.offset, length))
+        self.placer = Placer()
+        for s in live:
+            info = rnd.infos[s]
+            self.placer.allocators[s] = SegmentAllocator.with_used(info["capacity"], info["page_size"],
+                                                                   used[s])
+            self.segments[s] = SegmentInfo(info, now)
+        # the lease table caches every recovered object, with no lease (old
+        # leases are not carried over); recency starts in key order
+        sizes = [(key, (key, record.token), record.length * len(record.replicas))
+                 for key, record in self.directory.objects.items()]
+        self.leases = lm.restored_table(self.leases.ttl, max(self.leases.now, self.clock()), sizes)
+        self._lru = OrderedDict((key, size) for key, _, size in sizes)
+        for purge in effects:
+            cmd_id = self._next_cmd
+            self._next_cmd += 1
+            self._commands[cmd_id] = Command(cmd_id, purge.node, "purge", [], None, now)
+            self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": rnd.term,
+                                                              "below": purge.below}))
+        recovered_at = self.clock()
+        self.failover, _ = fm.master_step(self.failover, fm.Open())
+        lost = sum(1 for s in rnd.nodes if s not in live)
+        self.last_failover = {
+            "term": rnd.term, "fence_s": fenced_at - rnd.started,
+            "recover_s": recovered_at - fenced_at, "open_s": self.clock() - rnd.started,
+            "nodes_fenced": len(live), "nodes_lost": lost,
+            "recovered": len(self.directory.objects), "purged": 0, "bytes_purged": 0}
+        if rnd.nodes:
+            log.info("term %d open: %d object(s) recovered from %d node(s), %d node(s) lost, "
+                     "in %.3fs", rnd.term, len(self.directory.objects), len(live), lost,
+                     self.last_failover["open_s"])
+        self._round = None
+
+    def step_down(self, why: errors.KvError) -> None:
+        """Spec: a master refused for a higher term steps down (``HigherTermSeen``);
+        it serves nothing more. The server replaces this core with a standby one."""
+        if self.failover.phase is fm.Phase.STANDBY:
+            return
+        term = self.failover.term
+        new, _ = fm.master_step(self.failover, fm.HigherTermSeen(term + 1))
+        self.failover = new
+        log.warning("term %d: stepping down (%s)", term, why)
 
     # ------------------------------------------------------------------ time
 
@@ -679,6 +892,9 @@ class MasterCore:
 
     def tick(self) -> None:
         """Expire silent clients and storage nodes (cheap when nothing is due)."""
+        if self.failover.phase is not fm.Phase.OPEN:
+            self._maybe_recover()
+            return
         now = self.clock()
         if now < self._next_tick:
             return
@@ -726,10 +942,20 @@ class MasterServer:
     def __init__(self, listen: str = "tcp://127.0.0.1:*", *, writer_timeout: float = 10.0,
                  storage_timeout: float = 10.0, max_header_bytes: int = wire.MASTER_MAX_HEADER,
                  context: Optional[zmq.Context] = None, lease_ttl: float = 5.0,
-                 high_watermark: float = 0.90, free_fraction: float = 0.05) -> None:
-        self.core = MasterCore(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
+                 high_watermark: float = 0.90, free_fraction: float = 0.05,
+                 coordinator=None, advertise: Optional[str] = None,
+                 fence_timeout: float = 2.0) -> None:
+        #: with a coordinator this master campaigns, takes the term it wins,
+        #: renews it, and steps down (a fresh standby core) when it cannot
+        self.coordinator = coordinator
+        self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
-                               free_fraction=free_fraction)
+                               free_fraction=free_fraction, fence_timeout=fence_timeout)
+        self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
+        self._term = 0                 # the term this process holds (0: standby)
+        self._renewed = 0.0            # last successful keepalive (monotonic)
+        self._next_lead = 0.0
+        self.terms_held: list[int] = []
         self.max_header_bytes = max_header_bytes
         self._own_context = context is None
         self.ctx = context or zmq.Context()
@@ -740,7 +966,7 @@ class MasterServer:
         # larger ones make ZeroMQ drop the peer before buffering them
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_header_bytes + (1 << 20))
         self.router.bind(listen)
-        self.address: str = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.address: str = advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.dealers: dict[str, zmq.Socket] = {}
@@ -762,7 +988,64 @@ class MasterServer:
         finally:
             self.close()
 
+    def _lead(self) -> None:
+        """Coordinator duty, before any request is served: a standby campaigns
+        every ``ttl/4``; the active master renews every ``ttl/4`` and steps
+        down when the coordinator says its term is over, or when it could not
+        renew for a whole ``ttl`` (it was paused or cut off: on waking it
+        serves nothing before stepping down)."""
+        coord = self.coordinator
+        if coord is None:
+            return
+        now = time.monotonic()
+        if self._term and now - self._renewed > coord.ttl:
+            self._step_down(f"leadership of term {self._term} not renewed for {now - self._renewed:.1f}s")
+            now = time.monotonic()
+        if now < self._next_lead:
+            return
+        self._next_lead = now + coord.ttl / 4
+        try:
+            if self._term:
+                if coord.keepalive(self._term):
+                    self._renewed = now
+                else:
+                    self._step_down(f"the coordinator ended term {self._term}")
+                return
+            term = coord.campaign(self.address)
+            if term is None:
+                return
+            self._term, self._renewed = term, now
+            self.terms_held.append(term)
+            log.info("won term %d at %s", term, self.address)
+            self.core.take_term(term, coord.nodes())
+        except errors.KvError as err:
+            log.warning("coordinator: %s", err)
+
+    def _step_down(self, why: str) -> None:
+        """Answer every parked request ``MasterNotOpen``, drop the core and
+        its storage connections, and wait as a standby."""
+        core = self.core
+        core.step_down(errors.MasterNotOpen(why))
+        log.warning("stepping down: %s", why)
+        parked = {id(c.parked): c.parked for c in core._commands.values() if c.parked is not None}
+        for p in parked.values():
+            self._reply(p.reply_to, p.request_id, errors.MasterNotOpen.code, {"message": why})
+        for segment in list(self.dealers):
+            sock = self.dealers.pop(segment)
+            self.poller.unregister(sock)
+            self._segment_of.pop(sock, None)
+            sock.close(linger=0)
+        if self.coordinator is not None and self._term:
+            try:
+                self.coordinator.resign(self._term)
+            except errors.KvError:
+                pass
+        self._term = 0
+        self._next_lead = time.monotonic() + (self.coordinator.ttl if self.coordinator else 0)
+        self.core = MasterCore(**self._core_args, term=None)
+
     def _once(self, poll_ms: int) -> None:
+        self._lead()
         events = dict(self.poller.poll(poll_ms))
         if events.get(self.router):
             self._drain_router()
@@ -772,6 +1055,8 @@ class MasterServer:
                 self._drain_dealer(sock, segment)
         self.core.tick()
         self._send_out()
+        if self._term and self.core.failover.phase is fm.Phase.STANDBY:
+            self._step_down("a storage node refused this master's term")
 
     def _drain_router(self) -> None:
         for frames in wire.waiting(self.router, self.BURST):
@@ -850,6 +1135,11 @@ class MasterServer:
         core.closed.clear()
 
     def close(self) -> None:
+        if self.coordinator is not None and self._term:
+            try:
+                self.coordinator.resign(self._term)
+            except errors.KvError:
+                pass
         for sock in list(self.dealers.values()):
             sock.close(linger=0)
         self.dealers.clear()

@@ -64,6 +64,7 @@ from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id
 from kvproto.runtime.units import parse_size
+from kvproto.statemachines import failover as fm
 from kvproto.statemachines.publish import (
     AssignRegion, FreeRegion, ReadReplica, Refused, RegionTable, WriteReplica, storage_step,
 )
@@ -75,6 +76,11 @@ from kvproto.statemachines.timeout import Refused as XferRefused
 log = logging.getLogger("kvproto.storage")
 
 
+def coordinator_url(address: str) -> bool:
+    """Whether ``address`` names a coordinator rather than a master."""
+    return address.startswith(("file://", "etcd://"))
+
+
 def new_segment_id() -> str:
     return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(4)}"
 
@@ -84,11 +90,17 @@ class StorageCore:
 
     COUNTERS = ("assigned", "freed", "writes", "reads", "refused", "rejected", "bytes_written",
                 "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
-                "stale_reads", "reads_delayed")
+                "stale_reads", "reads_delayed", "published", "fences", "stale_terms", "purged",
+                "bytes_purged")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
         self.table = RegionTable(segment)
+        #: the failover fence and object index (``spec/Failover.tla``), replaced
+        #: only by ``failover.storage_step``: the highest term seen, and per key
+        #: the allocation's term, token, region, and whether (and in which term)
+        #: it was published
+        self.fence = fm.StorageNode()
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         #: the Timeout protocol's transfer table (``node_step``), one per owner:
         #: an owner is one client transfer engine, whose generations are unique.
@@ -100,9 +112,41 @@ class StorageCore:
         return self.table.segment
 
     def restart(self, segment: str) -> None:
-        """Start over under a new segment id (the old segment is lost)."""
+        """Start over under a new segment id (the old segment is lost); the
+        fence keeps the highest term seen, the index is emptied with the bytes."""
         self.memory.reset()
         self.table = RegionTable(segment)
+        self.fence = fm.StorageNode(self.fence.term)
+
+    @property
+    def term(self) -> int:
+        return self.fence.term
+
+    def _fstep(self, event):
+        """``failover.storage_step`` without committing: ``(node, effects, error)``."""
+        node, effects = fm.storage_step(self.fence, event)
+        if effects and isinstance(effects[0], fm.Refused):
+            if isinstance(effects[0].error, errors.StaleTerm):
+                self.counters["stale_terms"] += 1
+            else:
+                self.counters["refused"] += 1
+            return None, effects, effects[0].error
+        return node, effects, None
+
+    def _check_term(self, body: dict) -> None:
+        """Spec ``NodeAccepts``: a request stamped below the fence is refused."""
+        if not fm.node_accepts(self.fence, body["term"]):
+            self.counters["stale_terms"] += 1
+            raise errors.StaleTerm(f"term {body['term']} is below {self.fence.term}")
+
+    def fence_to(self, term: int) -> bool:
+        """Spec ``Fence`` (node side): learn ``term``; False if it is below the fence."""
+        node, _, err = self._fstep(fm.Fence(term))
+        if err is not None:
+            return False
+        self.fence = node
+        self.counters["fences"] += 1
+        return True
 
     def _check_segment(self, body: dict) -> None:
         if body["segment"] != self.table.segment:
@@ -187,6 +231,7 @@ class StorageCore:
                 return None
             raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
         self._check_segment(body)
+        self._check_term(body)
         if op == "load":
             result = self._op_read(body, payloads)
             self.counters["loads"] += 1
@@ -194,35 +239,96 @@ class StorageCore:
         return getattr(self, "_op_" + op)(body, payloads)
 
     def _op_assign(self, body, payloads):
-        mem = self.memory
+        """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index), both or neither."""
+        mem, term = self.memory, body["term"]
         results = []
         for offset, length, key, token in body["regions"]:
             if offset % mem.page_size or offset + length > mem.capacity:
                 results.append(wire.error_item(errors.InvalidArgument(
                     f"region {offset}+{length} is not a page-aligned part of the segment")))
                 continue
-            table, err = self._step(AssignRegion(self.segment, offset, length, key, token))
+            fence, _, err = self._fstep(fm.StampedAllocate(self.segment, key, term, offset, length, token))
+            if err is None:
+                table, err = self._step(AssignRegion(self.segment, offset, length, key, token))
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
             mem.set_word(offset, gen_word(token, False))
-            self.table = table
+            self.table, self.fence = table, fence
             self.counters["assigned"] += 1
             results.append(wire.ok_item())
         return {"results": results}, []
 
+    def _free_region(self, offset: int, token: int, length: int) -> Optional[errors.KvError]:
+        table, err = self._step(FreeRegion(self.segment, offset, token, length))
+        if err is not None:
+            return err
+        self.table = table
+        self.memory.set_word(offset, 0)
+        self.counters["freed"] += 1
+        return None
+
     def _op_free(self, body, payloads):
+        """``FreeRegion`` (publish); the index entry of that allocation goes with it (``StampedFree``)."""
         results = []
         for offset, token, length in body["regions"]:
-            table, err = self._step(FreeRegion(self.segment, offset, token, length))
+            region = self.table.regions.get(offset)
+            fence = None
+            if region is not None and region.token == token:
+                fence, _, _ = self._fstep(fm.StampedFree(self.segment, region.key, body["term"], token))
+            err = self._free_region(offset, token, length)
+            if err is None and fence is not None:
+                self.fence = fence
+            results.append(wire.ok_item() if err is None else wire.error_item(err))
+        return {"results": results}, []
+
+    def _op_publish(self, body, payloads):
+        """``StampedPublish``: the master published the object; its region must
+        hold that allocation, completely written."""
+        results = []
+        for offset, key, token in body["regions"]:
+            region = self.table.regions.get(offset)
+            if region is None or region.token != token or region.key != key or not region.done:
+                self.counters["refused"] += 1
+                results.append(wire.error_item(errors.StaleToken(
+                    f"region {offset} does not hold a written {key!r} with token {token}")))
+                continue
+            fence, _, err = self._fstep(fm.StampedPublish(self.segment, key, body["term"]))
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
-            self.table = table
-            self.memory.set_word(offset, 0)
-            self.counters["freed"] += 1
+            self.fence = fence
+            self.counters["published"] += 1
             results.append(wire.ok_item())
         return {"results": results}, []
+
+    def _op_fence(self, body, payloads):
+        """``Fence`` then ``IndexRequest``: learn the new term, answer the index
+        as one payload frame of ``[key, offset, length, token, term, published, by]``."""
+        if not self.fence_to(body["term"]):
+            raise errors.StaleTerm(f"term {body['term']} is below {self.fence.term}")
+        _, effects, err = self._fstep(fm.IndexRequest(body["term"]))
+        if err is not None:
+            raise err
+        index = effects[0].index
+        rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
+        return {"term": self.fence.term, "objects": len(rows)}, [wire.pack(rows)]
+
+    def _op_purge(self, body, payloads):
+        """``PurgeUnpublished``: drop unpublished allocations of older terms and
+        free their regions."""
+        before = self.fence.index
+        fence, effects, err = self._fstep(fm.PurgeUnpublished(self.segment, body["below"]))
+        if err is not None:
+            raise err
+        purged = effects[0]
+        self.fence = fence
+        for key in purged.keys:
+            e = before[key]
+            self._free_region(e.offset, e.token, e.length)
+        self.counters["purged"] += len(purged.keys)
+        self.counters["bytes_purged"] += purged.freed
+        return {"purged": len(purged.keys), "freed": purged.freed}, []
 
     def _op_write(self, body, payloads):
         offset, token = body["offset"], body["token"]
@@ -260,7 +366,9 @@ class StorageCore:
         return {}, [self.memory.view(offset, region.length)]
 
     def stats(self) -> dict:
-        return {"segment": self.segment, "capacity": self.memory.capacity,
+        index = self.fence.index
+        return {"segment": self.segment, "capacity": self.memory.capacity, "term": self.fence.term,
+                "indexed": len(index), "published": sum(1 for e in index.values() if e.published),
                 "regions": len(self.table.regions),
                 "used": sum(r.length for r in self.table.regions.values()),
                 "counters": dict(self.counters)}
@@ -298,7 +406,17 @@ class StorageServer:
         capacity = parse_size(size) // page_size * page_size
         if capacity <= 0:
             raise ValueError(f"segment size {size!r} is smaller than a page ({page_size} bytes)")
-        self.master = master
+        #: where the master is: a fixed ``tcp://``/``ipc://`` address, or a
+        #: coordinator URL (``file://``, ``etcd://``) through which the node
+        #: registers itself and follows the current master
+        self.coordinator = None
+        if coordinator_url(master):
+            from kvproto.runtime.coordinator import connect
+            self.coordinator = connect(master)
+            self.master = None
+        else:
+            self.master = master
+        self._next_coord = 0.0
         self.max_header_bytes = max_header_bytes
         self.register_timeout = register_timeout
         self.memory = SegmentMemory(capacity, page_size)
@@ -347,6 +465,9 @@ class StorageServer:
         if self.dealer is not None:
             self.poller.unregister(self.dealer)
             self.dealer.close(linger=0)
+            self.dealer = None
+        if self.master is None:
+            return
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.linger = 0
         self.dealer.connect(self.master)
@@ -355,23 +476,53 @@ class StorageServer:
     def _to_master(self, op: str, body: dict) -> int:
         rid = self._next_rid
         self._next_rid += 1
+        if self.dealer is None:
+            return rid  # no master known yet: the timers retry
         try:
             self.dealer.send(wire.encode_request(op, rid, body), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass  # queue full (master away): the timers retry
         return rid
 
-    def _register(self) -> None:
+    def registration(self) -> dict:
+        """What a master needs to know of this node's segment."""
         mem = self.memory
+        return {"segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
+                "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
+                "page_size": mem.page_size}
+
+    def _register(self) -> None:
         self.registered.clear()
-        self._register_rid = self._to_master("register", {
-            "segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
-            "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
-            "page_size": mem.page_size})
+        self._register_rid = self._to_master("register", self.registration())
         self._register_sent = time.monotonic()
+
+    def _follow(self) -> None:
+        """With a coordinator: keep this node's membership fresh, and connect
+        (keeping the segment) to a new master once the coordinator names one."""
+        now = time.monotonic()
+        if self.coordinator is None or now < self._next_coord:
+            return
+        self._next_coord = now + self.coordinator.ttl / 4
+        try:
+            self.coordinator.register_node(self.segment, self.endpoint)
+            leader = self.coordinator.leader()
+        except errors.KvError as err:
+            log.warning("coordinator: %s", err)
+            return
+        if leader is not None and leader[1] != self.master:
+            log.info("segment %s: master is now %s (term %d)", self.segment, leader[1], leader[0])
+            self.master = leader[1]
+            self._connect_master()
+            self._register()
 
     def _start_over(self, why: str) -> None:
         old = self.segment
+        if self.coordinator is not None:
+            try:
+                self.coordinator.drop_node(old)
+            except errors.KvError:
+                pass
+            self._next_coord = 0.0
         self.core.restart(new_segment_id())
         log.warning("segment %s: %s; starting over as %s", old, why, self.segment)
         self.registered.clear()
@@ -387,7 +538,13 @@ class StorageServer:
             return
         if reply.request_id == self._register_rid:
             self._register_rid = None
-            if reply.status == 0:
+            term = reply.body.get("term", 0) if reply.status == 0 else 0
+            if reply.status == errors.MasterNotOpen.code or (
+                    reply.status == 0 and not (type(term) is int and self.core.fence_to(term))):
+                # a master still recovering, or one whose term is stale: try later
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, 1.0)
+            elif reply.status == 0:
                 hb = reply.body.get("heartbeat")
                 self.heartbeat = float(hb) if isinstance(hb, (int, float)) and hb > 0 else 1.0
                 self._next_heartbeat = time.monotonic() + self.heartbeat
@@ -400,6 +557,7 @@ class StorageServer:
             self._start_over("the master does not know the segment")
 
     def _timers(self) -> None:
+        self._follow()
         now = time.monotonic()
         if self.registered.is_set():
             if now >= self._next_heartbeat:
@@ -409,9 +567,15 @@ class StorageServer:
             if now >= self._retry_at:
                 self._register()
         elif now - self._register_sent > self.register_timeout:
-            # no answer: the master may be down or restarted; try again afresh
             self._connect_master()
-            self._start_over("register unanswered")
+            if self.coordinator is not None:
+                # the named master may be dead: keep the segment (a new master
+                # fences and recovers it) and ask again
+                self._register_rid = None
+                self._next_coord = 0.0
+            else:
+                # no answer: the master may be down or restarted; try again afresh
+                self._start_over("register unanswered")
 
     # ------------------------------------------------------------------ loop
 
@@ -494,6 +658,8 @@ class StorageServer:
             if result is None:
                 return  # a cancelled load: its bytes are never sent
             body, out = result
+            if req.op == "fence":
+                body = {**body, **self.registration()}
             header = wire.encode_reply(rid, 0, body)
         except errors.KvError as err:
             header = wire.encode_error(rid, err)

@@ -438,6 +438,7 @@ class TransferEngine:
             heapq.heappush(self._timers, (deadline, gen, _LOAD))
             self._queue(endpoint, [wire.encode_request("load", gen << 1 | _LOAD, {
                 "segment": seg, "offset": offset, "token": token, "length": length,
+                "term": reply.body.get("term", 0),
                 "owner": self.owner, "xfer": gen, "buffer": buf.name})])
         self._wake()
         return Transfer(self, x)

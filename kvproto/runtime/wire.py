@@ -177,21 +177,34 @@ MASTER_OPS: dict[str, OpSchema] = {
 OWNER = text(256, 1)
 XFER = uint(_UINT63, 1)
 
+#: a master's term (``spec/Failover.tla``): every control command and every data
+#: request is stamped with one; a storage node refuses one below the highest it has seen
+TERM = uint()
+
 STORAGE_OPS: dict[str, OpSchema] = {
-    # master -> storage node (control)
-    "assign": OpSchema({"segment": SEGMENT, "regions": list_of(
+    # master -> storage node (control), each stamped with the master's term
+    "assign": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
         tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1)}),
-    "free": OpSchema({"segment": SEGMENT, "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
-    # client -> storage node (data). A write naming ``owner`` and ``xfer`` is a
-    # tracked transfer that a ``cancel`` can stop (both or neither).
-    "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN}, payloads=1,
-                      optional={"owner": OWNER, "xfer": XFER}),
-    "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN,
+    "free": OpSchema({"segment": SEGMENT, "term": TERM,
+                      "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
+    # mark written regions published (after the master's PutEnd): [offset, key, token]
+    "publish": OpSchema({"segment": SEGMENT, "term": TERM,
+                         "regions": list_of(tuple_of(uint(), KEY, TOKEN), min_items=1)}),
+    # failover: learn a new master's term and answer the node's index (Fence);
+    # drop unpublished allocations of terms below ``below`` (Recover's purge)
+    "fence": OpSchema({"segment": SEGMENT, "term": TERM}),
+    "purge": OpSchema({"segment": SEGMENT, "term": TERM, "below": TERM}),
+    # client -> storage node (data), stamped with the term of the master that
+    # granted the region or handed out the descriptor. A write naming ``owner``
+    # and ``xfer`` is a tracked transfer that a ``cancel`` can stop (both or neither).
+    "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM},
+                      payloads=1, optional={"owner": OWNER, "xfer": XFER}),
+    "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM,
                       "length": uint(min_value=1)}),
     # a tracked read into the client's destination ``buffer``: answered with the
     # bytes and ``{"xfer": gen, "buffer": buffer}`` (the completion), or not at
     # all once cancelled
-    "load": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN,
+    "load": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM,
                       "length": uint(min_value=1), "owner": OWNER, "xfer": XFER,
                       "buffer": text(256, 1)}),
     # stop transfer ``xfer`` of ``owner`` if it still runs, then acknowledge

@@ -224,7 +224,7 @@ def test_cores_keep_allocator_ledger_and_tables_in_step(seed):
                     if node is None:
                         continue
                     try:
-                        node.handle("write", {"segment": seg, "offset": off, "token": a["token"]},
+                        node.handle("write", {"segment": seg, "offset": off, "token": a["token"], "term": 1},
                                     [memoryview(bytes([step % 251]) * length)])
                     except errors.RegionMismatch:
                         pass    # reclaimed or revoked meanwhile
@@ -257,7 +257,7 @@ def test_cores_keep_allocator_ledger_and_tables_in_step(seed):
                     pins.append((client, key, grant["token"]))
                     for seg, off, length in grant["replicas"]:
                         out, payloads = h.nodes[seg].handle(
-                            "read", {"segment": seg, "offset": off, "token": grant["token"],
+                            "read", {"segment": seg, "offset": off, "token": grant["token"], "term": 1,
                                      "length": length}, [])
                         assert len(payloads[0]) == length
             elif r < 0.84 and pins:
@@ -283,7 +283,7 @@ def test_assign_refused_by_storage_revokes_the_put():
         h.add_segment()
         node = h.nodes["seg1"]
         # the node already holds a region the master thinks is free
-        node.handle("assign", {"segment": "seg1", "regions": [[0, 10, b"ghost", 99]]}, [])
+        node.handle("assign", {"segment": "seg1", "term": 1, "regions": [[0, 10, b"ghost", 99]]}, [])
         status, body = h.call("put_start", {"client": "c", "replicas": 1, "items": [[b"k", 10]]})
         err, _ = wire.item_result(body["items"][0])
         assert isinstance(err, errors.RegionMismatch)

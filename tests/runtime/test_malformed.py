@@ -25,7 +25,7 @@ def cluster():
 
 def master_state(client) -> dict:
     s = client.stats()
-    counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused")}
+    counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused", "stale_terms")}
     return {"counters": counters, "segments": s["segments"], "objects": s["objects"],
             "pending": s["pending"], "clients": s["clients"], "next_token": s["next_token"]}
 
@@ -84,8 +84,8 @@ def test_master_rejects_bad_frames_and_keeps_serving(cluster, raw):
 
 def storage_state(node) -> dict:
     s = node.core.stats()
-    counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused")}
-    return {**s, "counters": counters, "table": node.core.table,
+    counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused", "stale_terms")}
+    return {**s, "counters": counters, "table": node.core.table, "fence": node.core.fence,
             "memory": bytes(node.memory.data)}
 
 
@@ -96,7 +96,7 @@ def test_storage_rejects_bad_frames_and_keeps_serving(cluster, raw):
     seg = node.segment
     before = storage_state(node)
     cap = node.memory.capacity
-    w = {"segment": seg, "offset": 0, "token": 1}
+    w = {"segment": seg, "offset": 0, "token": 1, "term": 1}
     cases = [
         ("garbage", [b"\x00\x01\x02"], errors.MalformedFrame),
         ("truncated", [hdr(V, "read", 1, {**w, "length": 5})[:-1]], errors.MalformedFrame),
@@ -113,6 +113,9 @@ def test_storage_rejects_bad_frames_and_keeps_serving(cluster, raw):
          errors.MalformedFrame),
         ("other-segment", [hdr(V, "write", 1, {**w, "segment": "nope"}), b"x"], errors.SegmentUnavailable),
         ("read-unassigned", [hdr(V, "read", 1, {**w, "offset": cap - 4096, "length": 1})], errors.RegionMismatch),
+        ("stale-term", [hdr(V, "write", 1, {**w, "term": 0}), b"x"], errors.StaleTerm),
+        ("stale-term-assign", [hdr(V, "assign", 1, {"segment": seg, "term": 0, "regions": [[0, 1, b"k", 1]]})],
+         errors.StaleTerm),
     ]
     r = raw(node.endpoint)
     for name, frames, error in cases:

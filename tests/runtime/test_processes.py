@@ -72,7 +72,7 @@ WRITER = """
         code, grant = rep.body["items"][0]
         assert code == 0, grant
         grants = {{0: (b"victim", memoryview(data), grant["token"], grant["replicas"])}}
-        assert not c._write_all(grants, rep.body["segments"], deadline)
+        assert not c._write_all(grants, rep.body["segments"], deadline, rep.body["term"])
         print(grant["token"], flush=True)      # every replica written; put_end never comes
         time.sleep(120)
 """

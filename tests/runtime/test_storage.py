@@ -34,13 +34,13 @@ def test_wrong_token_write_is_refused_and_never_written(cluster, raw):
     r = raw(node.endpoint)
     written = node.core.counters["writes"]
 
-    reply = r.call("write", {"segment": seg, "offset": offset, "token": g["token"] + 1000},
+    reply = r.call("write", {"segment": seg, "term": 1, "offset": offset, "token": g["token"] + 1000},
                    [b"X" * length])
     assert isinstance(reply.error(), errors.RegionMismatch)
     # an offset no region starts at, inside the object and past it
     far = node.memory.capacity - 8192
     for off in (offset + 4096, far):
-        reply = r.call("write", {"segment": seg, "offset": off, "token": g["token"]}, [b"X" * 10])
+        reply = r.call("write", {"segment": seg, "term": 1, "offset": off, "token": g["token"]}, [b"X" * 10])
         assert isinstance(reply.error(), errors.RegionMismatch)
     assert bytes(node.memory.view(offset, length)) == original
     assert bytes(node.memory.view(far, 10)) == b"\x00" * 10
@@ -48,14 +48,14 @@ def test_wrong_token_write_is_refused_and_never_written(cluster, raw):
     assert bytes(client.get(b"victim")) == original
 
     # a wrong-token read is refused too
-    reply = r.call("read", {"segment": seg, "offset": offset, "token": g["token"] + 1, "length": length})
+    reply = r.call("read", {"segment": seg, "term": 1, "offset": offset, "token": g["token"] + 1, "length": length})
     assert isinstance(reply.error(), errors.RegionMismatch)
 
     # after remove (and once the master's free reached the node: remove does not
     # wait for it), the old token owns nothing: a late write is refused
     client.remove(b"victim")
     wait_for(lambda: node.memory.word(offset) == 0, what="free applied")
-    reply = r.call("write", {"segment": seg, "offset": offset, "token": g["token"]}, [b"L" * length])
+    reply = r.call("write", {"segment": seg, "term": 1, "offset": offset, "token": g["token"]}, [b"L" * length])
     assert isinstance(reply.error(), errors.RegionMismatch)
     assert bytes(node.memory.view(offset, length)) == original
 
@@ -67,12 +67,12 @@ def test_write_of_wrong_length_is_refused(cluster, raw):
     assert code == 0
     seg, offset, length = grant["replicas"][0]
     r = raw(cluster.storage[0].endpoint)
-    reply = r.call("write", {"segment": seg, "offset": offset, "token": grant["token"]}, [b"x" * 99])
+    reply = r.call("write", {"segment": seg, "term": 1, "offset": offset, "token": grant["token"]}, [b"x" * 99])
     assert isinstance(reply.error(), errors.InvalidArgument)
     # the region is still unwritten: reading it is refused
-    reply = r.call("read", {"segment": seg, "offset": offset, "token": grant["token"], "length": 100})
+    reply = r.call("read", {"segment": seg, "term": 1, "offset": offset, "token": grant["token"], "length": 100})
     assert isinstance(reply.error(), errors.RegionMismatch)
-    assert r.call("write", {"segment": seg, "offset": offset, "token": grant["token"]},
+    assert r.call("write", {"segment": seg, "term": 1, "offset": offset, "token": grant["token"]},
                   [b"y" * 100]).status == 0
     assert m.call("put_end", {"client": "w", "items": [[b"short", grant["token"]]]}).body["items"][0][0] == 0
     assert bytes(cluster.client().get(b"short")) == b"y" * 100

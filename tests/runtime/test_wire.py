@@ -27,7 +27,7 @@ def test_good_request():
 
 
 def test_good_write_with_payload():
-    r = decode(req(V, "write", 1, {"segment": "s", "offset": 0, "token": 3}, payloads=[b"abc"]),
+    r = decode(req(V, "write", 1, {"segment": "s", "offset": 0, "token": 3, "term": 1}, payloads=[b"abc"]),
                ops=wire.STORAGE_OPS, max_payload=10)
     assert bytes(r.payloads[0]) == b"abc"
 
@@ -69,7 +69,7 @@ def test_rejected(frames, error, rid):
 
 
 def test_payload_count_and_size_at_storage():
-    body = {"segment": "s", "offset": 0, "token": 3}
+    body = {"segment": "s", "offset": 0, "token": 3, "term": 1}
     with pytest.raises(errors.MalformedFrame):
         decode(req(V, "write", 1, body), ops=wire.STORAGE_OPS, max_payload=10)
     with pytest.raises(errors.MalformedFrame):

@@ -1,0 +1,251 @@
+"""Master failover with real processes (spec/Failover.tla, docs/protocols/failover.md).
+
+Masters, storage nodes and the coordinator's clients run as separate
+processes on loopback; the coordinator is the embedded one (a directory) or a
+real etcd started by the ``etcd`` fixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+
+import kvproto
+from kvproto import errors
+from kvproto.runtime import wire
+from kvproto.runtime.coordinator import connect
+from kvproto.runtime.master import MasterCore
+from kvproto.runtime.shm import SegmentMemory
+from kvproto.runtime.storage import StorageCore
+
+from runtime_helpers import wait_for
+
+pytestmark = pytest.mark.runtime
+
+TTL = 1.0
+SEGMENT = 8 << 20
+
+
+def value(key: bytes, size: int = 3000) -> bytes:
+    """The only bytes ever stored under ``key``: a reader can tell wrong bytes."""
+    seed = hashlib.sha256(key).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+@pytest.fixture(params=["file", "etcd"])
+def coordinator_url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path}/coordinator"
+    return request.getfixturevalue("etcd")
+
+
+def start_master(spawn, url: str):
+    m = spawn(f"""
+        import logging; logging.basicConfig(level=logging.INFO)
+        from kvproto.runtime.coordinator import connect
+        from kvproto.runtime.embedded import run_master
+        run_master("tcp://127.0.0.1:*", writer_timeout=1.5, storage_timeout=3.0, fence_timeout=1.5,
+                   coordinator=connect({url!r}, ttl={TTL}), log_level="INFO")
+    """)
+    line = m.readline()
+    assert line.startswith("kvproto master listening on tcp://127.0.0.1:"), line
+    return m, line.rsplit(" ", 1)[1]
+
+
+def start_storage(spawn, url: str):
+    s = spawn(f"""
+        from kvproto.runtime.embedded import run_storage
+        run_storage({url!r}, "{SEGMENT}")
+    """)
+    line = s.readline()
+    assert line.startswith("kvproto storage listening on tcp://127.0.0.1:"), line
+    return s, line.rsplit(" ", 1)[1]
+
+
+def open_at(url: str, address: str, raw) -> dict:
+    """The master at ``address`` leads and is open: its failover stats."""
+    leader = connect(url, ttl=TTL).leader()
+    if leader is None or leader[1] != address:
+        return {}
+    failover = raw(address).call("stats", {}).body["failover"]
+    return {**failover["last"], "term": failover["term"]} if failover["phase"] == "open" else {}
+
+
+def cluster(children, url: str, raw, nodes: int = 2):
+    a, a_addr = start_master(children, url)
+    wait_for(lambda: open_at(url, a_addr, raw), what="the first master open")
+    b, b_addr = start_master(children, url)
+    storage = [start_storage(children, url) for _ in range(nodes)]
+    client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
+    wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == nodes,
+             what="storage nodes registered")
+    return (a, a_addr), (b, b_addr), storage, client
+
+
+def node_stats(raw, endpoint: str) -> dict:
+    return raw(endpoint).call("stats", {}).body
+
+
+def test_kill_9_of_the_active_master_with_writers_and_readers(children, raw, coordinator_url):
+    url = coordinator_url
+    (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw)
+    keys = [f"obj-{i}".encode() for i in range(40)]
+    for i, k in enumerate(keys):
+        client.put(k, value(k), replicas=1 + i % 2)
+    # three allocations written but never published (their writer stalls)
+    pending = [b"pending-0", b"pending-1", b"pending-2"]
+    rep = client._call_master("put_start", {"client": "stalled", "replicas": 1,
+                                            "items": [[k, 3000] for k in pending]},
+                              time.monotonic() + 5)
+    grants = {i: (k, memoryview(value(k)), item[1]["token"], item[1]["replicas"])
+              for i, (k, item) in enumerate(zip(pending, rep.body["items"]))}
+    assert not client._write_all(grants, rep.body["segments"], time.monotonic() + 5, rep.body["term"])
+    old_term = rep.body["term"]
+
+    wrong, done, stop = [], [], threading.Event()
+
+    def traffic(n: int) -> None:
+        c = kvproto.Client(url, timeout=2.0, lookup_timeout=0.5)
+        i = 0
+        try:
+            while not stop.is_set():
+                i += 1
+                k = f"live-{n}-{i}".encode()
+                try:
+                    c.put(k, value(k))
+                    done.append(k)
+                except errors.KvError:
+                    pass
+                probe = keys + done[-5:]
+                for key, got in zip(probe, c.get_many(probe)):
+                    if got is not None and bytes(got) != value(key):
+                        wrong.append(key)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=traffic, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    a.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    last = wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
+    opened = time.monotonic() - killed
+    time.sleep(1.0)                           # traffic against the new master
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not wrong, f"wrong bytes read for {wrong[:5]}"
+    assert last["term"] > old_term and last["nodes_lost"] == 0
+    assert opened < 15
+    # every object published before the kill is served by the new master
+    reader = kvproto.Client(url, timeout=5.0)
+    assert [bytes(v) for v in reader.get_many(keys)] == [value(k) for k in keys]
+    for k in done:   # acknowledged puts survive the failover
+        got = reader.get_many([k])[0]
+        assert got is not None and bytes(got) == value(k), k
+    # the unpublished allocations were purged from the storage nodes
+    assert reader.get_many(pending) == [None] * 3
+    stats = [node_stats(raw, ep) for _, ep in storage]
+    assert sum(s["counters"]["purged"] for s in stats) >= 3
+    assert all(s["indexed"] == s["published"] for s in stats)
+    assert all(s["term"] == last["term"] for s in stats)
+    reader.put(b"after", value(b"after"))
+    assert bytes(reader.get(b"after")) == value(b"after")
+    reader.close()
+    client.close()
+
+
+def test_paused_master_is_fenced_and_steps_down(children, raw, tmp_path):
+    url = f"file://{tmp_path}/coordinator"
+    (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw)
+    client.put(b"before", value(b"before"))
+    old = raw(a_addr).call("stats", {}).body["failover"]["term"]
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        new = wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    assert new["term"] > old
+    # the woken master serves nothing: it stepped down before answering
+    reply = raw(a_addr).call("put_start", {"client": "c", "replicas": 1, "items": [[b"x", 10]]})
+    assert reply.status == errors.MasterNotOpen.code
+    assert raw(a_addr).call("stats", {}).body["failover"]["phase"] == "standby"
+    # and every storage node refuses anything stamped with the old term
+    for _, endpoint in storage:
+        seg = node_stats(raw, endpoint)["segment"]
+        r = raw(endpoint).call("assign", {"segment": seg, "term": old, "regions": [[0, 10, b"x", 1]]})
+        assert r.status == errors.StaleTerm.code
+        r = raw(endpoint).call("read", {"segment": seg, "term": old, "offset": 0, "token": 1, "length": 1})
+        assert r.status == errors.StaleTerm.code
+    assert bytes(client.get(b"before")) == value(b"before")
+
+
+def test_storage_node_lost_during_the_switch(children, raw, tmp_path):
+    url = f"file://{tmp_path}/coordinator"
+    (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw)
+    keys = [f"k{i}".encode() for i in range(30)]
+    for k in keys:
+        client.put(k, value(k))
+    where = {}
+    for lease in client.read_begin(keys):
+        where[lease.key] = lease.replicas[0][0]
+    client.release([lease for lease in client.read_begin(keys)])
+    victim, victim_ep = storage[0]
+    victim_seg = node_stats(raw, victim_ep)["segment"]
+    victim.stop(signal.SIGKILL)
+    a.stop(signal.SIGKILL)
+    last = wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
+    assert last["nodes_lost"] == 1
+    got = client.get_many(keys)
+    for k, v in zip(keys, got):
+        if where[k] == victim_seg:
+            assert v is None, k          # its bytes are gone: a miss
+        else:
+            assert v is not None and bytes(v) == value(k), k
+    assert any(where[k] == victim_seg for k in keys) and any(where[k] != victim_seg for k in keys)
+    client.put(b"after", value(b"after"))
+
+
+# --------------------------------------------------------------------------
+# The fence without processes: cores stepped directly
+# --------------------------------------------------------------------------
+
+
+def test_a_fenced_node_refuses_the_old_master_which_steps_down():
+    memory = SegmentMemory(1 << 20, 4096)
+    try:
+        node = StorageCore(memory, "seg")
+        old = MasterCore()                     # term 1, open
+        status, body = old.handle("register", {
+            "segment": "seg", "capacity": memory.capacity, "endpoint": "tcp://127.0.0.1:1",
+            "host": "h", "shm": memory.name, "gen_shm": memory.gen_name, "nonce": memory.nonce,
+            "page_size": 4096})
+        assert status == 0 and node.fence_to(body["term"])
+        # a new master fences the node at term 2 and reads its (empty) index
+        body, frames = node.handle("fence", {"segment": "seg", "term": 2}, [])
+        assert body["term"] == 2 and msgpack.unpackb(frames[0]) == []
+        # the old master's assign is refused for its term ...
+        assert old.handle("put_start", {"client": "c", "replicas": 1, "items": [[b"k", 10]]}) is None
+        (seg, op, cmd_id, command), = old.outbox
+        assert (op, command["term"]) == ("assign", 1)
+        with pytest.raises(errors.StaleTerm) as refused:
+            node.handle(op, command, [])
+        # ... and the old master steps down on that refusal (HigherTermSeen)
+        old.storage_reply(seg, wire.Reply(refused.value.code, cmd_id, {"message": str(refused.value)}, []))
+        assert old.failover.phase.value == "standby"
+        with pytest.raises(errors.MasterNotOpen):
+            old.handle("put_start", {"client": "c", "replicas": 1, "items": [[b"k2", 10]]})
+        # its clients' reads and writes are refused too
+        for op, extra, payloads in (("read", {"length": 1}, []), ("write", {}, [memoryview(b"x")])):
+            with pytest.raises(errors.StaleTerm):
+                node.handle(op, {"segment": "seg", "term": 1, "offset": 0, "token": 1, **extra}, payloads)
+        assert node.counters["stale_terms"] == 3
+        assert len(node.table.regions) == 0 and len(node.fence.index) == 0
+    finally:
+        memory.close()
