@@ -348,7 +348,7 @@ def _failover_trials(url: str, trials: int, ttl: float) -> list[dict]:
 
     def master() -> tuple[subprocess.Popen, str]:
         p = _spawn(["-m", "kvproto", "master", "--listen", "tcp://127.0.0.1:*", "--coordinator", url,
-                    "--standby", "--ttl", str(ttl), "--fence-timeout", "1"])
+                    "--standby", "--ttl", str(ttl), "--fence-timeout", "1", "--log-level", "WARNING"])
         return p, p.stdout.readline().split()[-1]
 
     coord = connect(url, ttl=ttl)

@@ -212,7 +212,10 @@ def _master_arguments(parser: argparse.ArgumentParser) -> None:
                              "active, and take over when it fails")
     parser.add_argument("--ttl", type=float, default=2.0,
                         help="leadership lease in seconds (with --coordinator)")
-    parser.add_argument("--fence-timeout", type=float, default=2.0,
+    parser.add_argument("--log-level", default=None,
+                        help="logging level (default: INFO with --coordinator, which logs "
+                             "elections, fences and recoveries; WARNING otherwise)")
+    parser.add_argument("--fence-timeout", type=float, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
 
@@ -233,7 +236,7 @@ def master(args: argparse.Namespace) -> int:
         return 2
     run_master(args.listen, writer_timeout=args.writer_timeout, storage_timeout=args.storage_timeout,
                coordinator=coordinator, advertise=args.advertise, fence_timeout=args.fence_timeout,
-               log_level="INFO" if coordinator is not None else "WARNING")
+               log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"))
     return 0
 
 

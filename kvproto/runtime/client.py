@@ -183,8 +183,9 @@ class Client:
     #: keys per master request; larger batches are sent in chunks so that one
     #: request never holds the master's loop for long
     BATCH = 4096
-    #: with a coordinator, how often (seconds) the client asks it who the master is
-    LEADER_RECHECK = 1.0
+    #: with a coordinator, how often (seconds) the client asks it who the master
+    #: is, also while it waits for a silent master
+    LEADER_RECHECK = 0.5
 
     def __init__(self, master: str, *, timeout: float = 30.0, local_reads: bool = True,
                  context: Optional[zmq.Context] = None, leases: bool = True,
@@ -337,11 +338,13 @@ class Client:
 
     def _call_master(self, op: str, body: dict, deadline: float) -> wire.Reply:
         """One request to the master. With a coordinator, a master that is not
-        open or does not answer makes the client look the master up again, and
-        the request is sent once more if the coordinator names another one."""
+        open, or is silent for ``LEADER_RECHECK``, makes the client ask the
+        coordinator again, and the request goes to the master it names if that
+        changed (a few times at most, within ``deadline``)."""
         if self._coordinator is not None and time.monotonic() - self._leader_checked > self.LEADER_RECHECK:
             self._find_master()
-        for attempt in (0, 1):
+        switches = 0
+        while True:
             if not self.master:
                 self._find_master()
                 if not self.master:
@@ -349,13 +352,23 @@ class Client:
             asked = self.master
             sock = self._master()
             rid = self._send(sock, op, body)
-            reply = self._gather({rid: sock}, deadline).get(rid)
+            while True:
+                wait_until = deadline if self._coordinator is None else \
+                    min(deadline, time.monotonic() + self.LEADER_RECHECK)
+                reply = self._gather({rid: sock}, wait_until).get(rid)
+                if reply is not None or time.monotonic() >= deadline:
+                    break
+                self._find_master()
+                if self.master != asked:
+                    break
             if reply is not None and reply.status != errors.MasterNotOpen.code:
                 return reply.raise_for_status()
             if reply is None:
                 self._reset_master()
             self._find_master()
-            if attempt or self.master == asked or not self.master or time.monotonic() >= deadline:
+            switches += 1
+            if self.master == asked or not self.master or switches > 3 \
+                    or time.monotonic() >= deadline:
                 break
         if reply is None:
             raise errors.RequestTimeout(f"master {asked} did not answer {op} in time")

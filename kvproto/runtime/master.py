@@ -34,6 +34,7 @@ Payload bytes never reach the master: its ROUTER accepts no payload frames.
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -130,8 +131,8 @@ class FenceRound:
         self.indexes: dict[str, immutables.Map] = {}  # segment -> key -> IndexEntry
         self.failed: set[str] = set()
 
-    def settled(self, now: float) -> bool:
-        return now >= self.deadline or len(self.infos) + len(self.failed) >= len(self.nodes)
+    def answered(self) -> bool:
+        return len(self.infos) + len(self.failed) >= len(self.nodes)
 
 
 class Command:
@@ -165,12 +166,15 @@ class MasterCore:
     #: bounds on one ``assign``/``free`` command, so it always fits a storage
     #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
     COMMAND_MAX_REGIONS = 1024
+    #: recovered objects from which the objects alive after recovery are
+    #: moved out of the cyclic collector's reach (``gc.freeze``)
+    FREEZE_AFTER_RECOVERING = 100_000
     COMMAND_MAX_BYTES = 256 << 10
 
     def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
-                 fence_timeout: float = 2.0, term: Optional[int] = 1) -> None:
+                 fence_timeout: float = 5.0, term: Optional[int] = 1) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if lease_ttl <= 0:
@@ -785,9 +789,11 @@ class MasterCore:
                                                "gen_shm", "nonce", "page_size")}
             if info["segment"] != segment or len(reply.payloads) != 1:
                 raise errors.MalformedFrame("fence reply for another segment or without its index")
-            rows = msgpack.unpackb(reply.payloads[0], raw=False)
-            index = immutables.Map({bytes(k): fm.IndexEntry(term, pub, by, off, length, 0, token)
-                                    for k, off, length, token, term, pub, by in rows})
+            with wire.collector_paused():
+                rows = msgpack.unpackb(reply.payloads[0], raw=False)
+                index = immutables.Map({bytes(k): fm.IndexEntry(term, pub, by, off, length, 0, token)
+                                        for k, off, length, token, term, pub, by in rows})
+                del rows
         except (errors.KvError, KeyError, ValueError, TypeError) as err:
             log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
             rnd.failed.add(segment)
@@ -795,7 +801,8 @@ class MasterCore:
             self.failover, _ = fm.master_step(self.failover, fm.FenceAcked(segment))
             rnd.infos[segment] = info
             rnd.indexes[segment] = index
-        self._maybe_recover()
+        if rnd.answered():
+            self._maybe_recover()
 
     def _maybe_recover(self) -> None:
         """Spec ``Recover`` then ``Open``, once the fence round settled: the
@@ -805,8 +812,18 @@ class MasterCore:
         any allocation of this term on the same connection)."""
         rnd = self._round
         now = self.clock()
-        if rnd is None or self.failover.phase is not fm.Phase.FENCING or not rnd.settled(now):
+        if rnd is None or self.failover.phase is not fm.Phase.FENCING:
             return
+        if not rnd.answered() and now < rnd.deadline:
+            return
+        with wire.collector_paused():
+            self._recover(rnd, now)
+        if len(self.directory.objects) >= self.FREEZE_AFTER_RECOVERING:
+            # a large recovered directory lives as long as this master: keep
+            # it out of every later collection
+            gc.freeze()
+
+    def _recover(self, rnd: FenceRound, now: float) -> None:
         fenced_at = now
         live = frozenset(rnd.infos)
         for segment in set(rnd.nodes) - live:
@@ -944,7 +961,7 @@ class MasterServer:
                  context: Optional[zmq.Context] = None, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
-                 fence_timeout: float = 2.0) -> None:
+                 fence_timeout: float = 5.0) -> None:
         #: with a coordinator this master campaigns, takes the term it wins,
         #: renews it, and steps down (a fresh standby core) when it cannot
         self.coordinator = coordinator

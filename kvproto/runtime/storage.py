@@ -311,8 +311,10 @@ class StorageCore:
         if err is not None:
             raise err
         index = effects[0].index
-        rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
-        return {"term": self.fence.term, "objects": len(rows)}, [wire.pack(rows)]
+        with wire.collector_paused():
+            rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
+            frame = wire.pack(rows)
+        return {"term": self.fence.term, "objects": len(rows)}, [frame]
 
     def _op_purge(self, body, payloads):
         """``PurgeUnpublished``: drop unpublished allocations of older terms and
