@@ -161,8 +161,8 @@ def test_kill_9_of_the_active_master_with_writers_and_readers(children, raw, coo
     client.close()
 
 
-def test_paused_master_is_fenced_and_steps_down(children, raw, tmp_path):
-    url = f"file://{tmp_path}/coordinator"
+def test_paused_master_is_fenced_and_steps_down(children, raw, coordinator_url):
+    url = coordinator_url
     (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw)
     client.put(b"before", value(b"before"))
     old = raw(a_addr).call("stats", {}).body["failover"]["term"]
