@@ -37,6 +37,8 @@ whose indexes hold one million published objects (the nodes' ``fence``
 answers, i.e. the index encoded as each node sends it, decoded, rebuilt and
 opened by the master), in objects per second.
 
+``--only failover,rebuild`` (any of :data:`SECTIONS`) runs some sections alone.
+
 Every figure is a median over repetitions and is printed with its ratio to the
 baseline measured in the same run.
 """
@@ -76,7 +78,13 @@ while True:
 """
 
 
+#: the benchmark's sections, in the order they run
+SECTIONS = ("payload", "metadata", "transfers", "leases", "rebuild", "failover", "memory")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
     parser.add_argument("--sizes", default="1,8,32", help="object sizes in MiB (default 1,8,32)")
     parser.add_argument("--repeat", type=int, default=15, help="transfers per size and path")
     parser.add_argument("--meta-keys", type=int, default=2048, help="4 KiB keys per metadata run")
@@ -459,40 +467,47 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        print(f"kvproto bench: unknown section(s) {sorted(only - set(SECTIONS))}; "
+              f"choose from {','.join(SECTIONS)}", file=sys.stderr)
+        return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"kvproto bench (medians of {args.repeat} transfers; loopback TCP; "
           f"master and storage node in separate processes)\n")
-    rows = payload_bench(sizes, args.repeat)
-    print(f"{'size':>7} {'put GB/s':>9} {'raw put':>8} {'ratio':>6}   {'get net':>8} {'raw get':>8} "
-          f"{'ratio':>6}   {'get shm':>8} {'memcpy':>7} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['size']:>7} {r['put']:9.2f} {r['raw_put']:8.2f} {r['put'] / r['raw_put']:6.2f}   "
-              f"{r['get_net']:8.2f} {r['raw_get']:8.2f} {r['get_net'] / r['raw_get']:6.2f}   "
-              f"{r['get_shm']:8.2f} {r['memcpy']:7.2f} {r['get_shm'] / r['memcpy']:6.2f}")
-    print()
-    meta = metadata_bench(args.meta_keys)
-    print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end)")
-    for r in meta:
-        print(f"  batch {r['batch']:>3}: put {r['put_keys_s']:10,.0f}   get {r['get_keys_s']:10,.0f}")
-    if args.xfer_count:
+    if "payload" in only:
+        rows = payload_bench(sizes, args.repeat)
+        print(f"{'size':>7} {'put GB/s':>9} {'raw put':>8} {'ratio':>6}   {'get net':>8} {'raw get':>8} "
+              f"{'ratio':>6}   {'get shm':>8} {'memcpy':>7} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['size']:>7} {r['put']:9.2f} {r['raw_put']:8.2f} {r['put'] / r['raw_put']:6.2f}   "
+                  f"{r['get_net']:8.2f} {r['raw_get']:8.2f} {r['get_net'] / r['raw_get']:6.2f}   "
+                  f"{r['get_shm']:8.2f} {r['memcpy']:7.2f} {r['get_shm'] / r['memcpy']:6.2f}")
+        print()
+    if "metadata" in only:
+        meta = metadata_bench(args.meta_keys)
+        print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end)")
+        for r in meta:
+            print(f"  batch {r['batch']:>3}: put {r['put_keys_s']:10,.0f}   get {r['get_keys_s']:10,.0f}")
+    if args.xfer_count and "transfers" in only:
         x = transfer_bench(args.xfer_count, args.xfer_repeat)
         print(f"\n64 KiB gets/s over loopback TCP (medians of {args.xfer_repeat} runs of "
               f"{args.xfer_count}): transfer engine {x['engine']:,.0f}   plain get {x['get']:,.0f}   "
               f"raw pyzmq {x['raw']:,.0f}")
         print(f"  engine / plain get {x['engine'] / x['get']:.2f}   engine / raw {x['engine'] / x['raw']:.2f}   "
               f"plain get / raw {x['get'] / x['raw']:.2f}")
-    if args.lease_keys:
+    if args.lease_keys and "leases" in only:
         print(f"\n4 KiB gets, keys/s, with and without a read lease (medians of {args.lease_repeat} "
               f"runs of {args.lease_keys} keys; same store, same run)")
         for r in lease_bench(args.lease_keys, args.lease_repeat):
             print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
                   f"leased / pinned {r['lease'] / r['pin']:.2f}")
-    if args.rebuild_objects:
+    if args.rebuild_objects and "rebuild" in only:
         r = rebuild_bench(args.rebuild_objects)
         print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes recovered in "
               f"{r['encode_s'] + r['rebuild_s']:.2f}s ({r['objects_s']:,.0f} objects/s; nodes encode "
               f"their index {r['encode_s']:.2f}s, master decodes, rebuilds and opens {r['rebuild_s']:.2f}s)")
-    if args.failover_trials:
+    if args.failover_trials and "failover" in only:
         print(f"\nkill -9 of the active master -> first successful put on the new one "
               f"({args.failover_trials} trials per coordinator, lease TTL 1 s, one storage node)")
         for name, runs in failover_bench(args.failover_trials).items():
@@ -500,7 +515,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {name:>8}: median {statistics.median(secs):.2f}s   worst {max(secs):.2f}s   "
                   f"(fence median {statistics.median(r['fence_s'] for r in runs) * 1000:.1f} ms, "
                   f"recover median {statistics.median(r['recover_s'] for r in runs) * 1000:.1f} ms)")
-    if args.memory_objects:
+    if args.memory_objects and "memory" in only:
         per = memory_per_object(args.memory_objects)
         print(f"\nmaster memory: {per:.0f} bytes per published object "
               f"({args.memory_objects:,} objects, 2 replicas, 24-byte keys)")
