@@ -265,6 +265,8 @@ class Client:
                 if seg is not None:
                     seg.close()
             self._local.clear()
+            if self._coordinator is not None:
+                self._coordinator.close()
 
     def __enter__(self) -> "Client":
         return self

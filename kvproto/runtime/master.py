@@ -962,8 +962,9 @@ class MasterServer:
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
                  fence_timeout: float = 5.0) -> None:
-        #: with a coordinator this master campaigns, takes the term it wins,
-        #: renews it, and steps down (a fresh standby core) when it cannot
+        #: with a coordinator (which the server then owns and closes) this
+        #: master campaigns, takes the term it wins, renews it, and steps down
+        #: (a fresh standby core) when it cannot
         self.coordinator = coordinator
         self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
@@ -1152,11 +1153,13 @@ class MasterServer:
         core.closed.clear()
 
     def close(self) -> None:
-        if self.coordinator is not None and self._term:
-            try:
-                self.coordinator.resign(self._term)
-            except errors.KvError:
-                pass
+        if self.coordinator is not None:
+            if self._term:
+                try:
+                    self.coordinator.resign(self._term)
+                except errors.KvError:
+                    pass
+            self.coordinator.close()
         for sock in list(self.dealers.values()):
             sock.close(linger=0)
         self.dealers.clear()

@@ -713,6 +713,13 @@ class StorageServer:
             pass  # peer gone or its queue full: the reply is dropped
 
     def close(self) -> None:
+        if self.coordinator is not None:
+            try:
+                self.coordinator.drop_node(self.segment)
+            except errors.KvError:
+                pass
+            self.coordinator.close()
+            self.coordinator = None
         if self.dealer is not None and not self.dealer.closed:
             self.dealer.close(linger=0)
         if not self.router.closed:
