@@ -786,9 +786,11 @@ class MasterCore:
             if reply.status != 0:
                 raise reply.error()
             info = {k: reply.body[k] for k in ("segment", "capacity", "endpoint", "host", "shm",
-                                               "gen_shm", "nonce", "page_size")}
-            if info["segment"] != segment or len(reply.payloads) != 1:
-                raise errors.MalformedFrame("fence reply for another segment or without its index")
+                                               "gen_shm", "nonce", "page_size", "next_token")}
+            if info["segment"] != segment or len(reply.payloads) != 1 \
+                    or type(info["next_token"]) is not int or info["next_token"] < 1:
+                raise errors.MalformedFrame("fence reply for another segment, without its index "
+                                            "or without a next token")
             with wire.collector_paused():
                 rows = msgpack.unpackb(reply.payloads[0], raw=False)
                 index = immutables.Map({bytes(k): fm.IndexEntry(term, pub, by, off, length, 0, token)
@@ -835,8 +837,11 @@ class MasterCore:
         if effects and isinstance(effects[0], fm.Refused):
             raise effects[0].error  # cannot happen: live is exactly the acked nodes
         self.failover = new
-        next_token = 1 + max((e.token for index in rnd.indexes.values() for e in index.values()),
-                             default=0)
+        # tokens continue above every token a fenced node's regions ever
+        # carried (freed ones included: a same-host reader may still hold one)
+        next_token = max([1 + max((e.token for e in index.values()), default=0)
+                          for index in rnd.indexes.values()]
+                         + [rnd.infos[s]["next_token"] for s in live] + [1])
         objects = [(key, e.token, e.length, tuple(Replica(n, off, e.length) for n, off in e.replicas))
                    for key, e in new.directory.items()]
         self.directory = restored({s: rnd.infos[s]["capacity"] for s in live}, objects, next_token)

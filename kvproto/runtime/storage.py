@@ -101,6 +101,10 @@ class StorageCore:
         #: the allocation's term, token, region, and whether (and in which term)
         #: it was published
         self.fence = fm.StorageNode()
+        #: the highest token any region of this segment carried: its
+        #: generation words name tokens, so a new master issues only higher
+        #: ones (a same-host reader holding a freed region's token must miss)
+        self.tokens_seen = 0
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         #: the Timeout protocol's transfer table (``node_step``), one per owner:
         #: an owner is one client transfer engine, whose generations are unique.
@@ -255,6 +259,7 @@ class StorageCore:
                 continue
             mem.set_word(offset, gen_word(token, False))
             self.table, self.fence = table, fence
+            self.tokens_seen = max(self.tokens_seen, token)
             self.counters["assigned"] += 1
             results.append(wire.ok_item())
         return {"results": results}, []
@@ -314,7 +319,8 @@ class StorageCore:
         with wire.collector_paused():
             rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
             frame = wire.pack(rows)
-        return {"term": self.fence.term, "objects": len(rows)}, [frame]
+        return {"term": self.fence.term, "objects": len(rows),
+                "next_token": self.tokens_seen + 1}, [frame]
 
     def _op_purge(self, body, payloads):
         """``PurgeUnpublished``: drop unpublished allocations of older terms and
