@@ -704,8 +704,13 @@ class MasterCore:
         if cmd is None or cmd.segment != segment:
             return
         if reply.status == errors.StaleTerm.code:
-            # a newer master fenced this node: step down (HigherTermSeen)
+            # a newer master fenced this node: step down (HigherTermSeen); a
+            # request waiting on this command is answered with the refusal
             self.counters["stale_term_refusals"] += 1
+            if cmd.parked is not None:
+                refused = wire.error_item(reply.error())
+                cmd.parked.items[:] = [refused if item[0] == 0 else item for item in cmd.parked.items]
+                self._settle(cmd)
             self.step_down(reply.error())
             return
         if cmd.op in ("fence", "purge"):

@@ -239,6 +239,9 @@ def test_a_fenced_node_refuses_the_old_master_which_steps_down():
         # ... and the old master steps down on that refusal (HigherTermSeen)
         old.storage_reply(seg, wire.Reply(refused.value.code, cmd_id, {"message": str(refused.value)}, []))
         assert old.failover.phase.value == "standby"
+        # the writer waiting on that assign is answered with the refusal
+        (_, _, status, body), = old.ready
+        assert status == 0 and body["items"][0][0] == errors.StaleTerm.code
         with pytest.raises(errors.MasterNotOpen):
             old.handle("put_start", {"client": "c", "replicas": 1, "items": [[b"k2", 10]]})
         # its clients' reads and writes are refused too
