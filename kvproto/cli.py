@@ -248,11 +248,14 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="tcp://127.0.0.1:*", help="data endpoint to bind")
     parser.add_argument("--advertise", default=None,
                         help="endpoint clients connect to (default: the bound one)")
+    parser.add_argument("--page-size", type=int, default=4096,
+                        help="allocation granularity in bytes (a power of two >= 512)")
 
 
 def storage(args: argparse.Namespace) -> int:
     from .runtime.embedded import run_storage
-    run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise)
+    run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
+                page_size=args.page_size)
     return 0
 
 

@@ -34,9 +34,9 @@ Payload bytes never reach the master: its ROUTER accepts no payload frames.
 
 from __future__ import annotations
 
-import gc
 import logging
 import re
+import threading
 import time
 
 import attrs
@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from kvproto import errors
-from kvproto.runtime import wire
+from kvproto.runtime import collector, wire
 from kvproto.runtime.allocator import Placer
 from kvproto.statemachines.publish import (
     AddSegment, AssignRegion, Directory, FreeRegion, MasterEvent, PutEnd, PutGranted,
@@ -57,6 +57,7 @@ from kvproto.statemachines.publish import (
 )
 from kvproto.runtime.allocator import SegmentAllocator
 from kvproto.statemachines import failover as fm
+from kvproto.statemachines.maps import map_of
 
 from kvproto.statemachines import lease as lm
 
@@ -166,9 +167,6 @@ class MasterCore:
     #: bounds on one ``assign``/``free`` command, so it always fits a storage
     #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
     COMMAND_MAX_REGIONS = 1024
-    #: recovered objects from which the objects alive after recovery are
-    #: moved out of the cyclic collector's reach (``gc.freeze``)
-    FREEZE_AFTER_RECOVERING = 100_000
     COMMAND_MAX_BYTES = 256 << 10
 
     def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
@@ -208,6 +206,8 @@ class MasterCore:
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
         self.failover = fm.Master()
         self.fence_timeout = float(fence_timeout)
+        #: keeps full collections short as the directory grows (collector.Freezer)
+        self.freezer = collector.Freezer()
         self._round: Optional[FenceRound] = None
         #: the last takeover: term, seconds in each phase, objects recovered/purged
         self.last_failover: dict = {}
@@ -796,10 +796,10 @@ class MasterCore:
                     or type(info["next_token"]) is not int or info["next_token"] < 1:
                 raise errors.MalformedFrame("fence reply for another segment, without its index "
                                             "or without a next token")
-            with wire.collector_paused():
+            with collector.paused(reply.body.get("objects", 0)):
                 rows = msgpack.unpackb(reply.payloads[0], raw=False)
-                index = immutables.Map({bytes(k): fm.IndexEntry(term, pub, by, off, length, 0, token)
-                                        for k, off, length, token, term, pub, by in rows})
+                index = map_of((bytes(k), fm.IndexEntry(term, pub, by, off, length, 0, token))
+                               for k, off, length, token, term, pub, by in rows)
                 del rows
         except (errors.KvError, KeyError, ValueError, TypeError) as err:
             log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
@@ -823,12 +823,9 @@ class MasterCore:
             return
         if not rnd.answered() and now < rnd.deadline:
             return
-        with wire.collector_paused():
+        with collector.paused(sum(len(index) for index in rnd.indexes.values())):
             self._recover(rnd, now)
-        if len(self.directory.objects) >= self.FREEZE_AFTER_RECOVERING:
-            # a large recovered directory lives as long as this master: keep
-            # it out of every later collection
-            gc.freeze()
+        self.freezer.grown(len(self.directory.objects))
 
     def _recover(self, rnd: FenceRound, now: float) -> None:
         fenced_at = now
@@ -861,20 +858,23 @@ class MasterCore:
             info = rnd.infos[s]
             self.placer.allocators[s] = SegmentAllocator.with_used(info["capacity"], info["page_size"],
                                                                    used[s])
-            self.segments[s] = SegmentInfo(info, now)
+            self.segments[s] = SegmentInfo(info, now)   # seen: at the end of recovery, below
         # the lease table caches every recovered object, with no lease (old
         # leases are not carried over); recency starts in key order
         sizes = [(key, (key, record.token), record.length * len(record.replicas))
                  for key, record in self.directory.objects.items()]
         self.leases = lm.restored_table(self.leases.ttl, max(self.leases.now, self.clock()), sizes)
         self._lru = OrderedDict((key, size) for key, _, size in sizes)
+        # a large recovery takes a while: the nodes count as heard from now
+        recovered_at = self.clock()
+        for s in live:
+            self.segments[s].last_seen = recovered_at
         for purge in effects:
             cmd_id = self._next_cmd
             self._next_cmd += 1
-            self._commands[cmd_id] = Command(cmd_id, purge.node, "purge", [], None, now)
+            self._commands[cmd_id] = Command(cmd_id, purge.node, "purge", [], None, recovered_at)
             self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": rnd.term,
                                                               "below": purge.below}))
-        recovered_at = self.clock()
         self.failover, _ = fm.master_step(self.failover, fm.Open())
         lost = sum(1 for s in rnd.nodes if s not in live)
         self.last_failover = {
@@ -919,6 +919,7 @@ class MasterCore:
 
     def tick(self) -> None:
         """Expire silent clients and storage nodes (cheap when nothing is due)."""
+        self.freezer.grown(len(self.directory.objects))
         if self.failover.phase is not fm.Phase.OPEN:
             self._maybe_recover()
             return
@@ -956,6 +957,42 @@ class MasterCore:
         self._flush()
 
 
+class _Renewer:
+    """Renews an active master's leadership every ``ttl/4`` from its own
+    thread, and is the only user of the coordinator while the term lasts.
+    ``renewed`` is the start of the last successful renewal (the lease runs
+    from there); ``ended`` is set once the coordinator refused a renewal. A
+    paused process pauses this thread too, so a woken master finds
+    ``renewed`` too old and steps down."""
+
+    def __init__(self, coordinator, term: int, now: float) -> None:
+        self.coordinator = coordinator
+        self.term = term
+        self.renewed = now
+        self.ended = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvproto-lease-{term}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        every = self.coordinator.ttl / 4
+        while not self._stop.wait(every):
+            started = time.monotonic()
+            try:
+                if not self.coordinator.keepalive(self.term):
+                    self.ended = True
+                    return
+            except errors.KvError as err:   # unreachable: the lease runs out unless it answers
+                log.warning("coordinator: %s", err)
+                continue
+            self.renewed = started
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(self.coordinator.ttl, 1.0) * 2)
+
+
 class MasterServer:
     """The master's ZeroMQ loop around a :class:`MasterCore` (one thread).
 
@@ -981,7 +1018,7 @@ class MasterServer:
                                free_fraction=free_fraction, fence_timeout=fence_timeout)
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
-        self._renewed = 0.0            # last successful keepalive (monotonic)
+        self._renewer: Optional[_Renewer] = None
         self._next_lead = 0.0
         self.terms_held: list[int] = []
         self.max_header_bytes = max_header_bytes
@@ -1017,37 +1054,41 @@ class MasterServer:
             self.close()
 
     def _lead(self) -> None:
-        """Coordinator duty, before any request is served: a standby campaigns
-        every ``ttl/4``; the active master renews every ``ttl/4`` and steps
-        down when the coordinator says its term is over, or when it could not
-        renew for a whole ``ttl`` (it was paused or cut off: on waking it
-        serves nothing before stepping down)."""
+        """Coordinator duty, before any request is served. A standby campaigns
+        every ``ttl/4``; on winning it starts a :class:`_Renewer` thread and
+        fences. The active master steps down when the coordinator ended its
+        term, or when its leadership was not renewed for a whole ``ttl`` (the
+        process was paused or cut off: on waking it serves nothing before
+        stepping down). Renewing from a thread keeps the lease while the loop
+        is busy for longer than ``ttl`` (recovering a large directory)."""
         coord = self.coordinator
         if coord is None:
             return
         now = time.monotonic()
-        if self._term and now - self._renewed > coord.ttl:
-            self._step_down(f"leadership of term {self._term} not renewed for {now - self._renewed:.1f}s")
-            now = time.monotonic()
+        if self._term:
+            renewer = self._renewer
+            if renewer.ended:
+                self._step_down(f"the coordinator ended term {self._term}")
+            elif now - renewer.renewed > coord.ttl:
+                self._step_down(f"leadership of term {self._term} not renewed for "
+                                f"{now - renewer.renewed:.1f}s")
+            return
         if now < self._next_lead:
             return
         self._next_lead = now + coord.ttl / 4
         try:
-            if self._term:
-                if coord.keepalive(self._term):
-                    self._renewed = now
-                else:
-                    self._step_down(f"the coordinator ended term {self._term}")
-                return
             term = coord.campaign(self.address)
             if term is None:
                 return
-            self._term, self._renewed = term, now
-            self.terms_held.append(term)
-            log.info("won term %d at %s", term, self.address)
-            self.core.take_term(term, coord.nodes())
+            nodes = coord.nodes()
         except errors.KvError as err:
             log.warning("coordinator: %s", err)
+            return
+        self._term = term
+        self.terms_held.append(term)
+        self._renewer = _Renewer(coord, term, now)
+        log.info("won term %d at %s", term, self.address)
+        self.core.take_term(term, nodes)
 
     def _step_down(self, why: str) -> None:
         """Answer every parked request ``MasterNotOpen``, drop the core and
@@ -1064,6 +1105,7 @@ class MasterServer:
             self._segment_of.pop(sock, None)
             sock.close(linger=0)
         if self.coordinator is not None and self._term:
+            self._renewer.stop()
             try:
                 self.coordinator.resign(self._term)
             except errors.KvError:
@@ -1165,6 +1207,7 @@ class MasterServer:
     def close(self) -> None:
         if self.coordinator is not None:
             if self._term:
+                self._renewer.stop()
                 try:
                     self.coordinator.resign(self._term)
                 except errors.KvError:

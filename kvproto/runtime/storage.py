@@ -61,7 +61,7 @@ from typing import Optional
 import zmq
 
 from kvproto import errors
-from kvproto.runtime import wire
+from kvproto.runtime import collector, wire
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id
 from kvproto.runtime.units import parse_size
 from kvproto.statemachines import failover as fm
@@ -316,7 +316,7 @@ class StorageCore:
         if err is not None:
             raise err
         index = effects[0].index
-        with wire.collector_paused():
+        with collector.paused(len(index)):
             rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
             frame = wire.pack(rows)
         return {"term": self.fence.term, "objects": len(rows),
@@ -462,6 +462,7 @@ class StorageServer:
         self._held: list = []      # (due, seq, identity, request): delayed data-path requests
         self._outq: list = []      # (due, seq, frames): delayed data replies
         self._seq = itertools.count()
+        self._freezer = collector.Freezer()
 
     @property
     def segment(self) -> str:
@@ -565,6 +566,7 @@ class StorageServer:
             self._start_over("the master does not know the segment")
 
     def _timers(self) -> None:
+        self._freezer.grown(len(self.core.fence.index))
         self._follow()
         now = time.monotonic()
         if self.registered.is_set():

@@ -34,8 +34,6 @@ fields are ignored (forward compatibility). The per-op schemas live in
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgpack
@@ -227,21 +225,6 @@ DEBUG_OPS: dict[str, OpSchema] = {
 # --------------------------------------------------------------------------
 # Encoding
 # --------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def collector_paused():
-    """Build or decode millions of long-lived objects (a storage node's index
-    frame, a recovered directory) without the cyclic collector re-scanning
-    them over and over, which would dominate the time; nothing built under it
-    forms reference cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
 
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)

@@ -35,6 +35,7 @@ import immutables
 
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
@@ -344,8 +345,8 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
                 best[key] = (node, entry, [(node, entry.offset)])
             elif entry.by == held[1].by and entry.token == held[1].token:
                 held[2].append((node, entry.offset))
-    return immutables.Map({k: DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r))
-                           for k, (n, e, r) in best.items()})
+    return map_of((k, DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r)))
+                  for k, (n, e, r) in best.items())
 
 
 def purge_unpublished(index: immutables.Map, below: int) -> tuple[immutables.Map, tuple, int]:

@@ -55,6 +55,7 @@ import immutables
 
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
@@ -242,9 +243,9 @@ def restored_table(ttl: int, now, objects: Iterable[tuple[Hashable, str, int]]) 
         cached[key] = CachedObject(region, size)
         regions[region] = key
         used += size
-    return LeaseTable(ttl=ttl, now=now, objects=immutables.Map(cached),
-                      regions=immutables.Map(regions), used=used,
-                      last_used=immutables.Map(dict.fromkeys(cached, now)))
+    return LeaseTable(ttl=ttl, now=now, objects=map_of(cached.items()),
+                      regions=map_of(regions.items()), used=used,
+                      last_used=map_of((key, now) for key in cached))
 
 
 def is_leased(table: LeaseTable, key: Hashable) -> bool:

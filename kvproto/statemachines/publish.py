@@ -33,6 +33,7 @@ import immutables
 
 from kvproto import errors
 from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
 
@@ -340,7 +341,7 @@ def restored(capacities: Mapping[str, int], objects: Iterable[tuple[bytes, int, 
     segments = {s: SegmentLedger(capacity=c, free=c - used[s]) for s, c in capacities.items()}
     if any(ledger.free < 0 for ledger in segments.values()):
         raise ValueError("recovered objects exceed a segment's capacity")
-    return Directory(immutables.Map(listed), immutables.Map(segments), next_token)
+    return Directory(map_of(listed.items()), immutables.Map(segments), next_token)
 
 
 def put_start(state: Directory, ev: PutStart):
