@@ -963,10 +963,13 @@ class _Renewer:
     ``renewed`` is the start of the last successful renewal (the lease runs
     from there); ``ended`` is set once the coordinator refused a renewal. A
     paused process pauses this thread too, so a woken master finds
-    ``renewed`` too old and steps down."""
+    ``renewed`` too old and steps down. ``serving()`` says whether the
+    master's loop is making progress (or recovering): a wedged loop is not
+    renewed for, so its lease runs out and a standby takes over."""
 
-    def __init__(self, coordinator, term: int, now: float) -> None:
+    def __init__(self, coordinator, term: int, now: float, serving: Callable[[], bool]) -> None:
         self.coordinator = coordinator
+        self.serving = serving
         self.term = term
         self.renewed = now
         self.ended = False
@@ -978,6 +981,9 @@ class _Renewer:
         every = self.coordinator.ttl / 4
         while not self._stop.wait(every):
             started = time.monotonic()
+            if not self.serving():
+                log.error("term %d: the master's loop is stuck; letting the lease run out", self.term)
+                continue
             try:
                 if not self.coordinator.keepalive(self.term):
                     self.ended = True
@@ -1019,6 +1025,7 @@ class MasterServer:
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
         self._renewer: Optional[_Renewer] = None
+        self._turned = time.monotonic()   # the serving loop's last turn
         self._next_lead = 0.0
         self.terms_held: list[int] = []
         self.max_header_bytes = max_header_bytes
@@ -1086,9 +1093,18 @@ class MasterServer:
             return
         self._term = term
         self.terms_held.append(term)
-        self._renewer = _Renewer(coord, term, now)
+        self._renewer = _Renewer(coord, term, now, self._serving)
         log.info("won term %d at %s", term, self.address)
         self.core.take_term(term, nodes)
+
+    #: seconds without a turn of the serving loop (outside a recovery) after
+    #: which the master stops renewing its leadership
+    STUCK_AFTER = 10.0
+
+    def _serving(self) -> bool:
+        """Whether the loop turned recently, or is recovering (one long step)."""
+        return self.core.failover.phase in (fm.Phase.FENCING, fm.Phase.RECOVERED) \
+            or time.monotonic() - self._turned < max(self.STUCK_AFTER, 4 * self.coordinator.ttl)
 
     def _step_down(self, why: str) -> None:
         """Answer every parked request ``MasterNotOpen``, drop the core and
@@ -1115,6 +1131,7 @@ class MasterServer:
         self.core = MasterCore(**self._core_args, term=None)
 
     def _once(self, poll_ms: int) -> None:
+        self._turned = time.monotonic()
         self._lead()
         events = dict(self.poller.poll(poll_ms))
         if events.get(self.router):

@@ -252,3 +252,25 @@ def test_a_fenced_node_refuses_the_old_master_which_steps_down():
         assert len(node.table.regions) == 0 and len(node.fence.index) == 0
     finally:
         memory.close()
+
+
+def test_a_master_whose_loop_is_stuck_lets_its_lease_run_out(tmp_path):
+    """Leadership renews from a thread, but only while the serving loop turns
+    (or recovers): a wedged master loses its term and a standby can win."""
+    from kvproto.runtime.master import MasterServer
+    url = f"file://{tmp_path}/coordinator"
+    server = MasterServer(coordinator=connect(url, ttl=0.5))
+    server.STUCK_AFTER = 0.5
+    try:
+        wait_for(lambda: server._once(10) or server.core.failover.phase.value == "open",
+                 what="the master open")
+        term = server._term
+        time.sleep(1.0)                         # the loop turns no more: wedged
+        probe = connect(url, ttl=0.5)
+        wait_for(lambda: probe.leader() is None, timeout=5, what="the lease running out")
+        assert probe.campaign("tcp://127.0.0.1:2") == term + 1
+        server._once(10)                       # the loop turns again: it steps down
+        assert server._term == 0 and server.core.failover.phase.value == "standby"
+        probe.close()
+    finally:
+        server.close()
