@@ -209,6 +209,7 @@ class MasterCore:
         #: keeps full collections short as the directory grows (collector.Freezer)
         self.freezer = collector.Freezer()
         self._round: Optional[FenceRound] = None
+        self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
         self.last_failover: dict = {}
         #: ``(segment, op, command_id, body)`` to send, in order (drained by the server)
@@ -876,6 +877,7 @@ class MasterCore:
             self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": rnd.term,
                                                               "below": purge.below}))
         self.failover, _ = fm.master_step(self.failover, fm.Open())
+        self.opened_at = self.clock()
         lost = sum(1 for s in rnd.nodes if s not in live)
         self.last_failover = {
             "term": rnd.term, "fence_s": fenced_at - rnd.started,
@@ -1103,8 +1105,10 @@ class MasterServer:
 
     def _serving(self) -> bool:
         """Whether the loop turned recently, or is recovering (one long step)."""
-        return self.core.failover.phase in (fm.Phase.FENCING, fm.Phase.RECOVERED) \
-            or time.monotonic() - self._turned < max(self.STUCK_AFTER, 4 * self.coordinator.ttl)
+        core = self.core
+        last = max(self._turned, core.opened_at)   # a recovery ends inside one turn
+        return core.failover.phase in (fm.Phase.FENCING, fm.Phase.RECOVERED) \
+            or time.monotonic() - last < max(self.STUCK_AFTER, 4 * self.coordinator.ttl)
 
     def _step_down(self, why: str) -> None:
         """Answer every parked request ``MasterNotOpen``, drop the core and
