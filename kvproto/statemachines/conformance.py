@@ -49,6 +49,13 @@ class SpecBinding:
                        lambda s: self.to_tla(s, c), max_states=max_states)
 
 
+def emit(action: str, successor):
+    """``(action, successor)`` when the action is enabled (``successor`` is not
+    ``None``): each machine's ``successors`` yields from it per action."""
+    if successor is not None:
+        yield action, successor
+
+
 class StateLimitExceeded(RuntimeError):
     """:func:`explore` reached more states than its ``max_states``."""
 

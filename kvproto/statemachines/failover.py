@@ -34,7 +34,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.conformance import SpecBinding, emit
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
@@ -906,10 +906,6 @@ class Constants:
 
 def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
     """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
-    def emit(name, new):
-        if new is not None:
-            yield name, new
-
     for m in c.masters:
         if sys.coord_term < c.max_term:
             yield from emit("ObtainTerm", sys_obtain_term(sys, m))

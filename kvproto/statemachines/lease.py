@@ -54,7 +54,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.conformance import SpecBinding, emit
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
@@ -863,10 +863,6 @@ class Constants:
 
 def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
     """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
-    def emit(name, new):
-        if new is not None:
-            yield name, new
-
     if sys.table.now < c.max_time:
         yield from emit("Tick", sys_tick(sys, sys.table.now + 1))
     for k in c.keys:

@@ -32,7 +32,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.conformance import SpecBinding, emit
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
@@ -801,10 +801,6 @@ def placements(sys: System, c: Constants) -> Iterator[tuple[Replica, ...]]:
 
 def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
     """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
-    def emit(name, new):
-        if new is not None:
-            yield name, new
-
     if sys.directory.next_token <= c.max_token:
         for w in c.writers:
             for k in c.keys:

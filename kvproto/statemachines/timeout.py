@@ -71,7 +71,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.statemachines.conformance import SpecBinding
+from kvproto.statemachines.conformance import SpecBinding, emit
 from kvproto.statemachines.reuse import Outcome
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.statemachines.tla import Fn, ModelValue, model_names
@@ -1140,10 +1140,6 @@ class Constants:
 
 def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
     """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
-    def emit(name, new):
-        if new is not None:
-            yield name, new
-
     for r in c.requests:
         for b in c.buffers:
             yield from emit("Acquire", sys_acquire(sys, r, b))
