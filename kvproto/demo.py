@@ -86,7 +86,6 @@ class _Tally:
 def main(writers: int = 4, killed: int = 2, objects: int = 8, replicas: int = 2,
          storage_nodes: int = 2, segment_size: str = "384MiB", writer_timeout: float = 2.0) -> int:
     import kvproto
-    from kvproto import errors
 
     print(f"kvproto demo: {storage_nodes} storage nodes x {segment_size}, {writers} writers "
           f"(+{killed} killed mid-put), {objects} objects of 8 MiB each, {replicas} replicas")
@@ -195,8 +194,7 @@ def main(writers: int = 4, killed: int = 2, objects: int = 8, replicas: int = 2,
 def failover(objects: int = 16, size: int = 1 << 20) -> bool:
     """Kill the active master; the standby takes over; every object is read back."""
     import tempfile
-    from kvproto import errors
-    from kvproto.runtime.client import Client
+    from kvproto.runtime.client import Client, put_retrying
     from kvproto.runtime.coordinator import connect
 
     print(f"\nfailover: 2 masters (embedded coordinator), 2 storage nodes, {objects} objects of "
@@ -223,29 +221,13 @@ def failover(objects: int = 16, size: int = 1 << 20) -> bool:
                 start("storage", "--master", url, "--size", "64MiB")
             with Client(url, timeout=5.0) as client:
                 keys = [f"failover/{i}".encode() for i in range(objects)]
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        client.put(keys[0], payload(keys[0], size), replicas=2)
-                        break
-                    except errors.KvError:
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.1)
+                put_retrying(client, keys[0], payload(keys[0], size), 30, replicas=2, pause=0.1)
                 for key in keys[1:]:
                     client.put(key, payload(key, size), replicas=2)
                 term, active = coordinator.leader()
                 masters[active].send_signal(signal.SIGKILL)
                 masters[active].wait()
-                killed = time.perf_counter()
-                while True:
-                    try:
-                        client.put(b"failover/after", payload(b"failover/after", size))
-                        break
-                    except errors.KvError:
-                        if time.perf_counter() - killed > 30:
-                            raise
-                took = time.perf_counter() - killed
+                took = put_retrying(client, b"failover/after", payload(b"failover/after", size), 30)
                 stats = client.stats()["failover"]
                 wrong = misses = 0
                 for key in keys:

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from kvproto import errors
 from kvproto.gpu.backend import select_backend

@@ -150,8 +150,10 @@ class Placer:
     def __init__(self) -> None:
         self.allocators: dict[str, SegmentAllocator] = {}
 
-    def add(self, segment: str, capacity: int, page_size: int) -> None:
-        self.allocators[segment] = SegmentAllocator(capacity, page_size)
+    def add(self, segment: str, capacity: int, page_size: int,
+            used: Iterable[tuple[int, int]] = ()) -> None:
+        """A segment joins; ``used`` ``(offset, length)`` regions are already taken."""
+        self.allocators[segment] = SegmentAllocator.with_used(capacity, page_size, used)
 
     def drop(self, segment: str) -> None:
         self.allocators.pop(segment, None)

@@ -151,6 +151,22 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             sock.close(linger=0)
 
 
+def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replicas: int = 1,
+                 pause: float = 0.0) -> float:
+    """``client.put``, attempted again (after ``pause`` seconds) while it fails,
+    e.g. while a standby master takes over, for up to ``within`` seconds; the
+    last error is raised past that. Returns the seconds it took."""
+    started = time.perf_counter()
+    while True:
+        try:
+            client.put(key, data, replicas=replicas)
+            return time.perf_counter() - started
+        except errors.KvError:
+            if time.perf_counter() - started > within:
+                raise
+            time.sleep(pause)
+
+
 class ReadLease:
     """A read lease the master granted (``read_begin``): where the bytes are,
     the lease id and TTL, and ``sent``, the local time the request (or the last
@@ -345,36 +361,48 @@ class Client:
         changed (a few times at most, within ``deadline``)."""
         if self._coordinator is not None and time.monotonic() - self._leader_checked > self.LEADER_RECHECK:
             self._find_master()
-        switches = 0
-        while True:
+        for _ in range(4):
             if not self.master:
                 self._find_master()
                 if not self.master:
                     raise errors.MasterNotOpen("the coordinator names no master")
             asked = self.master
             sock = self._master()
-            rid = self._send(sock, op, body)
-            while True:
-                wait_until = deadline if self._coordinator is None else \
-                    min(deadline, time.monotonic() + self.LEADER_RECHECK)
-                reply = self._gather({rid: sock}, wait_until).get(rid)
-                if reply is not None or time.monotonic() >= deadline:
-                    break
-                self._find_master()
-                if self.master != asked:
-                    break
+            reply = self._await_master(sock, self._send(sock, op, body), deadline)
             if reply is not None and reply.status != errors.MasterNotOpen.code:
                 return reply.raise_for_status()
-            if reply is None:
-                self._reset_master()
-            self._find_master()
-            switches += 1
-            if self.master == asked or not self.master or switches > 3 \
-                    or time.monotonic() >= deadline:
+            if self.master == asked:        # no other master named while waiting
+                if reply is None:
+                    self._reset_master()
+                self._find_master()
+            if self.master == asked or not self.master or time.monotonic() >= deadline:
                 break
         if reply is None:
             raise errors.RequestTimeout(f"master {asked} did not answer {op} in time")
         return reply.raise_for_status()
+
+    def _await_master(self, sock: zmq.Socket, rid: int, deadline: float) -> Optional[wire.Reply]:
+        """The master's reply to ``rid``; ``None`` at ``deadline``, or as soon
+        as the coordinator (asked every ``LEADER_RECHECK``) names another master."""
+        if self._coordinator is None:
+            return self._gather({rid: sock}, deadline).get(rid)
+        asked = self.master
+        while True:
+            reply = self._gather({rid: sock}, min(deadline, time.monotonic() + self.LEADER_RECHECK)).get(rid)
+            if reply is not None or time.monotonic() >= deadline:
+                return reply
+            self._find_master()
+            if self.master != asked:
+                return None
+
+    def _lookup(self, op: str, body: dict, keys: int, deadline: float) -> Optional[wire.Reply]:
+        """A lookup of ``keys`` keys at the master, or ``None`` (all misses)
+        when the master is switching: not open, or silent for ``lookup_timeout``."""
+        try:
+            return self._call_master(op, body, min(deadline, time.monotonic() + self.lookup_timeout))
+        except SWITCHING:
+            self.failover_counters["switch_misses"] += keys
+            return None
 
     def _find_master(self) -> None:
         """Ask the coordinator (if any) who the master is now; reconnect if it changed."""
@@ -593,13 +621,10 @@ class Client:
             if leased:
                 body["lease"] = True
             sent = time.monotonic()            # the lease deadline runs from here
-            try:
-                reply = self._call_master("read_begin", body,
-                                          min(deadline, sent + self.lookup_timeout))
-            except SWITCHING as err:
-                self.failover_counters["switch_misses"] += len(ks)
+            reply = self._lookup("read_begin", body, len(ks), deadline)
+            if reply is None:
                 if raise_miss:
-                    raise errors.KeyNotFound(f"{ks[0]!r}: a miss while the master switches ({err})")
+                    raise errors.KeyNotFound(f"{ks[0]!r}: a miss while the master switches")
                 return results
             self._note_interval(reply)
             term = reply.body.get("term", 0)
@@ -632,12 +657,11 @@ class Client:
                         del errs[i]
                         if view is None and raise_miss:
                             first_error = first_error or errors.KeyNotFound(f"{ks[i]!r}")
-                        elif view is not None and done_at is not None:
-                            done_at[i] = time.monotonic()
                 for i in sorted(errs):
                     first_error = first_error or errs[i]
                 # a key read again was judged by its second read's own lease
-                first_leases = {i: v for i, v in lease_of.items() if i not in stale}
+                first_leases = {i: v for i, v in lease_of.items() if i not in stale} \
+                    if stale else lease_of
                 if first_leases:
                     first_error = self._check_leases(ks, first_leases, sent, started, done_at,
                                                      results) or first_error
@@ -819,11 +843,8 @@ class Client:
         with self._lock:
             for at in range(0, len(ks), self.BATCH):
                 chunk = ks[at:at + self.BATCH]
-                try:
-                    reply = self._call_master("exists", {"keys": chunk},
-                                              min(deadline, time.monotonic() + self.lookup_timeout))
-                except SWITCHING:
-                    self.failover_counters["switch_misses"] += len(chunk)
+                reply = self._lookup("exists", {"keys": chunk}, len(chunk), deadline)
+                if reply is None:
                     out.extend([False] * len(chunk))
                     continue
                 for item in wire.items_of(reply, len(chunk)):

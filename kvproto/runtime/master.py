@@ -55,7 +55,6 @@ from kvproto.statemachines.publish import (
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
     Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status, master_step, restored,
 )
-from kvproto.runtime.allocator import SegmentAllocator
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.maps import map_of
 
@@ -104,9 +103,9 @@ class ClientSession:
 
 class Parked:
     """A reply waiting for storage nodes: a ``put_start`` for their ``assign``
-    acks, a ``put_end`` for their ``publish`` acks (``index``: key -> item)."""
+    acks, a ``put_end`` for their ``publish`` acks."""
 
-    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "index")
+    __slots__ = ("reply_to", "request_id", "items", "waiting", "op")
 
     def __init__(self, reply_to: ReplyTo, request_id: int, items: list, op: str = "put_start") -> None:
         self.reply_to = reply_to
@@ -114,17 +113,14 @@ class Parked:
         self.items = items
         self.waiting: set[int] = set()
         self.op = op
-        self.index: dict[bytes, int] = {}
 
 
 class FenceRound:
     """A new master's fence: the nodes the coordinator listed, their answers."""
 
-    __slots__ = ("term", "started", "deadline", "nodes", "infos", "indexes", "failed",
-                 "recovered_at")
+    __slots__ = ("started", "deadline", "nodes", "infos", "indexes", "failed")
 
-    def __init__(self, term: int, nodes: dict, now: float, timeout: float) -> None:
-        self.term = term
+    def __init__(self, nodes: dict, now: float, timeout: float) -> None:
         self.started = now
         self.deadline = now + timeout
         self.nodes = dict(nodes)                     # segment -> endpoint
@@ -137,7 +133,8 @@ class FenceRound:
 
 
 class Command:
-    """An ``assign``/``free`` sent to a storage node; ``id`` is its request id."""
+    """A command sent to a storage node (``assign``, ``free``, ``publish``,
+    ``fence``, ``purge``); ``id`` is its request id."""
 
     __slots__ = ("id", "segment", "op", "regions", "parked", "sent_at")
 
@@ -514,15 +511,13 @@ class MasterCore:
         return 0, {"items": parked.items, "segments": segments,
                    "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
 
-    def _end_or_revoke(self, body, event_type, parked: Optional[Parked] = None):
+    def _end_or_revoke(self, body, event_type):
         self._session(body["client"])
-        items = parked.items if parked is not None else []
+        items = []
         for key, token in body["items"]:
             err, _ = self._step(event_type(key, token))
             if err is None and event_type is PutRevoke:
                 self.counters["puts_revoked"] += 1
-            if parked is not None and err is None:
-                parked.index[key] = len(items)
             items.append(wire.ok_item() if err is None else wire.error_item(err))
         return 0, {"items": items}
 
@@ -530,8 +525,8 @@ class MasterCore:
         """``PutEnd``; the reply waits until every replica's node has recorded
         the publish in its index (``publish``), so a published object survives
         a failover."""
-        parked = Parked(reply_to, request_id, [], "put_end")
-        self._end_or_revoke(body, PutEnd, parked)
+        _, ended = self._end_or_revoke(body, PutEnd)
+        parked = Parked(reply_to, request_id, ended["items"], "put_end")
         self._flush(parked)
         self.evict()
         if parked.waiting:
@@ -765,7 +760,7 @@ class MasterCore:
             raise effects[0].error
         self.failover = new
         now = self.clock()
-        self._round = FenceRound(term, nodes, now, self.fence_timeout)
+        self._round = FenceRound(nodes, now, self.fence_timeout)
         log.info("term %d: fencing %d storage node(s)", term, len(nodes))
         for segment, endpoint in sorted(nodes.items()):
             self.opened.append((segment, endpoint))
@@ -829,7 +824,7 @@ class MasterCore:
         self.freezer.grown(len(self.directory.objects))
 
     def _recover(self, rnd: FenceRound, now: float) -> None:
-        fenced_at = now
+        fenced_at, term = now, self.failover.term
         live = frozenset(rnd.infos)
         for segment in set(rnd.nodes) - live:
             self.closed.append(segment)
@@ -842,9 +837,7 @@ class MasterCore:
         self.failover = new
         # tokens continue above every token a fenced node's regions ever
         # carried (freed ones included: a same-host reader may still hold one)
-        next_token = max([1 + max((e.token for e in index.values()), default=0)
-                          for index in rnd.indexes.values()]
-                         + [rnd.infos[s]["next_token"] for s in live] + [1])
+        next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
         objects = [(key, e.token, e.length, tuple(Replica(n, off, e.length) for n, off in e.replicas))
                    for key, e in new.directory.items()]
         self.directory = restored({s: rnd.infos[s]["capacity"] for s in live}, objects, next_token)
@@ -857,8 +850,7 @@ class MasterCore:
         self.placer = Placer()
         for s in live:
             info = rnd.infos[s]
-            self.placer.allocators[s] = SegmentAllocator.with_used(info["capacity"], info["page_size"],
-                                                                   used[s])
+            self.placer.add(s, info["capacity"], info["page_size"], used[s])
             self.segments[s] = SegmentInfo(info, now)   # seen: at the end of recovery, below
         # the lease table caches every recovered object, with no lease (old
         # leases are not carried over); recency starts in key order
@@ -874,21 +866,26 @@ class MasterCore:
             cmd_id = self._next_cmd
             self._next_cmd += 1
             self._commands[cmd_id] = Command(cmd_id, purge.node, "purge", [], None, recovered_at)
-            self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": rnd.term,
+            self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": term,
                                                               "below": purge.below}))
         self.failover, _ = fm.master_step(self.failover, fm.Open())
         self.opened_at = self.clock()
         lost = sum(1 for s in rnd.nodes if s not in live)
         self.last_failover = {
-            "term": rnd.term, "fence_s": fenced_at - rnd.started,
+            "term": term, "fence_s": fenced_at - rnd.started,
             "recover_s": recovered_at - fenced_at, "open_s": self.clock() - rnd.started,
             "nodes_fenced": len(live), "nodes_lost": lost,
             "recovered": len(self.directory.objects), "purged": 0, "bytes_purged": 0}
         if rnd.nodes:
             log.info("term %d open: %d object(s) recovered from %d node(s), %d node(s) lost, "
-                     "in %.3fs", rnd.term, len(self.directory.objects), len(live), lost,
+                     "in %.3fs", term, len(self.directory.objects), len(live), lost,
                      self.last_failover["open_s"])
         self._round = None
+
+    def parked(self) -> list[Parked]:
+        """The requests still waiting for storage nodes (once each)."""
+        return list({id(c.parked): c.parked for c in self._commands.values()
+                     if c.parked is not None}.values())
 
     def step_down(self, why: errors.KvError) -> None:
         """Spec: a master refused for a higher term steps down (``HigherTermSeen``);
@@ -1116,8 +1113,7 @@ class MasterServer:
         core = self.core
         core.step_down(errors.MasterNotOpen(why))
         log.warning("stepping down: %s", why)
-        parked = {id(c.parked): c.parked for c in core._commands.values() if c.parked is not None}
-        for p in parked.values():
+        for p in core.parked():
             self._reply(p.reply_to, p.request_id, errors.MasterNotOpen.code, {"message": why})
         for segment in list(self.dealers):
             sock = self.dealers.pop(segment)

@@ -105,6 +105,8 @@ class StorageCore:
         #: generation words name tokens, so a new master issues only higher
         #: ones (a same-host reader holding a freed region's token must miss)
         self.tokens_seen = 0
+        #: where clients reach this node (set by the server once it is bound)
+        self.endpoint = ""
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         #: the Timeout protocol's transfer table (``node_step``), one per owner:
         #: an owner is one client transfer engine, whose generations are unique.
@@ -125,6 +127,14 @@ class StorageCore:
     @property
     def term(self) -> int:
         return self.fence.term
+
+    def registration(self) -> dict:
+        """What a master needs to know of this node's segment (``register``,
+        and the answer to a new master's ``fence``)."""
+        mem = self.memory
+        return {"segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
+                "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
+                "page_size": mem.page_size}
 
     def _fstep(self, event):
         """``failover.storage_step`` without committing: ``(node, effects, error)``."""
@@ -319,7 +329,7 @@ class StorageCore:
         with collector.paused(len(index)):
             rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
             frame = wire.pack(rows)
-        return {"term": self.fence.term, "objects": len(rows),
+        return {**self.registration(), "term": self.fence.term, "objects": len(rows),
                 "next_token": self.tokens_seen + 1}, [frame]
 
     def _op_purge(self, body, payloads):
@@ -443,6 +453,7 @@ class StorageServer:
             raise
         bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.endpoint = advertise or bound.replace("0.0.0.0", socket.gethostname())
+        self.core.endpoint = self.endpoint
         self.dealer: Optional[zmq.Socket] = None
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -493,16 +504,9 @@ class StorageServer:
             pass  # queue full (master away): the timers retry
         return rid
 
-    def registration(self) -> dict:
-        """What a master needs to know of this node's segment."""
-        mem = self.memory
-        return {"segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
-                "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
-                "page_size": mem.page_size}
-
     def _register(self) -> None:
         self.registered.clear()
-        self._register_rid = self._to_master("register", self.registration())
+        self._register_rid = self._to_master("register", self.core.registration())
         self._register_sent = time.monotonic()
 
     def _follow(self) -> None:
@@ -668,8 +672,6 @@ class StorageServer:
             if result is None:
                 return  # a cancelled load: its bytes are never sent
             body, out = result
-            if req.op == "fence":
-                body = {**body, **self.registration()}
             header = wire.encode_reply(rid, 0, body)
         except errors.KvError as err:
             header = wire.encode_error(rid, err)
