@@ -1,7 +1,7 @@
 """The ``kvproto`` command line.
 
 ``kvproto check`` model-checks every ``spec/*.cfg`` with TLC and compares each
-verdict with the expectation in the cfg's header (see :mod:`kvproto.tlc`);
+verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc`);
 ``kvproto demo`` runs an embedded cluster; ``kvproto master`` and
 ``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
 measures it.
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from . import tlc
-from .statemachines.tla import TraceStep, describe_changes, format_state
+from kvproto.checking import tlc
+from kvproto.checking.tla import TraceStep, describe_changes, format_state
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kvproto import tlc
+from kvproto.checking import tlc
 from kvproto.statemachines import BINDINGS
-from kvproto.statemachines.conformance import compare
-from kvproto.statemachines.tla import parse_dot
+from kvproto.checking.conformance import compare
+from kvproto.checking.tla import parse_dot
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 MODELS = [m for m in tlc.discover(SPEC) if m.conformance]

@@ -3,7 +3,7 @@ Python code that implements it and the tests that exercise it."""
 
 from pathlib import Path
 
-from kvproto import doccheck
+from kvproto.checking import doccheck
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproto import tlc
+from kvproto.checking import tlc
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 MODELS = tlc.discover(SPEC)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from kvproto.statemachines.tla import (
+from kvproto.checking.tla import (
     Fn,
     ModelValue,
     ParseError,

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvproto import cli, tlc
-from kvproto.statemachines.conformance import StateLimitExceeded, compare, explore
-from kvproto.statemachines.tla import Fn, ModelValue, parse_dot, trace_changes
+from kvproto import cli
+from kvproto.checking import tlc
+from kvproto.checking.conformance import StateLimitExceeded, compare, explore
+from kvproto.checking.tla import Fn, ModelValue, parse_dot, trace_changes
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 

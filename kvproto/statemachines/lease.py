@@ -54,10 +54,10 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.statemachines.conformance import SpecBinding, emit
+from kvproto.checking.conformance import SpecBinding, emit
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
-from kvproto.statemachines.tla import Fn, ModelValue, model_names
+from kvproto.checking.tla import Fn, ModelValue, model_names
 
 # --------------------------------------------------------------------------
 # Values

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvproto import tlc
+from kvproto.checking import tlc
 from kvproto.statemachines import BINDINGS
 
 _ROW = re.compile(r"^\|\s*`(?P<name>\w+)`\s*\|(?P<code>[^|]*)\|(?P<tests>[^|]*)\|")

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import attrs
 
-from .statemachines.tla import TraceStep, parse_trace, parse_value
+from kvproto.checking.tla import TraceStep, parse_trace, parse_value
 
 VERDICTS = ("ok", "safety", "liveness", "deadlock", "error")
 

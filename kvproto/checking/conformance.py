@@ -1,8 +1,8 @@
 """Check that a Python state machine has the same state graph as its TLA+ spec.
 
 :func:`explore` enumerates the Python machine's reachable graph through a stated
-mapping ``to_tla`` (Python state -> :class:`~kvproto.statemachines.tla.Fn` from
-TLA+ variable name to value; see :mod:`kvproto.statemachines.tla` for the value
+mapping ``to_tla`` (Python state -> :class:`~kvproto.checking.tla.Fn` from
+TLA+ variable name to value; see :mod:`kvproto.checking.tla` for the value
 forms). :func:`compare` diffs it against the graph TLC dumped with
 ``-dump dot,actionlabels``. Edge labels are TLA+ action operator names.
 """
