@@ -16,6 +16,9 @@
 (*                                                                         *)
 (* Storage nodes keep the index of what they hold: key -> allocation term, *)
 (* published or not, and the term of the publish that made it visible.   *)
+(* A publish or a remove is acknowledged to its client only once the      *)
+(* node recorded it under the master's term; what was acknowledged is     *)
+(* never undone by a term change (AcknowledgedChangesSurvive).            *)
 (* Each object has one replica (the publish protocol covers replicas).    *)
 (* Readers hold descriptors stamped with the term of the master that      *)
 (* handed them out; a refused or failed read is a miss.                   *)
@@ -44,18 +47,21 @@ VARIABLES
     idx,            \* storage node -> key -> None | [term, pub, by]
     desc,           \* reader -> None | [key, node, term]
     got,            \* reader -> None | Miss | the index entry its last read returned
-    staleAccepted   \* history: storage nodes that accepted a request stamped below their term
+    staleAccepted,  \* history: storage nodes that accepted a request stamped below their term
+    told            \* history: key -> what the last acknowledged change told its client
 
-vars == <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted>>
+vars == <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted, told>>
 
 DirEntry == [node : Nodes, pub : BOOLEAN]
 IdxEntry == [term : Terms, pub : BOOLEAN, by : 0..MaxTerm]
 Descriptor == [key : Keys, node : Nodes, term : Terms]
+Told == [what : {"none", "published", "removed"}, node : Nodes \cup {None}]
 
 (* The result of a read that missed. *)
 Miss == [term |-> 0, pub |-> FALSE, by |-> 0]
 
 Max(a, b) == IF a > b THEN a ELSE b
+HoldsDescriptor(r, k) == IF desc[r] = None THEN FALSE ELSE desc[r].key = k
 NoDir == [k \in Keys |-> None]
 
 (***************************************************************************)
@@ -73,7 +79,12 @@ RecoveredDir(m) ==
         THEN [node |-> CHOOSE n \in live : idx[n][k] # None /\ idx[n][k].pub, pub |-> TRUE]
         ELSE None]
 
+\* A publish or remove that the node refused is not acknowledged: the
+\* client is told it failed (the master waits for the node's verdict).
+AckWhenRefused == FALSE
+
 WeakNodeIgnoresTerm(n, t) == TRUE
+WeakAckWhenRefused == TRUE
 WeakNoFence(m) == TRUE
 WeakStaleSnapshot(m) == dir[m]   \* the directory it last held, not reconciled with storage
 
@@ -99,6 +110,7 @@ Init ==
     /\ desc = [r \in Readers |-> None]
     /\ got = [r \in Readers |-> None]
     /\ staleAccepted = {}
+    /\ told = [k \in Keys |-> [what |-> "none", node |-> None]]
 
 (* A standby master obtains a higher term from the coordinator.  The      *)
 (* coordinator may do so at any time: it cannot tell a dead master from a *)
@@ -110,7 +122,7 @@ ObtainTerm(m) ==
     /\ phase' = [phase EXCEPT ![m] = "fencing"]
     /\ mterm' = [mterm EXCEPT ![m] = coordTerm + 1]
     /\ acked' = [acked EXCEPT ![m] = {}]
-    /\ UNCHANGED <<dir, live, nodeTerm, idx, desc, got, staleAccepted>>
+    /\ UNCHANGED <<dir, live, nodeTerm, idx, desc, got, staleAccepted, told>>
 
 (* Storage node n learns m's term, or refuses it (it saw a higher one).  *)
 Fence(m, n) ==
@@ -122,7 +134,7 @@ Fence(m, n) ==
             /\ UNCHANGED <<phase, mterm>>
        ELSE /\ StepDown(m)                         \* refused: StaleTerm
             /\ UNCHANGED nodeTerm
-    /\ UNCHANGED <<coordTerm, dir, live, idx, desc, got, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, dir, live, idx, desc, got, staleAccepted, told>>
 
 (* Rebuild the directory from the live storage nodes' indexes; the nodes *)
 (* purge unpublished allocations of older terms and free their space.   *)
@@ -138,19 +150,19 @@ Recover(m) ==
             /\ UNCHANGED <<mterm, acked>>
        ELSE /\ StepDown(m)                         \* refused: StaleTerm
             /\ UNCHANGED <<dir, idx>>
-    /\ UNCHANGED <<coordTerm, live, nodeTerm, desc, got, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, live, nodeTerm, desc, got, staleAccepted, told>>
 
 Open(m) ==
     /\ phase[m] = "recovered"
     /\ phase' = [phase EXCEPT ![m] = "open"]
-    /\ UNCHANGED <<coordTerm, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted, told>>
 
 (* The master dies and loses its in-memory directory. *)
 Crash(m) ==
     /\ phase[m] # "standby"
     /\ StepDown(m)
     /\ dir' = [dir EXCEPT ![m] = NoDir]
-    /\ UNCHANGED <<coordTerm, live, nodeTerm, idx, desc, got, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, live, nodeTerm, idx, desc, got, staleAccepted, told>>
 
 (* An open master allocates key k on node n, stamped with its term. *)
 Allocate(m, k, n) ==
@@ -167,9 +179,10 @@ Allocate(m, k, n) ==
             /\ UNCHANGED <<phase, mterm, acked>>
        ELSE /\ StepDown(m)                         \* refused: StaleTerm
             /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
-    /\ UNCHANGED <<coordTerm, live, desc, got>>
+    /\ UNCHANGED <<coordTerm, live, desc, got, told>>
 
-(* The writer finished; the master publishes k, stamped with its term. *)
+(* The writer finished; the master publishes k, stamped with its term,  *)
+(* and acknowledges the put once k's node recorded the publish.         *)
 Publish(m, k) ==
     /\ phase[m] = "open"
     /\ dir[m][k] # None
@@ -184,8 +197,41 @@ Publish(m, k) ==
                  /\ dir' = [dir EXCEPT ![m][k].pub = TRUE]
                  /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
                                      ELSE staleAccepted
+                 /\ told' = [told EXCEPT ![k] = [what |-> "published", node |-> n]]
                  /\ UNCHANGED <<phase, mterm, acked>>
             ELSE /\ StepDown(m)                    \* refused: StaleTerm
+                 /\ told' = IF AckWhenRefused
+                            THEN [told EXCEPT ![k] = [what |-> "published", node |-> n]]
+                            ELSE told
+                 /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, live, desc, got>>
+
+(* A client removes published k: the master frees k's region at its      *)
+(* node, stamped with its term, and acknowledges the remove once the node *)
+(* recorded it.  A node fenced by a newer term refuses; the master steps  *)
+(* down and the client is told the remove failed.  No reader may hold a   *)
+(* descriptor of k: a remove is refused under a read pin or lease, also   *)
+(* one granted by an earlier master (spec/Lease.tla, InheritLeases).      *)
+Remove(m, k) ==
+    /\ phase[m] = "open"
+    /\ dir[m][k] # None
+    /\ dir[m][k].pub
+    /\ \A r \in Readers : ~HoldsDescriptor(r, k)
+    /\ LET n == dir[m][k].node IN
+         /\ n \in live
+         /\ idx[n][k] # None
+         /\ IF NodeAccepts(n, mterm[m])
+            THEN /\ idx' = [idx EXCEPT ![n][k] = None]
+                 /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+                 /\ dir' = [dir EXCEPT ![m][k] = None]
+                 /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
+                                     ELSE staleAccepted
+                 /\ told' = [told EXCEPT ![k] = [what |-> "removed", node |-> None]]
+                 /\ UNCHANGED <<phase, mterm, acked>>
+            ELSE /\ StepDown(m)                    \* refused: StaleTerm
+                 /\ told' = IF AckWhenRefused
+                            THEN [told EXCEPT ![k] = [what |-> "removed", node |-> None]]
+                            ELSE told
                  /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
     /\ UNCHANGED <<coordTerm, live, desc, got>>
 
@@ -198,7 +244,7 @@ Lookup(r, m, k) ==
     /\ dir[m][k] # None
     /\ dir[m][k].pub
     /\ desc' = [desc EXCEPT ![r] = [key |-> k, node |-> dir[m][k].node, term |-> mterm[m]]]
-    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, got, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, got, staleAccepted, told>>
 
 (* The reader reads from the storage node.  A dead node, a refused term or *)
 (* a missing region is a miss; the reader drops the descriptor either way. *)
@@ -210,7 +256,7 @@ Read(r) ==
                    IF n \in live /\ NodeAccepts(n, desc[r].term) /\ idx[n][k] # None
                    THEN idx[n][k] ELSE Miss]
     /\ desc' = [desc EXCEPT ![r] = None]
-    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, staleAccepted, told>>
 
 (* A storage node dies with its bytes and its index.  Masters that serve  *)
 (* (recovered or open) notice and drop its entries.                       *)
@@ -223,13 +269,13 @@ NodeLost(n) ==
                  THEN [k \in Keys |-> IF dir[m][k] # None /\ dir[m][k].node = n
                                       THEN None ELSE dir[m][k]]
                  ELSE dir[m]]
-    /\ UNCHANGED <<coordTerm, phase, mterm, acked, nodeTerm, desc, got, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, nodeTerm, desc, got, staleAccepted, told>>
 
 Next ==
     \/ \E m \in Masters : ObtainTerm(m) \/ Recover(m) \/ Open(m) \/ Crash(m)
     \/ \E m \in Masters, n \in Nodes : Fence(m, n)
     \/ \E m \in Masters, k \in Keys, n \in Nodes : Allocate(m, k, n)
-    \/ \E m \in Masters, k \in Keys : Publish(m, k)
+    \/ \E m \in Masters, k \in Keys : Publish(m, k) \/ Remove(m, k)
     \/ \E r \in Readers, m \in Masters, k \in Keys : Lookup(r, m, k)
     \/ \E r \in Readers : Read(r)
     \/ \E n \in Nodes : NodeLost(n)
@@ -251,6 +297,7 @@ TypeOK ==
     /\ desc \in [Readers -> {None} \cup Descriptor]
     /\ got \in [Readers -> {None, Miss} \cup IdxEntry]
     /\ staleAccepted \subseteq Nodes
+    /\ told \in [Keys -> Told]
 
 (* The master that holds the coordinator's current term and serves. *)
 Current(m) == phase[m] \in {"recovered", "open"} /\ mterm[m] = coordTerm
@@ -286,5 +333,15 @@ UnpublishedPurgedAfterRecovery ==
 (* (the publish was stamped with the allocation's term).                  *)
 ReadsReturnPublishedBytesOrMiss ==
     \A r \in Readers : got[r] \in {None, Miss} \/ (got[r].pub /\ got[r].by = got[r].term)
+
+(* A change acknowledged to a client is never undone by a term change: a *)
+(* current master lists as published every object whose publish was      *)
+(* acknowledged, for as long as its node lives, and none whose remove was *)
+(* acknowledged.                                                          *)
+AcknowledgedChangesSurvive ==
+    \A m \in Masters, k \in Keys : Current(m) =>
+        /\ told[k].what = "published" /\ told[k].node \in live =>
+               dir[m][k] # None /\ dir[m][k].pub
+        /\ told[k].what = "removed" => dir[m][k] = None \/ ~dir[m][k].pub
 
 =============================================================================

@@ -29,6 +29,12 @@
 (* clock reads base + (now - base) + d for some d in -MaxSkew..MaxSkew,    *)
 (* chosen by the environment at completion.  (With wall clocks that agree *)
 (* within e at every instant, the bound on a measured interval is 2e.)     *)
+(*                                                                         *)
+(* Takeover.  The master may be replaced (spec/Failover.tla) at any time:  *)
+(* the new master knows none of the leases the old one granted, and reads  *)
+(* in flight go on.  Every object it finds counts as leased until one TTL *)
+(* after the takeover (InheritLeases): the old master granted nothing      *)
+(* after it lost its term, so no old lease outlives that.                  *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets
 
@@ -39,18 +45,22 @@ CONSTANTS
     TTL,       \* lease duration, in ticks of the master's clock
     MaxSkew,   \* bound on the reader's clock error over one read
     MaxTime,   \* bound on the master's clock (keeps the model finite)
+    MaxTakeovers, \* bound on takeovers by a new master (keeps the model finite)
     None       \* model value: no object, no slot, no lease, an idle reader
 
-ASSUME TTL \in Nat /\ MaxSkew \in Nat /\ MaxTime \in Nat
+ASSUME TTL \in Nat /\ MaxSkew \in Nat /\ MaxTime \in Nat /\ MaxTakeovers \in Nat
 
 VARIABLES
     now,      \* master: its clock
     dir,      \* master: key -> None | the slot holding the object
     lease,    \* master: reader -> None | [key, slot, exp]  (unexpired while now < exp)
     reader,   \* readers: reader -> None | the read it is carrying out
-    dropped   \* history: keys with no object because never put, or Removed/Evicted
+    dropped,  \* history: keys with no object because never put, or Removed/Evicted
+    inherited,   \* master: keys it found at its takeover, not reclaimed since
+    quietUntil,  \* master: inherited keys count as leased while now < quietUntil
+    takeovers    \* how many times a new master took over
 
-vars == <<now, dir, lease, reader, dropped>>
+vars == <<now, dir, lease, reader, dropped, inherited, quietUntil, takeovers>>
 
 Times == 0..MaxTime
 Skews == -MaxSkew..MaxSkew
@@ -63,8 +73,10 @@ FreeSlots    == {s \in Slots : \A k \in Keys : dir[k] # s}
 Reading(r)   == reader[r] # None /\ reader[r].ph \in {"granted", "transferring"}
 Unexpired(r) == lease[r] # None /\ now < lease[r].exp
 
-(* Some reader holds a lease on k that the master's clock has not expired. *)
-Leased(k) == \E r \in Readers : Unexpired(r) /\ lease[r].key = k
+(* Some reader holds a lease on k that the master's clock has not expired, *)
+(* or k may still be leased by a master this one took over from.           *)
+Leased(k) == \/ \E r \in Readers : Unexpired(r) /\ lease[r].key = k
+             \/ k \in inherited /\ now < quietUntil
 
 (* Memory pressure: every slot is in use (the eviction policy's watermark). *)
 Pressure == FreeSlots = {}
@@ -85,6 +97,10 @@ WeakBaseOnReply(r) == now
 MayEvict(k) == ~Leased(k)
 WeakEvictIgnoresLeases(k) == TRUE
 
+\* A new master treats every object it finds as leased for one TTL.
+InheritLeases == {k \in Keys : Present(k)}
+WeakInheritNone == {}
+
 \* Ending protection is not deleting: Release leaves the directory alone.
 DirAfterRelease(r) == dir
 WeakReleaseDeletes(r) ==
@@ -100,6 +116,7 @@ Reclaim(k) ==
                     IF Reading(r) /\ reader[r].slot = s
                     THEN [reader[r] EXCEPT !.clob = TRUE] ELSE reader[r]]
     /\ dropped' = dropped \cup {k}
+    /\ inherited' = inherited \ {k}
 
 (***************************************************************************)
 (* Actions                                                                 *)
@@ -110,6 +127,9 @@ Init ==
     /\ lease = [r \in Readers |-> None]
     /\ reader = [r \in Readers |-> None]
     /\ dropped = Keys
+    /\ inherited = {}
+    /\ quietUntil = 0
+    /\ takeovers = 0
 
 (* The master's clock reads t; leases whose expiry it reached end. *)
 Tick(t) ==
@@ -118,7 +138,7 @@ Tick(t) ==
     /\ now' = t
     /\ lease' = [r \in Readers |->
                    IF lease[r] # None /\ lease[r].exp <= t THEN None ELSE lease[r]]
-    /\ UNCHANGED <<dir, reader, dropped>>
+    /\ UNCHANGED <<dir, reader, dropped, inherited, quietUntil, takeovers>>
 
 (* A new object is cached in a free slot (its bytes are written there). *)
 Put(k, s) ==
@@ -126,14 +146,14 @@ Put(k, s) ==
     /\ s \in FreeSlots
     /\ dir' = [dir EXCEPT ![k] = s]
     /\ dropped' = dropped \ {k}
-    /\ UNCHANGED <<now, lease, reader>>
+    /\ UNCHANGED <<now, lease, reader, inherited, quietUntil, takeovers>>
 
 (* An idle reader sends a read request; its deadline starts now. *)
 Request(r, k) ==
     /\ reader[r] = None
     /\ reader' = [reader EXCEPT ![r] = [ph |-> "asked", key |-> k, slot |-> None,
                                         base |-> now, clob |-> FALSE]]
-    /\ UNCHANGED <<now, dir, lease, dropped>>
+    /\ UNCHANGED <<now, dir, lease, dropped, inherited, quietUntil, takeovers>>
 
 (* The master handles the request (perhaps ticks later): a lease on a      *)
 (* cached object, or a miss that ends the read.                            *)
@@ -146,7 +166,7 @@ Grant(r) ==
               /\ reader' = [reader EXCEPT ![r] = [@ EXCEPT !.ph = "granted", !.slot = dir[k]]]
          ELSE /\ reader' = [reader EXCEPT ![r] = None]       \* refused: KeyNotFound
               /\ UNCHANGED lease
-    /\ UNCHANGED <<now, dir, dropped>>
+    /\ UNCHANGED <<now, dir, dropped, inherited, quietUntil, takeovers>>
 
 (* The grant reaches the reader, which starts the transfer. *)
 Reply(r) ==
@@ -154,7 +174,7 @@ Reply(r) ==
     /\ reader[r].ph = "granted"
     /\ reader' = [reader EXCEPT ![r] = [@ EXCEPT !.ph = "transferring",
                                                  !.base = BaseOnReply(r)]]
-    /\ UNCHANGED <<now, dir, lease, dropped>>
+    /\ UNCHANGED <<now, dir, lease, dropped, inherited, quietUntil, takeovers>>
 
 (* The reader renews its lease; its deadline restarts from the renewal.    *)
 (* The master refuses (LeaseExpired) once the lease expired: not enabled.  *)
@@ -164,7 +184,7 @@ Renew(r) ==
     /\ Unexpired(r)
     /\ lease' = [lease EXCEPT ![r].exp = now + TTL]
     /\ reader' = [reader EXCEPT ![r].base = now]
-    /\ UNCHANGED <<now, dir, dropped>>
+    /\ UNCHANGED <<now, dir, dropped, inherited, quietUntil, takeovers>>
 
 (* The transfer completes; the reader's clock is off by d.  It accepts the *)
 (* bytes only if its measured elapsed time passes ReaderAccepts.           *)
@@ -173,7 +193,7 @@ Complete(r, d) ==
     /\ reader[r].ph = "transferring"
     /\ reader' = [reader EXCEPT ![r].ph =
                     IF ReaderAccepts(now - reader[r].base + d) THEN "accepted" ELSE "rejected"]
-    /\ UNCHANGED <<now, dir, lease, dropped>>
+    /\ UNCHANGED <<now, dir, lease, dropped, inherited, quietUntil, takeovers>>
 
 (* The reader is done with the bytes (kept or rejected) and releases the   *)
 (* lease (a no-op at the master if it already expired).                    *)
@@ -183,14 +203,14 @@ Release(r) ==
     /\ dir' = DirAfterRelease(r)
     /\ lease' = [lease EXCEPT ![r] = None]
     /\ reader' = [reader EXCEPT ![r] = None]
-    /\ UNCHANGED <<now, dropped>>
+    /\ UNCHANGED <<now, dropped, inherited, quietUntil, takeovers>>
 
 (* A client deletes the object; refused (ObjectLeased) under a lease. *)
 Remove(k) ==
     /\ Present(k)
     /\ ~Leased(k)
     /\ Reclaim(k)
-    /\ UNCHANGED <<now, lease>>
+    /\ UNCHANGED <<now, lease, quietUntil, takeovers>>
 
 (* Under memory pressure the store evicts an object; the policy (LRU among *)
 (* unleased objects in the code) is one refinement of this choice.         *)
@@ -199,10 +219,21 @@ Evict(k) ==
     /\ Pressure
     /\ MayEvict(k)
     /\ Reclaim(k)
-    /\ UNCHANGED <<now, lease>>
+    /\ UNCHANGED <<now, lease, quietUntil, takeovers>>
+
+(* A new master takes over: the old lease table is gone; every object it  *)
+(* finds counts as leased until now + TTL.                               *)
+Takeover ==
+    /\ takeovers < MaxTakeovers
+    /\ takeovers' = takeovers + 1
+    /\ lease' = [r \in Readers |-> None]
+    /\ inherited' = InheritLeases
+    /\ quietUntil' = now + TTL
+    /\ UNCHANGED <<now, dir, reader, dropped>>
 
 Next ==
     \/ Tick(now + 1)
+    \/ Takeover
     \/ \E k \in Keys, s \in Slots : Put(k, s)
     \/ \E r \in Readers, k \in Keys : Request(r, k)
     \/ \E r \in Readers : Grant(r) \/ Reply(r) \/ Renew(r) \/ Release(r)
@@ -221,6 +252,9 @@ TypeOK ==
     /\ lease \in [Readers -> {None} \cup LeaseRec]
     /\ reader \in [Readers -> {None} \cup Read]
     /\ dropped \subseteq Keys
+    /\ inherited \subseteq Keys
+    /\ quietUntil \in 0..(MaxTime + TTL)
+    /\ takeovers \in 0..MaxTakeovers
 
 (* While a lease is unexpired by the master's clock, its object is still   *)
 (* cached in the slot the lease protects, and no other object is there.    *)

@@ -31,7 +31,9 @@ def spec_actions(tla_text: str) -> list[str]:
     if not m:
         return []
     body = re.sub(r"\\\*.*", "", m.group(1))
-    return list(dict.fromkeys(re.findall(r"\b([A-Z]\w*)\s*\(", body)))
+    # an action is applied with arguments, or stands alone after \/ or a quantifier's ':'
+    named = re.findall(r"\b([A-Z]\w*)\s*\(|(?:\\/|:)\s*([A-Z]\w*)\b", body)
+    return list(dict.fromkeys(a or b for a, b in named))
 
 
 def spec_checks(spec_dir: Path, module: str) -> tuple[list[str], list[str]]:

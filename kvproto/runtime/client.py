@@ -127,6 +127,7 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             if client is None:
                 return
             active, interval, master = client._active, client._hb_interval, client.master
+            tokens = client._in_flight
             if master != address:
                 if sock is not None:
                     sock.close(linger=0)
@@ -139,9 +140,11 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             if active and now - last_sent >= interval:
                 rid += 1
                 last_sent = now
+                body = {"client": client_id}
+                if tokens:
+                    body["tokens"] = list(tokens)
                 try:
-                    sock.send(wire.encode_request("heartbeat", rid, {"client": client_id}),
-                              flags=zmq.NOBLOCK)
+                    sock.send(wire.encode_request("heartbeat", rid, body), flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
             while sock.poll(0):  # drop the answers
@@ -255,6 +258,9 @@ class Client:
         self._active = 0
         self._active_lock = threading.Lock()
         self._hb_interval = 1.0
+        #: tokens of the put attempts being written now; the heartbeats name
+        #: them, and only a named attempt's deadline restarts at the master
+        self._in_flight: tuple[int, ...] = ()
         self._hb_stop = threading.Event()
         self._hb_thread: Optional[threading.Thread] = None
 
@@ -497,9 +503,15 @@ class Client:
 
     def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list) -> None:
         with self._lock, self._activity():
-            reply = self._call_master("put_start", {
-                "client": self.client_id, "replicas": replicas,
-                "items": [[k, v.nbytes] for _, k, v in todo]}, deadline)
+            try:
+                reply = self._call_master("put_start", {
+                    "client": self.client_id, "replicas": replicas,
+                    "items": [[k, v.nbytes] for _, k, v in todo]}, deadline)
+            except errors.RequestTimeout:
+                # the master may have granted attempts whose tokens never
+                # reached us: end them now, so that a retry is not KeyExists
+                self._abandon([k for _, k, _ in todo])
+                raise
             self._note_interval(reply)
             grants: dict[int, tuple[bytes, memoryview, int, list]] = {}
             term = reply.body.get("term", 0)
@@ -510,6 +522,7 @@ class Client:
                 else:
                     grants[i] = (k, v, grant["token"], grant["replicas"])
             ended: set[int] = set()
+            self._in_flight = tuple(g[2] for g in grants.values())
             try:
                 failed = self._write_all(grants, reply.body.get("segments", {}), deadline, term)
                 for i, err in failed.items():
@@ -528,6 +541,7 @@ class Client:
                         for i, item in zip(ok, wire.items_of(rep, len(ok))):
                             results[i], _ = wire.item_result(item)
             finally:
+                self._in_flight = ()
                 self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
 
     #: how long a put whose writes timed out waits for the nodes' cancel acks
@@ -584,6 +598,16 @@ class Client:
         try:
             self._call_master("put_revoke", {"client": self.client_id,
                                              "items": [[k, t] for k, t in attempts]},
+                              time.monotonic() + wait)
+        except errors.KvError:
+            pass
+
+    def _abandon(self, keys: list[bytes], wait: float = 2.0) -> None:
+        """Best effort: end this client's pending attempts on ``keys`` whose
+        tokens it never received (``put_abandon``); the master also ends them
+        by their own deadline."""
+        try:
+            self._call_master("put_abandon", {"client": self.client_id, "keys": keys},
                               time.monotonic() + wait)
         except errors.KvError:
             pass

@@ -20,14 +20,35 @@ A put's grant is *parked* until every storage node involved acknowledged its
 ``assign`` (the loop never blocks on it); a node that refuses an assign gets the
 attempt revoked (``PutRevoke``) and the writer gets ``RegionMismatch``.
 
-Client sessions. A client that holds pending allocations or read pins has one,
-refreshed by any request naming it and by ``heartbeat``. When it is silent for
-``writer_timeout`` the master feeds ``ReclaimAbandoned(key, token)`` for each of
-its pending allocations and ``ReadEnd(key, token)`` for each pin it still holds
-(so a crashed reader cannot pin an object forever). The session only remembers
-what is *in flight*: tokens of PENDING allocations and read pins; it is dropped
-when empty. A storage node silent for ``storage_timeout`` (or that deregisters,
-or answers a command with ``SegmentUnavailable``) becomes ``SegmentLost``.
+Client sessions. A client that holds pending allocations or read pins has one.
+Each pending allocation (put attempt) has a deadline of its own: it is
+refreshed only by a request naming its token (``put_end``, ``put_revoke``) or
+by a ``heartbeat`` listing it among the client's attempts in flight, and when
+it lapses (``writer_timeout``) the master feeds ``ReclaimAbandoned(key,
+token)``. So an attempt whose token its client never received (its
+``put_start`` timed out) ends on its own even while the client keeps working;
+the client may also end it at once with ``put_abandon`` (its own pending
+attempts on the keys it names). A session silent for ``writer_timeout`` has
+``ReadEnd(key, token)`` fed for each pin it still holds (so a crashed reader
+cannot pin an object forever). The session only remembers what is *in
+flight*; it is dropped when empty. A storage node silent for
+``storage_timeout`` (or that deregisters, or answers a command with
+``SegmentUnavailable``) becomes ``SegmentLost``.
+
+Acknowledgements (``spec/Failover.tla``, ``AcknowledgedChangesSurvive``): the
+reply to ``put_end`` waits until every replica's node recorded the publish,
+and the reply to ``remove`` until every replica's node recorded the free, each
+stamped with this master's term; a node fenced by a newer master refuses, and
+the client is told the change failed. Besides, :class:`MasterServer` answers
+nothing but ``MasterNotOpen`` once it cannot prove that it still holds its
+term (a renewal less than ``HELD_FRACTION`` of the coordinator's TTL ago):
+checked before it handles a request and again before it sends each reply.
+
+Leases across a takeover (``spec/Lease.tla``, ``Takeover``): a new master
+knows none of the old master's leases, so every object it recovers counts as
+leased for one lease TTL plus a margin after it opens (``Remove`` and eviction
+refuse it); lease ids carry the term, so a renewal of an older term's lease is
+refused instead of extending another lease.
 
 Payload bytes never reach the master: its ROUTER accepts no payload frames.
 """
@@ -88,13 +109,15 @@ class SegmentInfo:
 
 
 class ClientSession:
-    """What one client has in flight: pending tokens and read pins."""
+    """What one client has in flight: pending attempts and read pins."""
 
     __slots__ = ("last_seen", "tokens", "pins")
 
     def __init__(self, now: float) -> None:
         self.last_seen = now
-        self.tokens: dict[int, bytes] = {}             # token -> key (PENDING only)
+        #: token -> [key, last refresh] of its PENDING attempts; each attempt
+        #: lapses on its own (``writer_timeout`` after its last refresh)
+        self.tokens: dict[int, list] = {}
         self.pins: dict[tuple[bytes, int], int] = {}   # (key, token) -> pins held
 
     def empty(self) -> bool:
@@ -103,9 +126,13 @@ class ClientSession:
 
 class Parked:
     """A reply waiting for storage nodes: a ``put_start`` for their ``assign``
-    acks, a ``put_end`` for their ``publish`` acks."""
+    acks, a ``put_end`` for their ``publish`` acks, a ``remove`` for their
+    ``free`` acks."""
 
     __slots__ = ("reply_to", "request_id", "items", "waiting", "op")
+
+    #: the request -> the storage command whose acks its reply waits for
+    WAITS_FOR = {"put_start": "assign", "put_end": "publish", "remove": "free"}
 
     def __init__(self, reply_to: ReplyTo, request_id: int, items: list, op: str = "put_start") -> None:
         self.reply_to = reply_to
@@ -155,7 +182,8 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "lease_grants", "lease_renewals", "lease_renewals_refused", "lease_releases",
             "lease_expiries", "leased_refusals", "removes_forced", "evictions", "eviction_short",
             # failover (spec/Failover.tla)
-            "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open")
+            "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open",
+            "abandoned", "removes_inherited_refused")
 
 
 class MasterCore:
@@ -165,6 +193,13 @@ class MasterCore:
     #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
     COMMAND_MAX_REGIONS = 1024
     COMMAND_MAX_BYTES = 256 << 10
+    #: a lease id is ``term << LEASE_ID_BITS | n``
+    LEASE_ID_BITS = 32
+    #: on top of one lease TTL, how long a new master keeps what it recovered
+    #: as leased (spec ``Takeover``): covers the clock-rate difference between
+    #: the old master, the readers and this one over one TTL
+    INHERIT_MARGIN_S = 0.1
+    INHERIT_MARGIN_FRACTION = 0.02
 
     def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
@@ -181,7 +216,7 @@ class MasterCore:
         self.leases = lm.new_table(float(lease_ttl))
         self.high_watermark = float(high_watermark)
         self.free_fraction = float(free_fraction)
-        self._next_lease = 1
+        self._next_lease = 1   # re-based on the term in take_term: ids unique across terms
         #: eviction recency: published key -> bytes on all replicas, least
         #: recently used (published, leased or renewed) first; O(1) per touch
         self._lru: "OrderedDict[bytes, int]" = OrderedDict()
@@ -295,7 +330,7 @@ class MasterCore:
             for op, regions in runs:
                 cmd_id = self._next_cmd
                 self._next_cmd += 1
-                owner = parked if op in ("assign", "publish") else None
+                owner = parked if parked is not None and Parked.WAITS_FOR[parked.op] == op else None
                 self._commands[cmd_id] = Command(cmd_id, segment, op, regions, owner, now)
                 if owner is not None:
                     owner.waiting.add(cmd_id)
@@ -459,7 +494,19 @@ class MasterCore:
         return 0, {}
 
     def _op_heartbeat(self, body, reply_to, request_id):
-        return 0, {"known": self._session(body["client"]) is not None}
+        """The client is alive (its pins stay); the attempts it lists in
+        ``tokens`` are still being written (each one's deadline restarts)."""
+        session = self._session(body["client"])
+        if session is not None:
+            self._refresh(session, body.get("tokens", ()))
+        return 0, {"known": session is not None}
+
+    def _refresh(self, session: ClientSession, tokens) -> None:
+        now = self.clock()
+        for token in tokens:
+            attempt = session.tokens.get(token)
+            if attempt is not None:
+                attempt[1] = now
 
     def _op_put_start(self, body, reply_to, request_id):
         client, replicas = body["client"], body["replicas"]
@@ -485,7 +532,7 @@ class MasterCore:
             grant = effects[0]
             assert isinstance(grant, PutGranted)
             self.counters["puts_started"] += 1
-            session.tokens[grant.token] = key
+            session.tokens[grant.token] = [key, self.clock()]
             self._owner[grant.token] = client
             self._parked_tokens[grant.token] = (parked, i)
             items[i] = wire.ok_item({"token": grant.token,
@@ -498,7 +545,7 @@ class MasterCore:
         return self._complete(parked)
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
-        if parked.op == "put_end":
+        if parked.op != "put_start":
             return 0, {"items": parked.items}
         segments: dict[str, list] = {}
         for item in parked.items:
@@ -512,7 +559,9 @@ class MasterCore:
                    "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
 
     def _end_or_revoke(self, body, event_type):
-        self._session(body["client"])
+        session = self._session(body["client"])
+        if session is not None:
+            self._refresh(session, [token for _, token in body["items"]])
         items = []
         for key, token in body["items"]:
             err, _ = self._step(event_type(key, token))
@@ -535,6 +584,27 @@ class MasterCore:
 
     def _op_put_revoke(self, body, reply_to, request_id):
         return self._end_or_revoke(body, PutRevoke)
+
+    def _op_put_abandon(self, body, reply_to, request_id):
+        """``PutRevoke`` of this client's own pending attempt on each key, by
+        the token the master holds for it: for a client whose ``put_start``
+        failed before it learned its tokens (e.g. it timed out), so that its
+        retry is not refused with ``KeyExists`` until the attempt lapses. A key
+        with no pending attempt of this client gets ``StaleToken``."""
+        client, items = body["client"], []
+        session = self._session(client)
+        mine = {key: token for token, (key, _) in session.tokens.items()} if session else {}
+        for key in body["keys"]:
+            token = mine.get(key)
+            if token is None:
+                items.append(wire.error_item(errors.StaleToken(
+                    f"{client} has no pending attempt on {key!r}")))
+                continue
+            err, _ = self._step(PutRevoke(key, token))
+            if err is None:
+                self.counters["abandoned"] += 1
+            items.append(wire.ok_item() if err is None else wire.error_item(err))
+        return 0, {"items": items}
 
     def _op_read_begin(self, body, reply_to, request_id):
         """A read: ``ReadBegin`` (only a published object is readable; its
@@ -642,8 +712,11 @@ class MasterCore:
 
     def _op_remove(self, body, reply_to, request_id):
         """``Remove``: the lease machine first (``ObjectLeased`` under an
-        unexpired lease), then the publish machine. ``force`` (operators) ends
-        the object's leases (``Release``) first, and is logged."""
+        unexpired lease, or while an object recovered at a takeover may still
+        be leased by the old master), then the publish machine. ``force``
+        (operators) ends the object's leases (``Release``, and ``Disown`` of an
+        inherited one) first, and is logged. The reply waits until every
+        replica's node recorded the free under this term (spec ``Remove``)."""
         force = body.get("force", False)
         items = []
         for key in body["keys"]:
@@ -656,14 +729,20 @@ class MasterCore:
                         self.counters["leased_refusals"] += 1
                         items.append(wire.error_item(err))
                         continue
-                    log.warning("forced remove of %r ends %d unexpired lease(s)",
-                                key, len(self.leases.by_key.get(key, ())))
+                    log.warning("forced remove of %r ends %d unexpired lease(s)%s",
+                                key, len(self.leases.by_key.get(key, ())),
+                                " and the previous master's" if lm.is_inherited(self.leases, key) else "")
                     for holder in list(self.leases.by_key.get(key, ())):
                         self._lstep(lm.Release(holder))
+                    self._lstep(lm.Disown(key))
                     self.counters["removes_forced"] += 1
             err, _ = self._step(Remove(key))
             items.append(wire.ok_item() if err is None else wire.error_item(err))
-        return 0, {"items": items}
+        parked = Parked(reply_to, request_id, items, "remove")
+        self._flush(parked)
+        if parked.waiting:
+            return None
+        return self._complete(parked)
 
     def _op_stats(self, body, reply_to, request_id):
         return 0, self.stats()
@@ -759,6 +838,9 @@ class MasterCore:
         if effects and isinstance(effects[0], fm.Refused):
             raise effects[0].error
         self.failover = new
+        # lease ids carry the term: a renewal of an older master's lease id
+        # names no lease here (LeaseExpired), never another client's
+        self._next_lease = (term << self.LEASE_ID_BITS) + 1
         now = self.clock()
         self._round = FenceRound(nodes, now, self.fence_timeout)
         log.info("term %d: fencing %d storage node(s)", term, len(nodes))
@@ -852,11 +934,15 @@ class MasterCore:
             info = rnd.infos[s]
             self.placer.add(s, info["capacity"], info["page_size"], used[s])
             self.segments[s] = SegmentInfo(info, now)   # seen: at the end of recovery, below
-        # the lease table caches every recovered object, with no lease (old
-        # leases are not carried over); recency starts in key order
+        # the lease table caches every recovered object, with no lease known
+        # (spec Takeover): each counts as leased for one TTL and a margin, the
+        # longest an old master's lease may still run; recency in key order
         sizes = [(key, (key, record.token), record.length * len(record.replicas))
                  for key, record in self.directory.objects.items()]
-        self.leases = lm.restored_table(self.leases.ttl, max(self.leases.now, self.clock()), sizes)
+        ttl = self.leases.ttl
+        self.leases = lm.restored_table(ttl, max(self.leases.now, self.clock()), sizes,
+                                        quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
+                                        + self.INHERIT_MARGIN_S)
         self._lru = OrderedDict((key, size) for key, _, size in sizes)
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
@@ -927,21 +1013,29 @@ class MasterCore:
             return
         self._next_tick = now + min(self.writer_timeout, self.storage_timeout) / 8
         for client, session in list(self.sessions.items()):
-            if now - session.last_seen <= self.writer_timeout:
-                continue
-            log.warning("client %s silent for %.1fs: reclaiming %d allocation(s), %d pin(s)",
-                        client, now - session.last_seen, len(session.tokens), len(session.pins))
-            for token, key in list(session.tokens.items()):
+            lapsed = [(token, key) for token, (key, seen) in session.tokens.items()
+                      if now - seen > self.writer_timeout]
+            if lapsed:
+                log.warning("client %s: %d put attempt(s) not refreshed for %.1fs: reclaiming",
+                            client, len(lapsed), self.writer_timeout)
+            for token, key in lapsed:
                 err, _ = self._step(ReclaimAbandoned(key, token))
                 if err is None:
                     self.counters["reclaimed"] += 1
                 self._forget_pending(token)
+            if now - session.last_seen <= self.writer_timeout:
+                continue
+            if session.pins:
+                log.warning("client %s silent for %.1fs: ending %d pin(s)",
+                            client, now - session.last_seen, len(session.pins))
             for (key, token), n in list(session.pins.items()):
                 for _ in range(n):
                     err, _ = self._step(ReadEnd(key, token))
                     if err is None:
                         self.counters["reads_reclaimed"] += 1
-            self.sessions.pop(client, None)
+            session.pins.clear()
+            if session.empty():
+                self.sessions.pop(client, None)
         for segment, info in list(self.segments.items()):
             if now - info.last_seen > self.storage_timeout:
                 self.segment_lost(segment, f"silent for {now - info.last_seen:.1f}s")
@@ -1072,12 +1166,8 @@ class MasterServer:
             return
         now = time.monotonic()
         if self._term:
-            renewer = self._renewer
-            if renewer.ended:
-                self._step_down(f"the coordinator ended term {self._term}")
-            elif now - renewer.renewed > coord.ttl:
-                self._step_down(f"leadership of term {self._term} not renewed for "
-                                f"{now - renewer.renewed:.1f}s")
+            if not self._held():
+                self._step_down(self._why_not_held())
             return
         if now < self._next_lead:
             return
@@ -1099,6 +1189,28 @@ class MasterServer:
     #: seconds without a turn of the serving loop (outside a recovery) after
     #: which the master stops renewing its leadership
     STUCK_AFTER = 10.0
+    #: the term counts as held while the last successful renewal started less
+    #: than this fraction of the coordinator's TTL ago (the coordinator's lease
+    #: runs a whole TTL from when it received the renewal, later still); the
+    #: rest is the margin against the two clocks drifting apart
+    HELD_FRACTION = 0.9
+
+    def _held(self) -> bool:
+        """Whether this master provably still holds its term (always, without
+        a coordinator). Checked before a request is handled and before every
+        reply: a master woken from a pause answers nothing but ``MasterNotOpen``."""
+        if self.coordinator is None:
+            return True
+        renewer = self._renewer
+        return bool(self._term) and not renewer.ended and \
+            time.monotonic() - renewer.renewed < self.HELD_FRACTION * self.coordinator.ttl
+
+    def _why_not_held(self) -> str:
+        renewer = self._renewer
+        if renewer.ended:
+            return f"the coordinator ended term {self._term}"
+        return (f"leadership of term {self._term} not renewed for "
+                f"{time.monotonic() - renewer.renewed:.1f}s")
 
     def _serving(self) -> bool:
         """Whether the loop turned recently, or is recovering (one long step)."""
@@ -1114,7 +1226,7 @@ class MasterServer:
         core.step_down(errors.MasterNotOpen(why))
         log.warning("stepping down: %s", why)
         for p in core.parked():
-            self._reply(p.reply_to, p.request_id, errors.MasterNotOpen.code, {"message": why})
+            self._send_reply(p.reply_to, p.request_id, errors.MasterNotOpen.code, {"message": why})
         for segment in list(self.dealers):
             sock = self.dealers.pop(segment)
             self.poller.unregister(sock)
@@ -1152,6 +1264,8 @@ class MasterServer:
 
     def _on_request(self, frames: list) -> None:
         identity = frames[0].bytes
+        if self._term and not self._held():
+            self._step_down(self._why_not_held())
         try:
             req = wire.decode_request(frames[1:], self.max_header_bytes, 0, wire.MASTER_OPS)
         except errors.KvError as err:
@@ -1170,6 +1284,15 @@ class MasterServer:
             self._reply(identity, req.request_id, *result)
 
     def _reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
+        """Answer, but only while the term is provably held: otherwise step down
+        and answer ``MasterNotOpen`` (what was done may not be acknowledged)."""
+        if self._term and not self._held():
+            why = self._why_not_held()
+            self._step_down(why)
+            status, body = errors.MasterNotOpen.code, {"message": why}
+        self._send_reply(identity, request_id, status, body)
+
+    def _send_reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
         try:
             self.router.send_multipart([identity, wire.encode_reply(request_id, status, body)],
                                        flags=zmq.NOBLOCK)

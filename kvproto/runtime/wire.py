@@ -161,6 +161,8 @@ MASTER_OPS: dict[str, OpSchema] = {
     }),
     "put_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
+    # revoke this client's own pending attempts on ``keys``, whose tokens it never received
+    "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
     # ``lease: true`` asks for a read lease per key (lease id + TTL) instead of a pin
     "read_begin": OpSchema({"client": CLIENT, "keys": KEYS}, optional={"lease": boolean()}),
     "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
@@ -168,7 +170,8 @@ MASTER_OPS: dict[str, OpSchema] = {
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     "exists": OpSchema({"keys": KEYS}),
     "remove": OpSchema({"keys": KEYS}, optional={"force": boolean()}),
-    "heartbeat": OpSchema({"client": CLIENT}),
+    # ``tokens``: the client's put attempts still being written (each one's deadline restarts)
+    "heartbeat": OpSchema({"client": CLIENT}, optional={"tokens": list_of(TOKEN)}),
     "stats": OpSchema({}),
 }
 

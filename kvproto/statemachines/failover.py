@@ -191,6 +191,21 @@ class PublishAcked:
 
 
 @attrs.frozen
+class Remove:
+    """A client removes published ``key``; emits the stamped free for its node."""
+
+    key: str
+
+
+@attrs.frozen
+class RemoveAcked:
+    """The node recorded the stamped free; the key is gone and the remove is
+    acknowledged to the client."""
+
+    key: str
+
+
+@attrs.frozen
 class Lookup:
     """A reader asks where ``key`` is."""
 
@@ -205,7 +220,7 @@ class NodeLost:
 
 
 MasterEvent = Union[ObtainTerm, FenceAcked, HigherTermSeen, Recover, Open, Allocate,
-                    Allocated, Publish, PublishAcked, Lookup, NodeLost]
+                    Allocated, Publish, PublishAcked, Remove, RemoveAcked, Lookup, NodeLost]
 
 # --------------------------------------------------------------------------
 # Storage node events: each stamped with the sender's term
@@ -263,9 +278,8 @@ class PurgeUnpublished:
 class StampedFree:
     """The publish protocol freed ``key``'s region (its ``FreeRegion``: the
     object was removed, evicted or its attempt revoked): the entry of
-    allocation ``token`` leaves the index with its region. The spec abstracts
-    removal away (keys are never removed in its model); the term fence applies
-    as to every request of a master."""
+    allocation ``token`` leaves the index with its region (spec ``Remove``,
+    node side). The term fence applies as to every request of a master."""
 
     node: str
     key: str
@@ -505,6 +519,27 @@ def publish_acked(state: Master, ev: PublishAcked):
         ev.key, attrs.evolve(entry, published=True))), ()
 
 
+def remove(state: Master, ev: Remove):
+    """Spec ``Remove`` (master side): emit the free stamped with our term; the
+    remove is acknowledged only once the node recorded it (``RemoveAcked``)."""
+    err = _require_open(state)
+    entry = state.directory.get(ev.key)
+    if err is None and (entry is None or not entry.published):
+        err = errors.KeyNotFound(f"{ev.key!r}")
+    if err is not None:
+        return _refuse(state, err)
+    return state, (StampedFree(entry.node, ev.key, state.term, entry.token),)
+
+
+def remove_acked(state: Master, ev: RemoveAcked):
+    err = _require_open(state)
+    if err is None and ev.key not in state.directory:
+        err = errors.KeyNotFound(f"{ev.key!r}")
+    if err is not None:
+        return _refuse(state, err)
+    return attrs.evolve(state, directory=state.directory.delete(ev.key)), ()
+
+
 def lookup(state: Master, ev: Lookup):
     """Spec ``Lookup``: a descriptor stamped with our term, or a refusal the
     client treats as a miss (``MasterNotOpen``, ``KeyNotFound``)."""
@@ -531,7 +566,8 @@ def node_lost(state: Master, ev: NodeLost):
 _MASTER_HANDLERS: dict[type, Callable] = {
     ObtainTerm: obtain_term, FenceAcked: fence_acked, HigherTermSeen: higher_term_seen,
     Recover: recover, Open: open_service, Allocate: allocate, Allocated: allocated,
-    Publish: publish, PublishAcked: publish_acked, Lookup: lookup, NodeLost: node_lost,
+    Publish: publish, PublishAcked: publish_acked, Remove: remove, RemoveAcked: remove_acked,
+    Lookup: lookup, NodeLost: node_lost,
 }
 
 
@@ -597,12 +633,12 @@ def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, E
         index, keys, freed = purge_unpublished(node.index, event.below)
         return attrs.evolve(node, index=index), (Purged(keys, freed),)
     if isinstance(event, StampedFree):
-        if not node_accepts(node, event.term):
-            return _stale(node, event.term)
         entry = node.index.get(event.key)
         if entry is None or entry.token != event.token:
             return _refuse(node, errors.StaleToken(
                 f"{event.key!r} is not held here with token {event.token}"))
+        if not node_accepts(node, event.term):
+            return _stale(node, event.term)
         return (StorageNode(max(node.term, event.term), node.index.delete(event.key)),
                 (StorageAccepted(event.key, event.term),))
     raise TypeError(f"not a storage event: {event!r}")
@@ -615,6 +651,11 @@ def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, E
 #: The result of a read that missed (spec ``Miss``).
 MISS = IndexEntry(term=0, published=False, by=0)
 
+#: What the last acknowledged change of a key told its client (spec ``told``):
+#: ``("none", None)``, ``("published", node)`` or ``("removed", None)``.
+TOLD_NONE = ("none", None)
+TOLD_REMOVED = ("removed", None)
+
 
 @attrs.frozen
 class System:
@@ -625,13 +666,16 @@ class System:
     desc: immutables.Map            # reader -> Descriptor | None
     got: immutables.Map             # reader -> IndexEntry | MISS | None
     stale_accepted: frozenset       # history: nodes that accepted a stale-term write
+    told: immutables.Map            # history: key -> what its last acknowledged change told
 
     @classmethod
-    def initial(cls, masters: Sequence[str], nodes: Sequence[str], readers: Sequence[str]) -> "System":
+    def initial(cls, masters: Sequence[str], nodes: Sequence[str], readers: Sequence[str],
+                keys: Sequence[str] = ()) -> "System":
         return cls(0, immutables.Map({m: Master() for m in masters}),
                    immutables.Map({n: StorageNode() for n in nodes}), frozenset(nodes),
                    immutables.Map({r: None for r in readers}),
-                   immutables.Map({r: None for r in readers}), frozenset())
+                   immutables.Map({r: None for r in readers}), frozenset(),
+                   immutables.Map({k: TOLD_NONE for k in keys}))
 
     def _with(self, **changes) -> "System":
         return attrs.evolve(self, **changes)
@@ -739,7 +783,29 @@ def sys_publish(sys: System, m: str, key: str) -> Optional[System]:
     new, _ = new._master(m, PublishAcked(key))
     if request.term < node.term:
         new = new._with(stale_accepted=new.stale_accepted | {n})
-    return new
+    return new._with(told=new.told.set(key, ("published", n)))
+
+
+def sys_remove(sys: System, m: str, key: str) -> Optional[System]:
+    """Spec ``Remove``: refused while a reader holds a descriptor of ``key``;
+    acknowledged (``told``) only once the node recorded the stamped free."""
+    _, effects = master_step(sys.masters[m], Remove(key))
+    if not _accepted(effects):
+        return None
+    request = effects[0]
+    n = request.node
+    if n not in sys.live or any(d is not None and d.key == key for d in sys.desc.values()):
+        return None
+    node = sys.nodes[n]
+    new, effects = sys._node(n, request)
+    if _refused_term(effects):
+        return _step_down_on(sys, m, n)
+    if not _accepted(effects):
+        return None
+    new, _ = new._master(m, RemoveAcked(key))
+    if request.term < node.term:
+        new = new._with(stale_accepted=new.stale_accepted | {n})
+    return new._with(told=new.told.set(key, TOLD_REMOVED))
 
 
 def sys_lookup(sys: System, r: str, m: str, key: str) -> Optional[System]:
@@ -786,6 +852,7 @@ ACTIONS: dict[str, Callable[..., Optional[System]]] = {
     "Crash": sys_crash,
     "Allocate": sys_allocate,
     "Publish": sys_publish,
+    "Remove": sys_remove,
     "Lookup": sys_lookup,
     "Read": sys_read,
     "NodeLost": sys_node_lost,
@@ -813,6 +880,9 @@ def type_ok(sys: System) -> bool:
         if any(not (1 <= e.term <= sys.coord_term and 0 <= e.by <= sys.coord_term)
                for e in node.index.values()):
             return False
+    if any(what not in ("none", "published", "removed") or (n is not None and n not in sys.nodes)
+           for what, n in sys.told.values()):
+        return False
     return sys.live <= frozenset(sys.nodes) and sys.stale_accepted <= frozenset(sys.nodes)
 
 
@@ -872,6 +942,23 @@ def reads_return_published_bytes_or_miss(sys: System) -> bool:
                for g in sys.got.values())
 
 
+def acknowledged_changes_survive(sys: System) -> bool:
+    """Spec ``AcknowledgedChangesSurvive``: a current master lists as published
+    every object whose publish was acknowledged (while its node lives) and none
+    whose remove was acknowledged."""
+    for m, master in sys.masters.items():
+        if not current(sys, m):
+            continue
+        for key, (what, n) in sys.told.items():
+            e = master.directory.get(key)
+            listed = e is not None and e.published
+            if what == "published" and n in sys.live and not listed:
+                return False
+            if what == "removed" and listed:
+                return False
+    return True
+
+
 INVARIANTS: dict[str, Callable[[System], bool]] = {
     "TypeOK": type_ok,
     "NoSplitBrainAllocation": no_split_brain_allocation,
@@ -879,6 +966,7 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
     "DirectoryOnlyListsLiveBytes": directory_only_lists_live_bytes,
     "UnpublishedPurgedAfterRecovery": unpublished_purged_after_recovery,
     "ReadsReturnPublishedBytesOrMiss": reads_return_published_bytes_or_miss,
+    "AcknowledgedChangesSurvive": acknowledged_changes_survive,
 }
 
 # --------------------------------------------------------------------------
@@ -901,7 +989,7 @@ class Constants:
                    consts["MaxTerm"])
 
     def initial(self) -> System:
-        return System.initial(self.masters, self.nodes, self.readers)
+        return System.initial(self.masters, self.nodes, self.readers, self.keys)
 
 
 def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
@@ -918,6 +1006,7 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
             for n in c.nodes:
                 yield from emit("Allocate", sys_allocate(sys, m, k, n))
             yield from emit("Publish", sys_publish(sys, m, k))
+            yield from emit("Remove", sys_remove(sys, m, k))
     for r in c.readers:
         for m in c.masters:
             for k in c.keys:
@@ -963,6 +1052,8 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "desc": Fn.of({ModelValue(r): descriptor(sys.desc[r]) for r in c.readers}),
         "got": Fn.of({ModelValue(r): idx_entry(sys.got[r]) for r in c.readers}),
         "staleAccepted": frozenset(ModelValue(n) for n in sys.stale_accepted),
+        "told": Fn.of({ModelValue(k): Fn.of({"what": what, "node": NONE if n is None else ModelValue(n)})
+                       for k, (what, n) in sys.told.items()}),
     })
 
 

@@ -66,10 +66,13 @@ from kvproto.checking.tla import Fn, ModelValue, model_names
 
 @attrs.frozen
 class CachedObject:
-    """A cached (published) object: the region holding its bytes and its size."""
+    """A cached (published) object: the region holding its bytes and its size.
+    ``inherited``: this master found it when it took over (spec ``inherited``),
+    so a lease of the old master may cover it until ``quiet_until``."""
 
     region: str
     size: int = 1
+    inherited: bool = False
 
 
 @attrs.frozen
@@ -100,6 +103,7 @@ class LeaseTable:
     leases: immutables.Map = immutables.Map()     # holder -> Lease
     by_key: immutables.Map = immutables.Map()     # key -> Map(holder -> True)
     used: int = 0                                 # bytes held by cached objects
+    quiet_until: int = 0                          # inherited objects count as leased before this
     earliest: Optional[int] = attrs.field(default=None, eq=False)
     last_used: immutables.Map = attrs.field(default=immutables.Map(), eq=False)
 
@@ -161,7 +165,16 @@ class Evict:
     key: Hashable
 
 
-MasterEvent = Union[Tick, Put, Grant, Renew, Release, Remove, Evict]
+@attrs.frozen
+class Disown:
+    """An operator's forced remove: ``key`` stops counting as leased by a
+    previous master. Outside the spec, like the forced ``Release`` of other
+    readers' leases that comes with it; it breaks their protection knowingly."""
+
+    key: Hashable
+
+
+MasterEvent = Union[Tick, Put, Grant, Renew, Release, Remove, Evict, Disown]
 
 # --------------------------------------------------------------------------
 # Effects
@@ -232,26 +245,48 @@ def new_table(ttl: int) -> LeaseTable:
 
 
 
-def restored_table(ttl: int, now, objects: Iterable[tuple[Hashable, str, int]]) -> LeaseTable:
-    """The table of a master that opens after ``spec/Failover.tla``'s ``Recover``:
-    every recovered ``(key, region, size)`` is cached (as by ``Put``) and no
-    lease is held (leases of an older term are not carried over)."""
+def restored_table(ttl: int, now, objects: Iterable[tuple[Hashable, str, int]],
+                   quiet=None) -> LeaseTable:
+    """The table of a master that takes over (spec ``Takeover``; the runtime
+    calls it after ``spec/Failover.tla``'s ``Recover``): every recovered
+    ``(key, region, size)`` is cached and *inherited*, and no lease is known
+    (the old master's leases are not carried over). Inherited objects count
+    as leased until ``now + quiet`` (default ``ttl``: the old master granted
+    nothing after it lost its term, so none of its leases outlives that); a
+    runtime whose clocks may drift apart passes a margin on top."""
     cached, regions, used = {}, {}, 0
     for key, region, size in objects:
         if key in cached or region in regions or size <= 0:
             raise ValueError(f"recovered object {key!r} repeats a key or region, or is empty")
-        cached[key] = CachedObject(region, size)
+        cached[key] = CachedObject(region, size, True)
         regions[region] = key
         used += size
     return LeaseTable(ttl=ttl, now=now, objects=map_of(cached.items()),
                       regions=map_of(regions.items()), used=used,
+                      quiet_until=now + (ttl if quiet is None else quiet),
                       last_used=map_of((key, now) for key in cached))
 
 
+def inherited_quiet(table: LeaseTable) -> bool:
+    """Whether objects this master inherited still count as leased."""
+    return table.now < table.quiet_until
+
+
+def is_inherited(table: LeaseTable, key: Hashable) -> bool:
+    """Whether ``key`` counts as leased only because a previous master may
+    have leased it (spec ``inherited``, before ``quietUntil``)."""
+    obj = table.objects.get(key)
+    return obj is not None and obj.inherited and table.now < table.quiet_until
+
+
 def is_leased(table: LeaseTable, key: Hashable) -> bool:
-    """Spec ``Leased(k)``: some lease on ``key`` is unexpired by the master's clock."""
+    """Spec ``Leased(k)``: some lease on ``key`` is unexpired by the master's
+    clock, or ``key`` was inherited at a takeover less than ``quiet`` ago."""
     holders = table.by_key.get(key)
     if not holders:
+        if table.now < table.quiet_until:
+            obj = table.objects.get(key)
+            return obj is not None and obj.inherited
         return False
     return any(table.leases[h].expires > table.now for h in holders)
 
@@ -342,6 +377,11 @@ def _reclaim(table: LeaseTable, key: Hashable, evicted: bool):
     if obj is None:
         return _refuse(table, errors.KeyNotFound(f"{key!r}"))
     if is_leased(table, key):
+        if key not in table.by_key or not any(table.leases[h].expires > table.now
+                                              for h in table.by_key[key]):
+            return _refuse(table, errors.ObjectLeased(
+                f"{key!r} may still be leased by the previous master "
+                f"({table.quiet_until - table.now} more)"))
         return _refuse(table, errors.ObjectLeased(
             f"{key!r} has {len(table.by_key[key])} unexpired lease(s)"))
     new = attrs.evolve(table, objects=table.objects.delete(key),
@@ -362,9 +402,19 @@ def evict(table: LeaseTable, ev: Evict):
     return _reclaim(table, ev.key, evicted=True)
 
 
+def disown(table: LeaseTable, ev: Disown):
+    """See :class:`Disown`; a key not inherited is left as it is."""
+    obj = table.objects.get(ev.key)
+    if obj is None:
+        return _refuse(table, errors.KeyNotFound(f"{ev.key!r}"))
+    if not obj.inherited:
+        return table, ()
+    return attrs.evolve(table, objects=table.objects.set(ev.key, attrs.evolve(obj, inherited=False))), ()
+
+
 _MASTER_HANDLERS: dict[type, Callable] = {
     Tick: tick, Put: put, Grant: grant, Renew: renew, Release: release,
-    Remove: remove, Evict: evict,
+    Remove: remove, Evict: evict, Disown: disown,
 }
 
 
@@ -617,6 +667,7 @@ class System:
     readers: immutables.Map        # reader -> ReadState | None
     dropped: frozenset             # history: keys not cached (never put, or removed/evicted)
     max_skew: int = 0
+    takeovers: int = 0             # how many times a new master took over
 
     @classmethod
     def initial(cls, keys: Sequence[Hashable], slots: Sequence[str], readers: Sequence[str],
@@ -734,6 +785,14 @@ def sys_release(sys: System, r: str) -> Optional[System]:
     return _set_read(new, r, None)
 
 
+def sys_takeover(sys: System) -> System:
+    """Spec ``Takeover``: a new master's table (:func:`restored_table`) with
+    the objects of the old one, all inherited, and none of its leases."""
+    t = sys.table
+    table = restored_table(t.ttl, t.now, [(k, o.region, o.size) for k, o in t.objects.items()])
+    return sys._with(table=table, takeovers=sys.takeovers + 1)
+
+
 def sys_remove(sys: System, k: Hashable) -> Optional[System]:
     new, effects = sys.master(Remove(k))
     return new if _accepted(effects) else None
@@ -760,6 +819,7 @@ ACTIONS: dict[str, Callable[..., Optional[System]]] = {
     "Release": sys_release,
     "Remove": sys_remove,
     "Evict": sys_evict,
+    "Takeover": sys_takeover,
 }
 
 # --------------------------------------------------------------------------
@@ -851,11 +911,12 @@ class Constants:
     ttl: int
     max_skew: int
     max_time: int
+    max_takeovers: int = 0
 
     @classmethod
     def from_tla(cls, consts: Mapping) -> "Constants":
         return cls(model_names(consts["Keys"]), model_names(consts["Slots"]), model_names(consts["Readers"]),
-                   consts["TTL"], consts["MaxSkew"], consts["MaxTime"])
+                   consts["TTL"], consts["MaxSkew"], consts["MaxTime"], consts["MaxTakeovers"])
 
     def initial(self) -> System:
         return System.initial(self.keys, self.slots, self.readers, self.ttl, self.max_skew)
@@ -865,6 +926,8 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
     """All ``(action name, next state)`` pairs, as TLC's ``Next`` generates them."""
     if sys.table.now < c.max_time:
         yield from emit("Tick", sys_tick(sys, sys.table.now + 1))
+    if sys.takeovers < c.max_takeovers:
+        yield from emit("Takeover", sys_takeover(sys))
     for k in c.keys:
         for s in c.slots:
             yield from emit("Put", sys_put(sys, k, s))
@@ -916,6 +979,9 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "lease": Fn.of({ModelValue(r): lease(r) for r in c.readers}),
         "reader": Fn.of({ModelValue(r): read(r) for r in c.readers}),
         "dropped": frozenset(ModelValue(k) for k in sys.dropped),
+        "inherited": frozenset(ModelValue(k) for k, o in t.objects.items() if o.inherited),
+        "quietUntil": t.quiet_until,
+        "takeovers": sys.takeovers,
     })
 
 

@@ -33,6 +33,7 @@ from kvproto.runtime.master import MasterCore
 from kvproto.runtime.shm import SegmentMemory, gen_word
 from kvproto.runtime.storage import StorageCore
 from kvproto.statemachines import failover as fm
+from kvproto.statemachines import lease as lm
 from kvproto.statemachines.publish import Status
 
 PAGE = 512
@@ -253,6 +254,7 @@ class FailoverCores(RuleBasedStateMachine):
     @initialize(nodes=st.integers(2, 3))
     def start(self, nodes):
         self.c = Cluster(nodes)
+        self.inherited_refused = 0
 
     def teardown(self):
         if self.c is not None:
@@ -262,6 +264,7 @@ class FailoverCores(RuleBasedStateMachine):
         event(f"nodes lost={self.lost}")
         event(f"hits={min(self.hits, 3)}")
         event(f"purged>0={self.purged > 0}")
+        event(f"remove refused while inherited={min(self.inherited_refused, 1)}")
 
     def cores(self) -> list[MasterCore]:
         return [self.c.active, *self.paused]
@@ -348,9 +351,19 @@ class FailoverCores(RuleBasedStateMachine):
             assert all(status == 0 for _, _, _, status in delivered)
         elif isinstance(err, errors.KeyNotFound):
             assert key not in self.acked
+        elif isinstance(err, errors.ObjectLeased):
+            # recovered at a takeover: the old master may have leased it
+            assert key in self.acked and lm.is_inherited(c.active.leases, key), err
+            self.inherited_refused += 1
         else:
             assert isinstance(err, errors.NotPublished), err
             assert c.active.directory.objects[key].status is Status.PENDING
+
+    @rule(seconds=st.sampled_from([0.5, 3.0, 8.0]))
+    def time_passes(self, seconds):
+        """The clock moves on: past the lease TTL, a new master's inherited
+        objects may be removed."""
+        self.c.clock.t += seconds
 
     # -- readers ---------------------------------------------------------------
 
@@ -476,9 +489,15 @@ class FailoverCores(RuleBasedStateMachine):
         if refused:
             assert core.failover.phase is STANDBY
             self.step_downs += 1
-        if op == "put_end" and result is not None:
-            # never acknowledged: the new master would not list it
-            assert result[0] != 0 or wire.item_result(result[1]["items"][0])[0] is not None
+        if op in ("put_end", "remove") and refused:
+            # spec AcknowledgedChangesSurvive: a change a fenced node refused is
+            # never acknowledged (the new master lists the object, or never did);
+            # a reply still waiting on a silent node is answered MasterNotOpen
+            # by the server when its core steps down
+            if result is None:
+                assert core.failover.phase is STANDBY and core.parked()
+            else:
+                assert result[0] != 0 or wire.item_result(result[1]["items"][0])[0] is not None
         if op == "read_begin" and result is not None and result[0] == 0:
             err, grant = wire.item_result(result[1]["items"][0])
             if err is None:
@@ -649,14 +668,19 @@ def test_a_replica_lost_during_the_fence_leaves_the_other_one_listed(cluster):
     assert isinstance(c.read("n0", *stale["replicas"][0][1:], stale["token"], 1), errors.StaleTerm)
     (status, body), _ = c.call(old, "read_end", {"client": "r", "items": [[b"k", stale["token"]]]})
     assert status == 0 and wire.item_result(body["items"][0])[0] is None
-    # its remove is refused by the fenced node, and it steps down
-    (status, body), delivered = c.call(old, "remove", {"keys": [b"k"]})
+    # its remove is refused by the fenced node, and it steps down; the remove
+    # is not acknowledged (the server answers a parked request MasterNotOpen)
+    result, delivered = c.call(old, "remove", {"keys": [b"k"]})
     assert [(s, op, st_) for s, op, _, st_ in delivered] == [("n0", "free", errors.StaleTerm.code),
                                                              ("n1", "free", None)]
-    assert old.failover.phase is STANDBY
-    # the object is intact, and the new master removes it from the live node only
+    assert old.failover.phase is STANDBY and result is None and old.parked()
+    # the object is intact; the new master keeps it while the old master's
+    # leases may run, then removes it from the live node only
     off = rec.replicas[0].offset
     assert c.read("n0", off, 1000, rec.token, 2) == data
+    (status, body), delivered = c.call(new, "remove", {"keys": [b"k"]})
+    assert isinstance(wire.item_result(body["items"][0])[0], errors.ObjectLeased) and delivered == []
+    c.clock.t += new.leases.ttl * 1.1 + 1
     (status, body), delivered = c.call(new, "remove", {"keys": [b"k"]})
     assert wire.item_result(body["items"][0])[0] is None
     assert [(s, op, st_) for s, op, _, st_ in delivered] == [("n0", "free", 0)]

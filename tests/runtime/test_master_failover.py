@@ -44,13 +44,13 @@ def coordinator_url(request, tmp_path):
     return request.getfixturevalue("etcd")
 
 
-def start_master(spawn, url: str):
+def start_master(spawn, url: str, lease_ttl: float = 5.0):
     m = spawn(f"""
         import logging; logging.basicConfig(level=logging.INFO)
         from kvproto.runtime.coordinator import connect
         from kvproto.runtime.embedded import run_master
         run_master("tcp://127.0.0.1:*", writer_timeout=1.5, storage_timeout=3.0, fence_timeout=1.5,
-                   coordinator=connect({url!r}, ttl={TTL}), log_level="INFO")
+                   coordinator=connect({url!r}, ttl={TTL}), log_level="INFO", lease_ttl={lease_ttl})
     """)
     line = m.readline()
     assert line.startswith("kvproto master listening on tcp://127.0.0.1:"), line
@@ -76,10 +76,10 @@ def open_at(url: str, address: str, raw) -> dict:
     return {**failover["last"], "term": failover["term"]} if failover["phase"] == "open" else {}
 
 
-def cluster(children, url: str, raw, nodes: int = 2):
-    a, a_addr = start_master(children, url)
+def cluster(children, url: str, raw, nodes: int = 2, lease_ttl: float = 5.0):
+    a, a_addr = start_master(children, url, lease_ttl)
     wait_for(lambda: open_at(url, a_addr, raw), what="the first master open")
-    b, b_addr = start_master(children, url)
+    b, b_addr = start_master(children, url, lease_ttl)
     storage = [start_storage(children, url) for _ in range(nodes)]
     client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
     wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == nodes,
@@ -186,6 +186,84 @@ def test_paused_master_is_fenced_and_steps_down(children, raw, coordinator_url):
     assert bytes(client.get(b"before")) == value(b"before")
 
 
+def test_a_paused_master_never_acknowledges_the_removes_queued_while_it_slept(
+        children, raw, coordinator_url):
+    """Removes sent to the active master while it is stopped wait in its
+    socket; a standby takes over meanwhile (and removes one key). On waking,
+    the old master must not answer them "ok" (spec AcknowledgedChangesSurvive),
+    nor answer a lookup from its stale directory: it cannot prove that it
+    holds its term, so it answers MasterNotOpen to everything. Every key it was
+    asked to remove is still there at the new master."""
+    url = coordinator_url
+    (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw)
+    keys = [f"keep-{i}".encode() for i in range(8)]
+    for k in keys:
+        client.put(k, value(k), replicas=2)
+    gone = keys.pop()
+    a.proc.send_signal(signal.SIGSTOP)
+    sock = raw(a_addr)
+    try:
+        wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
+        client.remove(gone, force=True)     # at the new master
+        for i, k in enumerate(keys):        # queued in the stopped master's socket
+            sock.sock.send(wire.encode_request("remove", 5000 + i, {"keys": [k]}))
+        sock.sock.send(wire.encode_request("exists", 6000, {"keys": [gone]}))
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    for _ in range(len(keys) + 1):
+        assert sock.sock.poll(10_000), "the woken master did not answer"
+        reply = wire.decode_reply(sock.sock.recv_multipart())
+        assert reply.status == errors.MasterNotOpen.code, (reply.request_id, reply.status, reply.body)
+    for k, got in zip(keys, client.get_many(keys)):
+        assert got is not None and bytes(got) == value(k), k
+    assert not client.exists(gone)
+
+
+def test_a_new_master_keeps_what_it_recovered_leased_for_one_lease_ttl(children, raw, tmp_path):
+    """A reader holds a lease from the old master when it is killed. The new
+    master knows none of the old leases (spec Lease.tla, Takeover), so it
+    refuses to remove what it recovered until one lease TTL (plus a margin)
+    has passed since it opened; the reader's renewal, of an older term's lease
+    id, is refused rather than extending somebody else's lease; the reader's
+    bytes are intact within its deadline and refused past it."""
+    from kvproto.statemachines import lease as lm
+    lease_ttl = 1.5
+    url = f"file://{tmp_path}/coordinator"
+    (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw, nodes=1,
+                                                       lease_ttl=lease_ttl)
+    client.put(b"held", value(b"held"))
+    reader = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
+    (held,) = reader.read_begin([b"held"])
+    assert held.lease >> 32 >= 1           # the lease id carries the term that granted it
+    a.stop(signal.SIGKILL)
+    wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
+    opened = time.monotonic()
+    with pytest.raises(errors.ObjectLeased):
+        client.remove(b"held")
+    assert reader.renew([held])[0].__class__ is errors.LeaseExpired
+    # the reader's transfer within its lease: the bytes are the object's
+    seg, off, length = held.replicas[0]
+    local = reader._local_segment(seg, held.segments[seg])
+    got = local.read(off, length, held.token, held.segments[seg][4])
+    assert got is not None and bytes(got) == value(b"held")
+    assert lm.accept_transfer(held.sent, time.monotonic(), held.ttl, reader.max_skew)
+    # once the old master's leases have surely ended, the remove goes through
+    wait_for(lambda: _removed(client, b"held"), timeout=10, what="the remove after the quiet period")
+    assert time.monotonic() - opened >= lease_ttl * 0.9
+    assert not lm.accept_transfer(held.sent, time.monotonic(), held.ttl, reader.max_skew)
+    with pytest.raises(errors.KeyNotFound):
+        client.get(b"held")
+    reader.close()
+
+
+def _removed(client, key: bytes) -> bool:
+    try:
+        client.remove(key)
+        return True
+    except errors.ObjectLeased:
+        return False
+
+
 def test_storage_node_lost_during_the_switch(children, raw, tmp_path):
     url = f"file://{tmp_path}/coordinator"
     (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw)
@@ -272,5 +350,76 @@ def test_a_master_whose_loop_is_stuck_lets_its_lease_run_out(tmp_path):
         server._once(10)                       # the loop turns again: it steps down
         assert server._term == 0 and server.core.failover.phase.value == "standby"
         probe.close()
+    finally:
+        server.close()
+
+
+class _StillCoordinator:
+    """A coordinator that grants term 1 and renews whenever asked; its TTL is
+    long, so the test alone decides when the master's last renewal grows old
+    (as a pause would make it)."""
+
+    ttl = 1000.0
+
+    def campaign(self, address):
+        return 1
+
+    def nodes(self):
+        return {}
+
+    def keepalive(self, term):
+        return True
+
+    def leader(self):
+        return (1, "")
+
+    def resign(self, term):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_master_that_cannot_prove_its_term_answers_only_master_not_open(raw):
+    """The leadership check runs after a request is read and again before its
+    reply is sent (not only at the top of the loop, before the poll): a master
+    whose last renewal is older than HELD_FRACTION of the TTL answers
+    MasterNotOpen and steps down, whether the pause came before the request
+    was handled or between handling it and replying."""
+    from kvproto.runtime.master import MasterServer
+    server = MasterServer("tcp://127.0.0.1:*", coordinator=_StillCoordinator())
+    sock = raw(server.address)
+
+    def roundtrip(op, body, rid):
+        sock.sock.send(wire.encode_request(op, rid, body))
+        wait_for(lambda: server.router.poll(10), what="the request queued")
+        server._drain_router()            # what the loop does after its poll returns
+        assert sock.sock.poll(5000)
+        return wire.decode_reply(sock.sock.recv_multipart())
+
+    try:
+        server._lead()
+        assert server._term == 1 and server.core.failover.phase.value == "open"
+        assert roundtrip("exists", {"keys": [b"k"]}, 1).status == 0
+
+        # paused between handling a request and sending its reply
+        handle = server.core.handle
+
+        def paused_while_handling(*args):
+            result = handle(*args)
+            server._renewer.renewed -= 2 * _StillCoordinator.ttl
+            return result
+        server.core.handle = paused_while_handling
+        assert roundtrip("exists", {"keys": [b"k"]}, 2).status == errors.MasterNotOpen.code
+        assert server._term == 0 and server.core.failover.phase.value == "standby"
+
+        # paused before handling it: the request is not even handled
+        server._next_lead = 0.0
+        server._lead()
+        assert server._term == 1
+        core = server.core
+        server._renewer.renewed -= 2 * _StillCoordinator.ttl
+        assert roundtrip("remove", {"keys": [b"k"]}, 3).status == errors.MasterNotOpen.code
+        assert server._term == 0 and core.counters["refused"] == 0
     finally:
         server.close()

@@ -24,11 +24,12 @@ READERS = ["r0", "r1", "r2"]
 class FailoverSystem(RuleBasedStateMachine):
     @initialize(rate=st.integers(1, 5), burst=st.integers(1, 4))
     def start(self, rate, burst):
-        self.sys = F.System.initial(MASTERS, NODES, READERS)
+        self.sys = F.System.initial(MASTERS, NODES, READERS, KEYS)
         self.limiter = F.RecomputeLimiter(rate=rate, burst=burst)
         self.now = 0.0
         self.recomputes = []
         self.takeovers = self.stale_refused = self.hits = self.misses = 0
+        self.removes = self.stale_removes_refused = 0
 
     def step(self, action, *args):
         new = action(self.sys, *args)
@@ -124,6 +125,26 @@ class FailoverSystem(RuleBasedStateMachine):
         if self.step(F.sys_allocate, m, k, n) is not None:
             self.step(F.sys_publish, m, k)
 
+    @rule(m=st.sampled_from(MASTERS), k=st.sampled_from(KEYS))
+    def remove(self, m, k):
+        """A remove is acknowledged (``told``) only when the node recorded it;
+        a paused master's remove is refused by a fenced node and not told."""
+        master = self.sys.masters[m]
+        entry = master.directory.get(k)
+        stale = master.phase is F.Phase.OPEN and entry is not None and entry.published \
+            and entry.node in self.sys.live and self.sys.nodes[entry.node].term > master.term \
+            and k in self.sys.nodes[entry.node].index \
+            and all(d is None or d.key != k for d in self.sys.desc.values())
+        told = self.sys.told.get(k)
+        if self.step(F.sys_remove, m, k) is None:
+            return
+        if stale:
+            assert self.sys.masters[m].phase is F.Phase.STANDBY and self.sys.told.get(k) == told
+            self.stale_removes_refused += 1
+        else:
+            assert self.sys.told[k] == F.TOLD_REMOVED and k not in self.sys.masters[m].directory
+            self.removes += 1
+
     # -- readers -----------------------------------------------------------
 
     def fall_back(self):
@@ -183,6 +204,8 @@ class FailoverSystem(RuleBasedStateMachine):
     def teardown(self):
         event(f"takeovers={min(self.takeovers, 3)}")
         event(f"stale master refused={min(self.stale_refused, 2)}")
+        event(f"removes acknowledged={min(self.removes, 2)}")
+        event(f"stale removes refused={min(self.stale_removes_refused, 1)}")
 
 
 TestFailoverSystem = FailoverSystem.TestCase

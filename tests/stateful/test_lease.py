@@ -25,6 +25,8 @@ class LeaseSystem(RuleBasedStateMachine):
     def start(self, ttl, max_skew):
         self.sys = L.System.initial(KEYS, SLOTS, READERS, ttl, max_skew)
         self.accepted = self.rejected = self.evicted = self.refused_leased = self.clobbered = 0
+        self.takeovers = self.refused_inherited = 0
+        self.old_leases = {}      # ghost: expiry of leases granted before the last takeover
 
     # -- helpers -----------------------------------------------------------
 
@@ -93,6 +95,30 @@ class LeaseSystem(RuleBasedStateMachine):
         else:
             assert not refused and key not in self.sys.table.objects
 
+    @rule()
+    def takeover(self):
+        """A new master takes over: it knows no lease of the old one, keeps
+        every object, and refuses to reclaim any of them for one TTL."""
+        before = self.sys.table
+        self.old_leases.update((h, l.expires) for h, l in before.leases.items())
+        self.sys = L.sys_takeover(self.sys)
+        t = self.sys.table
+        assert not t.leases and set(t.objects) == set(before.objects)
+        assert all(L.is_leased(t, k) for k in t.objects)
+        assert t.quiet_until == t.now + t.ttl
+        self.takeovers += 1
+
+    @rule(key=st.sampled_from(KEYS))
+    def inherited_object_is_not_reclaimed_while_quiet(self, key):
+        t = self.sys.table
+        obj = t.objects.get(key)
+        if obj is None or not obj.inherited or not L.inherited_quiet(t):
+            return
+        for ev in (L.Remove(key), L.Evict(key)):
+            effects, refused = self.master(ev)
+            assert refused and isinstance(effects[0].error, errors.ObjectLeased)
+        self.refused_inherited += 1
+
     @rule(data=st.data())
     def evicting_a_leased_object_is_refused(self, data):
         if not self.sys.table.by_key:
@@ -149,6 +175,7 @@ class LeaseSystem(RuleBasedStateMachine):
     def do_grant(self, r):
         key = self.sys.readers[r].key
         cached = key in self.sys.table.objects
+        self.old_leases.pop(r, None)
         self.sys = L.sys_grant(self.sys, r)
         if cached:
             lease = self.sys.table.leases[r]
@@ -178,9 +205,11 @@ class LeaseSystem(RuleBasedStateMachine):
         self.sys = L.sys_complete(self.sys, r, d)
         read = self.sys.readers[r]
         if read.phase is L.Phase.ACCEPTED:
-            # The master's truth: the lease was unexpired when the transfer completed.
+            # The master's truth: the lease was unexpired when the transfer
+            # completed (granted by this master, or by one it took over from).
             lease = self.sys.table.leases.get(r)
-            assert lease is not None and lease.expires > self.sys.table.now
+            expires = lease.expires if lease is not None else self.old_leases.get(r, 0)
+            assert expires > self.sys.table.now
             assert not read.clobbered
             self.accepted += 1
         else:
@@ -271,6 +300,8 @@ class LeaseSystem(RuleBasedStateMachine):
         event(f"evicted {min(self.evicted, 5)}")
         event(f"rejected with the region reclaimed {min(self.clobbered, 2)}")
         event(f"remove refused under lease {min(self.refused_leased, 5)}")
+        event(f"takeovers {min(self.takeovers, 2)}")
+        event(f"inherited object kept while quiet {min(self.refused_inherited, 2)}")
 
 
 TestLeaseSystem = LeaseSystem.TestCase
