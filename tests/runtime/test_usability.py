@@ -216,6 +216,9 @@ def one_line_exit_2(proc: subprocess.CompletedProcess, *words: str) -> str:
     (["master", "--writer-timeout", "-1"], ["--writer-timeout"]),
     (["master", "--standby"], ["--standby needs --coordinator"]),
     (["demo", "--writers", "0"], ["--writers"]),
+    (["demo", "--replicas", "3"], ["--replicas"]),
+    (["bench", "--sizes", "abc"], ["--sizes"]),
+    (["check", "--workers", "0"], ["--workers"]),
     (["nonsense"], ["nonsense"]),
 ])
 def test_cli_mistakes_are_one_line_and_exit_status_2(args, words, capsys):
