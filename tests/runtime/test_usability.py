@@ -118,19 +118,19 @@ def test_a_live_master_whose_reply_waits_for_storage_is_not_unreachable(raw):
     silent_node.linger = 0
     port = silent_node.bind_to_random_port("tcp://127.0.0.1")
     try:
-        with kvproto.embedded(storage_nodes=0, storage_timeout=2.5) as cluster:
+        with kvproto.embedded(storage_nodes=0, storage_timeout=3.0) as cluster:
             node = raw(cluster.master_address)
             assert node.call("register", {
                 "segment": "silent", "capacity": 1 << 20, "endpoint": f"tcp://127.0.0.1:{port}",
                 "host": "elsewhere", "shm": "none", "gen_shm": "none", "nonce": 1,
                 "page_size": 4096}).status == 0
-            c = cluster.client(lookup_timeout=0.5)
+            c = cluster.client(lookup_timeout=1.0)
             t = time.monotonic()
             with pytest.raises(errors.KvError) as failed:
                 c.put(b"k", b"v", timeout=20)
             took = time.monotonic() - t
             assert not isinstance(failed.value, errors.MasterUnreachable), failed.value
-            assert took > 2.0, took                   # waited past lookup_timeout for the master
+            assert took > 2.5, took                   # waited past lookup_timeout for the master
             assert c.failover_counters["unreachable"] == 0
     finally:
         silent_node.close(linger=0)
@@ -140,7 +140,7 @@ def test_with_a_coordinator_a_switch_is_a_miss_until_the_window_ends(tmp_path):
     url = f"file://{tmp_path}/coordinator"
     holder = connect(url, ttl=60)
     term = holder.campaign(dead_address())      # names a master that answers nothing
-    c = kvproto.Client(url, lookup_timeout=0.3, switch_window=1.5)
+    c = kvproto.Client(url, lookup_timeout=0.2, switch_window=3.0)
     try:
         t = time.monotonic()
         with pytest.raises(errors.KeyNotFound, match="switches"):
@@ -148,7 +148,8 @@ def test_with_a_coordinator_a_switch_is_a_miss_until_the_window_ends(tmp_path):
         assert c.get_many([b"k"]) == [None]
         assert c.exists(b"k") is False
         assert c.failover_counters["switch_misses"] == 3
-        wait_for(lambda: time.monotonic() - t > 1.6, what="the window to pass")
+        assert time.monotonic() - t < 3.0, "the test machine is too slow for this window"
+        wait_for(lambda: time.monotonic() - t > 3.1, what="the window to pass")
         with pytest.raises(errors.MasterUnreachable, match="switch_window"):
             c.get(b"k")
         with pytest.raises(errors.MasterUnreachable):
