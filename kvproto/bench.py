@@ -86,10 +86,18 @@ SECTIONS = ("payload", "metadata", "transfers", "leases", "rebuild", "failover",
             "rebuild-e2e")
 
 
+def _mib_list(text: str) -> str:
+    """``--sizes``: comma-separated positive whole MiB."""
+    if not all(part.strip().isdigit() and int(part) > 0 for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
-    parser.add_argument("--sizes", default="1,8,32", help="object sizes in MiB (default 1,8,32)")
+    parser.add_argument("--sizes", type=_mib_list, default="1,8,32",
+                        help="object sizes in MiB (default 1,8,32)")
     parser.add_argument("--repeat", type=int, default=15, help="transfers per size and path")
     parser.add_argument("--meta-keys", type=int, default=2048, help="4 KiB keys per metadata run")
     parser.add_argument("--memory-objects", type=int, default=1_000_000,

@@ -4,31 +4,186 @@
 verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc`);
 ``kvproto demo`` runs an embedded cluster; ``kvproto master`` and
 ``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
-measures it.
+measures it; ``kvproto --version`` prints the installed package's version.
+
+A mistake in the arguments, or a problem found while a server starts (an
+address it cannot listen on, a port in use, a segment larger than the free
+shared memory, a coordinator URL it cannot use, a master that refuses the
+storage node's registration for good), prints one line to stderr naming the
+problem and exits with status 2, without a traceback. Every option's help
+shows its default.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from kvproto.checking import tlc
 from kvproto.checking.tla import TraceStep, describe_changes, format_state
 
+DESCRIPTION = "Model-checked protocols and a ZeroMQ runtime for a shared KV-cache store."
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage mistake in one line (and exit status 2), not the usage text."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description on its own; appends
+    ``(default: ...)`` to an option's help unless it states one."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(super(_HelpFormatter, self)._fill_text(p, width, indent)
+                           for p in text.split("\n\n"))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.required
+                or action.default in (None, argparse.SUPPRESS)):
+            return text
+        if action.default is False:
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+def version() -> str:
+    """The installed kvproto package's version."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        return installed("kvproto")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvproto`` parser, with one sub-parser per command."""
+    parser = _Parser(prog="kvproto", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvproto {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_arguments, handler) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text,
+                                 formatter_class=_HelpFormatter)
+        add_arguments(command)
+        command.set_defaults(handler=handler)
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvproto`` and ``python -m kvproto``; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="kvproto", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_arguments, handler) in SUBCOMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(command)
-        command.set_defaults(handler=handler)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.handler(args)
+
+
+def _fail(command: str, message: object) -> int:
+    """One line on stderr naming the problem; exit status 2."""
+    text = " ".join(str(message).split()) or type(message).__name__
+    print(f"kvproto {command}: {text}", file=sys.stderr)
+    return 2
+
+
+# --- argument types: a bad value is one line, exit status 2 ---------------------
+
+
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from ``parse``, which raises ValueError or a KvError."""
+    from kvproto.errors import KvError
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, KvError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    convert.__name__ = parse.__name__.strip("_")
+    return convert
+
+
+def _number(text: str, kind: type = float, low: float = 0, low_ok: bool = False) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value) or value < low or (value == low and not low_ok):
+        raise ValueError(f"{text!r} must be {'at least' if low_ok else 'more than'} {low}")
+    return value
+
+
+@_checked
+def _seconds(text: str) -> float:
+    return _number(text)
+
+
+@_checked
+def _count(text: str) -> int:
+    return _number(text, int, 1, low_ok=True)
+
+
+@_checked
+def _count0(text: str) -> int:
+    return _number(text, int, 0, low_ok=True)
+
+
+@_checked
+def _size(text: str) -> int:
+    from kvproto.runtime.units import parse_size
+    size = parse_size(text)
+    if size <= 0:
+        raise ValueError(f"{text!r} must be more than 0 bytes")
+    return size
+
+
+@_checked
+def _page_size(text: str) -> int:
+    size = _number(text, int, 512, low_ok=True)
+    if size & (size - 1):
+        raise ValueError(f"{text!r} is not a power of two")
+    return size
+
+
+@_checked
+def _listen(text: str) -> str:
+    from kvproto.runtime.endpoints import check_listen
+    return check_listen(text)
+
+
+@_checked
+def _master_address(text: str) -> str:
+    from kvproto.runtime.endpoints import check_master
+    return check_master(text)
+
+
+@_checked
+def _advertise(text: str) -> str:
+    from kvproto.errors import InvalidArgument
+    from kvproto.runtime.endpoints import check_master, coordinator_url
+    if coordinator_url(check_master(text)):
+        raise InvalidArgument(f"{text!r} is not an endpoint to advertise: use tcp://host:port or ipc://path")
+    return text
+
+
+@_checked
+def _coordinator(text: str) -> str:
+    from kvproto.runtime.coordinator import connect
+    connect(text, create=False).close()     # the form only; nothing is contacted
+    return text
+
+
+def _start_failure(e: BaseException, listen: str) -> str:
+    """A server's start-up error in words (a ZeroMQ error here comes from binding)."""
+    import zmq
+    if isinstance(e, zmq.ZMQError):
+        return f"cannot listen on {listen}: {re.sub(r' [(]addr=.*', '', e.strerror)}"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e)
 
 
 # --- check ----------------------------------------------------------------------
@@ -44,8 +199,8 @@ def _check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-dir", type=Path, default=None,
                         help="folder of .tla/.cfg files (default: ./spec, else the package's spec/)")
     parser.add_argument("--model", action="append", default=[], metavar="SUBSTRING",
-                        help="only models whose name contains SUBSTRING (repeatable)")
-    parser.add_argument("--workers", type=int, default=1, help="TLC worker threads (default 1)")
+                        help="only models whose name contains SUBSTRING (repeatable; default: all)")
+    parser.add_argument("--workers", type=_count, default=1, help="TLC worker threads")
     parser.add_argument("--show-traces", action="store_true",
                         help="print every counterexample, not only unexpected ones")
 
@@ -197,74 +352,112 @@ def _summary(results: list[tlc.TlcResult]) -> str:
 
 
 def _master_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="tcp://127.0.0.1:5555", help="endpoint to bind")
-    parser.add_argument("--advertise", default=None,
+    parser.description = (
+        "Serve a master: the directory of objects and the allocator of the storage nodes' "
+        "space; it never carries payload. It prints 'kvproto master listening on ENDPOINT' "
+        "once it serves.\n\n"
+        "With --coordinator, masters are elected: one is active, the others wait as "
+        "standbys (each logs which master holds the term it waits for) and take over "
+        "when the active one dies or hangs.")
+    parser.add_argument("--listen", type=_listen, default="tcp://127.0.0.1:5555",
+                        help="endpoint to bind: tcp://host:port (port * picks a free one) or ipc://path")
+    parser.add_argument("--advertise", type=_advertise, default=None,
                         help="endpoint others reach this master at (default: the bound one)")
-    parser.add_argument("--writer-timeout", type=float, default=10.0,
+    parser.add_argument("--writer-timeout", type=_seconds, default=10.0,
                         help="seconds without heartbeats before a writer's allocations are reclaimed")
-    parser.add_argument("--storage-timeout", type=float, default=10.0,
+    parser.add_argument("--storage-timeout", type=_seconds, default=10.0,
                         help="seconds without heartbeats before a storage segment counts as lost")
-    parser.add_argument("--coordinator", default=None,
+    parser.add_argument("--coordinator", type=_coordinator, default=None,
                         help="elect one master through a coordinator: file:///dir (one host) "
-                             "or etcd://host:port[/prefix]")
+                             "or etcd://host:port[/prefix] (default: none, a single master)")
     parser.add_argument("--standby", action="store_true",
                         help="with --coordinator: wait as a standby while another master is "
                              "active, and take over when it fails")
-    parser.add_argument("--ttl", type=float, default=2.0,
+    parser.add_argument("--ttl", type=_seconds, default=2.0,
                         help="leadership lease in seconds (with --coordinator)")
-    parser.add_argument("--log-level", default=None,
+    parser.add_argument("--log-level", default=None, type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="logging level (default: INFO with --coordinator, which logs "
                              "elections, fences and recoveries; WARNING otherwise)")
-    parser.add_argument("--fence-timeout", type=float, default=5.0,
+    parser.add_argument("--fence-timeout", type=_seconds, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
 
 
 def master(args: argparse.Namespace) -> int:
+    import zmq
+    from .errors import KvError
     from .runtime.embedded import run_master
     coordinator = None
-    if args.coordinator:
-        from .runtime.coordinator import connect
-        coordinator = connect(args.coordinator, ttl=args.ttl)
-        leader = coordinator.leader()
-        if leader is not None and not args.standby:
-            print(f"kvproto master: term {leader[0]} is held by {leader[1]}; "
-                  "start with --standby to wait for it", file=sys.stderr)
-            return 1
-    elif args.standby:
-        print("kvproto master: --standby needs --coordinator", file=sys.stderr)
-        return 2
-    run_master(args.listen, writer_timeout=args.writer_timeout, storage_timeout=args.storage_timeout,
-               coordinator=coordinator, advertise=args.advertise, fence_timeout=args.fence_timeout,
-               log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"))
+    try:
+        if args.coordinator:
+            from .runtime.coordinator import connect
+            coordinator = connect(args.coordinator, ttl=args.ttl)
+            leader = coordinator.leader()
+            if leader is not None and not args.standby:
+                coordinator.close()
+                return _fail("master", f"term {leader[0]} is held by {leader[1]}; "
+                                       "start with --standby to wait for it")
+        elif args.standby:
+            return _fail("master", "--standby needs --coordinator")
+        run_master(args.listen, writer_timeout=args.writer_timeout,
+                   storage_timeout=args.storage_timeout, coordinator=coordinator,
+                   advertise=args.advertise, fence_timeout=args.fence_timeout,
+                   log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"))
+    except (KvError, OSError, zmq.ZMQError) as e:
+        if coordinator is not None:
+            coordinator.close()
+        return _fail("master", _start_failure(e, args.listen))
     return 0
 
 
 def _storage_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--master", required=True,
-                        help="the master's endpoint, or the coordinator the masters use "
-                             "(file:///dir, etcd://host:port[/prefix]) to follow failovers")
-    parser.add_argument("--size", required=True, help="segment size, e.g. 1GiB")
-    parser.add_argument("--listen", default="tcp://127.0.0.1:*", help="data endpoint to bind")
-    parser.add_argument("--advertise", default=None,
+    parser.description = (
+        "Serve one storage segment (POSIX shared memory) for a master. It prints "
+        "'kvproto storage listening on ENDPOINT' once it serves, then, once registered "
+        "with its master, one line 'kvproto storage ready: segment ID, SIZE at ENDPOINT, "
+        "master ADDRESS (term N)'; puts sent before that get NoStorage.")
+    parser.add_argument("--master", type=_master_address, required=True,
+                        help="the master's endpoint (tcp://host:port, ipc://path), or the "
+                             "coordinator the masters use (file:///dir, etcd://host:port[/prefix]) "
+                             "to follow failovers (required)")
+    parser.add_argument("--size", type=_size, required=True,
+                        help="segment size, e.g. 1GiB, 512MiB, 4G; it must fit in the free "
+                             "space of /dev/shm (required)")
+    parser.add_argument("--listen", type=_listen, default="tcp://127.0.0.1:*",
+                        help="data endpoint to bind: tcp://host:port (port * picks a free one) "
+                             "or ipc://path")
+    parser.add_argument("--advertise", type=_advertise, default=None,
                         help="endpoint clients connect to (default: the bound one)")
-    parser.add_argument("--page-size", type=int, default=4096,
+    parser.add_argument("--page-size", type=_page_size, default=4096,
                         help="allocation granularity in bytes (a power of two >= 512)")
 
 
 def storage(args: argparse.Namespace) -> int:
+    import zmq
+    from .errors import KvError
     from .runtime.embedded import run_storage
-    run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
-                page_size=args.page_size)
+    try:
+        run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
+                    page_size=args.page_size)
+    except (KvError, OSError, zmq.ZMQError) as e:
+        return _fail("storage", _start_failure(e, args.listen))
     return 0
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--writers", type=int, default=4)
-    parser.add_argument("--killed", type=int, default=2, help="writers killed mid-put")
-    parser.add_argument("--objects", type=int, default=8, help="8 MiB objects per writer")
-    parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--segment-size", default="384MiB")
+    from . import demo as demo_module
+    parser.description = demo_module.__doc__.split("\n\n", 1)[1].replace("``", "")
+    parser.add_argument("--writers", type=_count, default=4,
+                        help="writer processes that put all their objects")
+    parser.add_argument("--killed", type=_count0, default=2,
+                        help="writer processes killed (SIGKILL) in the middle of their second put")
+    parser.add_argument("--objects", type=_count, default=8,
+                        help="8 MiB objects each surviving writer puts")
+    parser.add_argument("--replicas", type=int, choices=(1, 2), default=2,
+                        help="replicas of each object (there are 2 storage nodes)")
+    parser.add_argument("--segment-size", type=_size, default="384MiB",
+                        help="shared memory of each of the 2 storage nodes")
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -290,7 +483,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                              Callable[[argparse.Namespace], int]]] = {
     "check": ("model-check the TLA+ specs with TLC and compare each verdict with its expectation",
               _check_arguments, check),
-    "demo": ("run an embedded cluster with writers killed mid-put and readers checking every byte",
+    "demo": ("run an embedded cluster with writers killed mid-put and readers checking every "
+             "byte, then a master failover",
              _demo_arguments, demo),
     "master": ("serve a master (the directory; never carries payload)", _master_arguments, master),
     "storage": ("serve one storage segment for a master", _storage_arguments, storage),

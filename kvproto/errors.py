@@ -98,6 +98,16 @@ class InvalidArgument(KvError):
     code = 29
 
 
+class NoStorage(NoSpace):
+    """No storage node has registered with this master: nothing can be stored yet.
+
+    A kind of :class:`NoSpace` (``except NoSpace`` catches it) with its own code,
+    so a client can tell "the cluster is full" from "the cluster has no storage
+    node yet" (e.g. a node still starting: ``kvproto storage`` prints a
+    ``ready`` line once it has registered)."""
+    code = 30
+
+
 # --- 40..49: transport -------------------------------------------------------
 
 class RequestTimeout(KvError):
@@ -214,6 +224,16 @@ class RecomputeLimited(KvError):
 class CoordinatorUnavailable(KvError):
     """The election/membership coordinator (e.g. etcd) could not be reached or did not answer."""
     code = 75
+
+
+class MasterUnreachable(ServerUnavailable):
+    """No master has served this client for longer than a master switch takes.
+
+    Raised by the client, never sent by a server: the master it was given (or
+    the one its coordinator names) answered nothing, or was not open, for the
+    client's whole ``switch_window`` (without a coordinator: ``lookup_timeout``).
+    A lookup that fails so is not a miss: "no master" is not "no such key"."""
+    code = 76
 
 
 _BY_CODE: dict[int, type[KvError]] = {}

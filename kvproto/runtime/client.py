@@ -50,6 +50,27 @@ completion or the node's cancel acknowledgement arrives. Sockets use
 never wedges the client. A :class:`Client` may be shared by threads (calls are
 serialised by a lock); use one client per thread for parallel transfers.
 
+No such key, or no master. A lookup (``get``, ``get_many``, ``exists``) that
+the master cannot answer while it may be switching (not open, silent for
+``lookup_timeout``, none named by the coordinator) is a miss, counted in
+``failover_counters["switch_misses"]``. A master that serves no call for the
+*switch window* is unreachable: every call, lookups included, then raises
+:class:`~kvproto.errors.MasterUnreachable` (counted in
+``failover_counters["unreachable"]``) until a master serves one again. With a
+coordinator the window is ``switch_window`` (10 s: the masters' leadership TTL,
+2 s, plus a new master's fence timeout, 5 s, plus its recovery). Without one no
+switch can happen and the window is ``lookup_timeout`` (2 s): a dead or wrong
+master address fails the first call after 2 s. A ``put`` (or any other call)
+waits for a silent master only that long too, not its whole ``timeout``: while
+it waits the client probes the master with ``heartbeat`` requests, and a master
+that answers them (its reply is parked on storage nodes) is waited for until
+the call's deadline. A coordinator that cannot be reached while no master is
+known raises :class:`~kvproto.errors.CoordinatorUnavailable`, at once if the
+client never reached it. Addresses are checked when the client is made:
+``tcp://host:port``, ``ipc://path``, ``etcd://host:port[/prefix]``,
+``file:///dir`` (see :mod:`kvproto.runtime.endpoints`); anything else is
+:class:`~kvproto.errors.InvalidArgument`.
+
 Buffers: any C-contiguous bytes-like object (bytes, bytearray, memoryview,
 numpy arrays) is sent as is; a non-contiguous one is copied once first. The
 caller must not modify the buffer while ``put`` runs.
@@ -70,12 +91,14 @@ import zmq
 
 from kvproto import errors
 from kvproto.runtime import wire
+from kvproto.runtime.endpoints import check_master, coordinator_url
 from kvproto.runtime.shm import LocalSegment, host_id, shm_exists
 from kvproto.statemachines import lease as lm
 from kvproto.statemachines.failover import RecomputeLimiter
 
-#: errors that mean "the master is switching": a lookup answered so is a miss
-SWITCHING = (errors.MasterNotOpen, errors.RequestTimeout, errors.CoordinatorUnavailable)
+#: errors that mean "the master may be switching": a lookup answered so is a
+#: miss (within the switch window; past it the client raises MasterUnreachable)
+SWITCHING = (errors.MasterNotOpen, errors.RequestTimeout)
 
 Key = Any  # bytes-like or str
 
@@ -209,25 +232,40 @@ class Client:
     def __init__(self, master: str, *, timeout: float = 30.0, local_reads: bool = True,
                  context: Optional[zmq.Context] = None, leases: bool = True,
                  max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None,
-                 lookup_timeout: float = 2.0, recompute_rate: float = 100.0,
-                 recompute_burst: float = 100.0) -> None:
+                 lookup_timeout: float = 2.0, switch_window: float = 10.0,
+                 recompute_rate: float = 100.0, recompute_burst: float = 100.0) -> None:
         if max_skew < 0:
             raise ValueError("max_skew must be >= 0")
-        #: ``master`` is the master's address, or a coordinator URL
-        #: (``etcd://host:port[/prefix]``, ``file:///dir``) through which the
-        #: client finds the current master, and finds it again after a failover
+        for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
+                            ("switch_window", switch_window)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise errors.InvalidArgument(f"{name} must be a positive number of seconds, not {value!r}")
+        #: ``master`` is the master's address (``tcp://host:port``,
+        #: ``ipc://path``), or a coordinator URL (``etcd://host:port[/prefix]``,
+        #: ``file:///dir``) through which the client finds the current master,
+        #: and finds it again after a failover; anything else is InvalidArgument
+        check_master(master)
         self._coordinator = None
         self._leader_checked = 0.0
-        if master.startswith(("etcd://", "file://")):
+        if coordinator_url(master):
             from kvproto.runtime.coordinator import connect
-            self._coordinator = connect(master)
+            self._coordinator = connect(master, create=False)
             master = ""
         #: a lookup unanswered this long is a miss (the master may be switching)
         self.lookup_timeout = float(lookup_timeout)
+        #: with a coordinator: how long no master may serve this client (none
+        #: named, the named one not open, or silent) before calls raise
+        #: MasterUnreachable instead of missing; a switch takes the masters'
+        #: leadership TTL (2 s by default) plus the new master's fence timeout
+        #: (5 s) plus its recovery. Without a coordinator no switch can happen:
+        #: the window is ``lookup_timeout``
+        self.switch_window = float(switch_window)
+        self._unserved_since: Optional[float] = None   # first call no master served
+        self._coordinator_reached = False
         #: the engine's fall-back to recomputation, rate-limited (``may_recompute``)
         self.recompute = RecomputeLimiter(float(recompute_rate), float(recompute_burst))
         self.failover_counters = {"masters_found": 0, "switch_misses": 0, "stale_term_relookups": 0,
-                                  "recomputes_allowed": 0, "recomputes_refused": 0}
+                                  "unreachable": 0, "recomputes_allowed": 0, "recomputes_refused": 0}
         #: gets take a read lease (and check it after the transfer); off: a pin
         self.leases = leases
         #: bound on this client's error measuring one read against the master's clock
@@ -360,23 +398,40 @@ class Client:
                         got[reply.request_id] = reply
         return got
 
-    def _call_master(self, op: str, body: dict, deadline: float) -> wire.Reply:
+    def _call_master(self, op: str, body: dict, deadline: float,
+                     started: Optional[float] = None) -> wire.Reply:
         """One request to the master. With a coordinator, a master that is not
         open, or is silent for ``LEADER_RECHECK``, makes the client ask the
         coordinator again, and the request goes to the master it names if that
-        changed (a few times at most, within ``deadline``)."""
-        if self._coordinator is not None and time.monotonic() - self._leader_checked > self.LEADER_RECHECK:
+        changed (a few times at most, within ``deadline``). A call no master
+        served raises one of :data:`SWITCHING` while a switch may be under
+        way, and :class:`~kvproto.errors.MasterUnreachable` (or
+        ``CoordinatorUnavailable``) past the window (see :meth:`_not_served`);
+        ``started`` (default: now) is when the call began."""
+        started = time.monotonic() if started is None else started
+        if self._coordinator is not None and started - self._leader_checked > self.LEADER_RECHECK:
             self._find_master()
+        try:
+            reply = self._ask_master(op, body, deadline, started)
+        except (*SWITCHING, errors.CoordinatorUnavailable) as err:
+            raise self._not_served(err, started) from None
+        self._unserved_since = None
+        return reply.raise_for_status()
+
+    def _ask_master(self, op: str, body: dict, deadline: float, started: float) -> wire.Reply:
+        """The reply of a master that served the request (any status but
+        ``MasterNotOpen``), or the reason none did."""
         for _ in range(4):
             if not self.master:
-                self._find_master()
+                err = self._find_master()
                 if not self.master:
-                    raise errors.MasterNotOpen("the coordinator names no master")
+                    raise err or errors.MasterNotOpen(f"the coordinator {self._coordinator.url} "
+                                                      "names no master")
             asked = self.master
             sock = self._master()
-            reply = self._await_master(sock, self._send(sock, op, body), deadline)
+            reply = self._await_master(sock, self._send(sock, op, body), deadline, started)
             if reply is not None and reply.status != errors.MasterNotOpen.code:
-                return reply.raise_for_status()
+                return reply
             if self.master == asked:        # no other master named while waiting
                 if reply is None:
                     self._reset_master()
@@ -385,40 +440,96 @@ class Client:
                 break
         if reply is None:
             raise errors.RequestTimeout(f"master {asked} did not answer {op} in time")
-        return reply.raise_for_status()
+        raise reply.error()
 
-    def _await_master(self, sock: zmq.Socket, rid: int, deadline: float) -> Optional[wire.Reply]:
-        """The master's reply to ``rid``; ``None`` at ``deadline``, or as soon
-        as the coordinator (asked every ``LEADER_RECHECK``) names another master."""
-        if self._coordinator is None:
-            return self._gather({rid: sock}, deadline).get(rid)
-        asked = self.master
+    def _await_master(self, sock: zmq.Socket, rid: int, deadline: float,
+                      started: float) -> Optional[wire.Reply]:
+        """The master's reply to ``rid``; ``None`` at ``deadline``, once the
+        master has answered nothing for the switch window (nor a ``heartbeat``
+        probe, sent every quarter of it: a master whose reply is parked on
+        storage nodes still answers those), or, with a coordinator, as soon as
+        it (asked every ``LEADER_RECHECK``) names another master."""
+        asked, window = self.master, self._window()
+        heard = started                      # the master last showed it serves
+        probes: dict[int, zmq.Socket] = {}
+        next_probe = started + window / 4
         while True:
-            reply = self._gather({rid: sock}, min(deadline, time.monotonic() + self.LEADER_RECHECK)).get(rid)
-            if reply is not None or time.monotonic() >= deadline:
-                return reply
-            self._find_master()
-            if self.master != asked:
+            unserved = self._unserved_since if self._unserved_since is not None else heard
+            silent_until = max(heard + self.lookup_timeout, unserved + window)
+            until = min(deadline, silent_until, next_probe)
+            if self._coordinator is not None:
+                until = min(until, time.monotonic() + self.LEADER_RECHECK)
+            got = self._gather({rid: sock, **probes}, until)
+            if rid in got:
+                return got[rid]
+            now = time.monotonic()
+            for probe, reply in got.items():
+                del probes[probe]
+                if reply.status != errors.MasterNotOpen.code:
+                    heard, self._unserved_since = now, None
+            if now >= deadline or now >= silent_until:
                 return None
+            if now >= next_probe:
+                probes[self._send(sock, "heartbeat", {"client": self.client_id})] = sock
+                next_probe = now + window / 4
+            if self._coordinator is not None and now - self._leader_checked >= self.LEADER_RECHECK:
+                self._find_master()
+                if self.master != asked:
+                    return None
+
+    def _window(self) -> float:
+        return self.switch_window if self._coordinator is not None else self.lookup_timeout
+
+    def _not_served(self, err: errors.KvError, started: float) -> errors.KvError:
+        """What a call that no master served raises. The client counts the time
+        since the first such call after the last served one: within the window
+        it may be a switch (``err``, one of :data:`SWITCHING`; a lookup misses);
+        past it, :class:`~kvproto.errors.MasterUnreachable`. A coordinator that
+        cannot be reached while no master is known is
+        ``CoordinatorUnavailable``: at once if this client never reached it (a
+        wrong or dead address is not a switch), else past the window."""
+        if self._unserved_since is None:
+            self._unserved_since = started
+        unserved = time.monotonic() - self._unserved_since
+        cut_off = isinstance(err, errors.CoordinatorUnavailable)
+        if unserved < self._window() and not (cut_off and not self._coordinator_reached):
+            if cut_off:
+                return errors.MasterNotOpen(f"no master known: {err.message}")
+            return err
+        self.failover_counters["unreachable"] += 1
+        if cut_off:
+            return err
+        if self._coordinator is None:
+            return errors.MasterUnreachable(
+                f"the master at {self.master} has answered nothing for {unserved:.1f} s; is it "
+                "running? (without a coordinator no failover can be under way)")
+        return errors.MasterUnreachable(
+            f"no master named by {self._coordinator.url} has served this client for "
+            f"{unserved:.1f} s, longer than a switch takes (switch_window {self.switch_window:g} s): "
+            f"{err.message}")
 
     def _lookup(self, op: str, body: dict, keys: int, deadline: float) -> Optional[wire.Reply]:
         """A lookup of ``keys`` keys at the master, or ``None`` (all misses)
         when the master is switching: not open, or silent for ``lookup_timeout``."""
+        started = time.monotonic()
         try:
-            return self._call_master(op, body, min(deadline, time.monotonic() + self.lookup_timeout))
+            return self._call_master(op, body, min(deadline, started + self.lookup_timeout), started)
         except SWITCHING:
             self.failover_counters["switch_misses"] += keys
             return None
 
-    def _find_master(self) -> None:
-        """Ask the coordinator (if any) who the master is now; reconnect if it changed."""
+    def _find_master(self) -> Optional[errors.KvError]:
+        """Ask the coordinator (if any) who the master is now; reconnect if it
+        changed. Returns the coordinator's error if it could not be asked (the
+        master known so far is kept)."""
         if self._coordinator is None:
-            return
+            return None
         self._leader_checked = time.monotonic()
         try:
             leader = self._coordinator.leader()
-        except errors.KvError:
-            return
+        except errors.KvError as err:
+            return err
+        self._coordinator_reached = True
         address = leader[1] if leader is not None else ""
         if address != self.master:
             self._reset_master()

@@ -93,10 +93,13 @@ class Coordinator(ABC):
         """Release local resources. Leases are not given up: they expire on their own."""
 
 
-def connect(url: str, ttl: float = 2.0) -> Coordinator:
+def connect(url: str, ttl: float = 2.0, *, create: bool = True) -> Coordinator:
     """``file:///abs/dir`` -> :class:`FileCoordinator`, ``etcd://host:port[/prefix]``
     -> :class:`EtcdCoordinator`. Anything else raises :class:`InvalidArgument`.
-    Nothing is contacted yet: an unreachable etcd shows on the first call."""
+    Nothing is contacted yet: an unreachable etcd shows on the first call.
+    ``create=False`` (clients, which only read who the master is) never
+    creates a ``file://`` directory; a missing one shows on the first call as
+    :class:`CoordinatorUnavailable`."""
     if not (isinstance(ttl, (int, float)) and ttl > 0 and math.isfinite(ttl)):
         raise InvalidArgument(f"coordinator ttl must be a positive number, not {ttl!r}")
     try:
@@ -110,7 +113,7 @@ def connect(url: str, ttl: float = 2.0) -> Coordinator:
         path = urllib.parse.unquote(parts.path)
         if parts.netloc not in ("", "localhost") or not path.startswith("/") or path == "/":
             raise InvalidArgument(f"bad coordinator url {url!r}: expected file:///absolute/dir")
-        return FileCoordinator(path, ttl)
+        return FileCoordinator(path, ttl, create=create)
     if parts.scheme == "etcd":
         if not parts.hostname or port is None:
             raise InvalidArgument(f"bad coordinator url {url!r}: expected etcd://host:port[/prefix]")
@@ -144,22 +147,30 @@ class FileCoordinator(Coordinator):
     it) as long as the directory is kept.
     A process stopped *inside* one of those short critical sections (not between
     calls) holds the lock until it resumes or dies, and blocks the others meanwhile.
+
+    Masters and storage nodes create the directory (``create=True``); a client
+    only reads :meth:`leader` and creates nothing: a directory that does not
+    exist raises :class:`CoordinatorUnavailable` there.
     """
 
-    def __init__(self, directory: str, ttl: float = 2.0) -> None:
+    def __init__(self, directory: str, ttl: float = 2.0, *, create: bool = True) -> None:
         self.ttl = float(ttl)
         self.url = "file://" + urllib.parse.quote(directory)
         self._dir = directory
         self._state = os.path.join(directory, "state.json")
         self._nodes = os.path.join(directory, "nodes")
-        os.makedirs(self._nodes, exist_ok=True)
+        if create:
+            os.makedirs(self._nodes, exist_ok=True)
         self._boot = _boot_id()
         self._mutex = threading.Lock()
-        self._lockf = open(os.path.join(directory, "lock"), "a+")
+        self._lockf: Optional[Any] = None
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         with self._mutex:
+            if self._lockf is None:
+                os.makedirs(self._nodes, exist_ok=True)
+                self._lockf = open(os.path.join(self._dir, "lock"), "a+")
             fcntl.flock(self._lockf.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -219,6 +230,8 @@ class FileCoordinator(Coordinator):
                 self._write(self._state, st, sync=True)
 
     def leader(self) -> Optional[tuple[int, str]]:
+        if not os.path.isdir(self._dir):
+            raise CoordinatorUnavailable(f"{self.url}: no such directory (no master has used it)")
         st = self._read_state()
         if self._live(st, time.monotonic()):
             return (int(st["term"]), st["address"])
@@ -256,7 +269,8 @@ class FileCoordinator(Coordinator):
         return live
 
     def close(self) -> None:
-        self._lockf.close()
+        if self._lockf is not None:
+            self._lockf.close()
 
 
 # --- many hosts: etcd --------------------------------------------------------

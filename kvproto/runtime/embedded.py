@@ -11,7 +11,14 @@ inproc zero-copy read reply would alias the storage segment itself.
 SIGTERM (or until ``stop`` is set), then shut down cleanly (a storage node
 deregisters and unlinks its shared memory). Both print one line,
 ``kvproto <role> listening on <endpoint>``, to stdout once they serve, so a
-parent process can learn a port picked with ``tcp://127.0.0.1:*``.
+parent process can learn a port picked with ``tcp://127.0.0.1:*``. A storage
+node prints a second line once it has registered with its master and can be
+given objects (puts before it get ``NoStorage``)::
+
+    kvproto storage ready: segment <id>, <size> at <endpoint>, master <address> (term <n>)
+
+A storage node the master refused for good (see :mod:`kvproto.runtime.storage`)
+stops, and :func:`run_storage` raises the master's error.
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Optional
 
 from kvproto.runtime.client import Client
 from kvproto.runtime.master import MasterServer
 from kvproto.runtime.storage import StorageServer
-from kvproto.runtime.units import parse_size
+from kvproto.runtime.units import format_size, parse_size
 
 log = logging.getLogger("kvproto.embedded")
 
@@ -107,8 +115,12 @@ class EmbeddedCluster:
                 self._threads.append(st)
                 self.storage.append(st.start_and_wait(start_timeout))
             for node in self.storage:
-                if not node.registered.wait(start_timeout):
-                    raise RuntimeError(f"storage node {node.endpoint} did not register")
+                deadline = time.monotonic() + start_timeout
+                while not node.registered.wait(0.05):
+                    if node.refused is not None:
+                        raise node.refused
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"storage node {node.endpoint} did not register")
         except BaseException:
             self.stop()
             raise
@@ -196,6 +208,8 @@ def _serve(server, role: str, stop: Optional[threading.Event], log_level: "str |
                     server.stop()
                     return
         threading.Thread(target=watch, daemon=True, name=f"kvproto-{role}-stop").start()
+    if role == "storage":
+        server.on_registered = _say_ready
     with _until_signalled(server):
         print(f"kvproto {role} listening on {server.address if role == 'master' else server.endpoint}",
               flush=True)
@@ -203,6 +217,16 @@ def _serve(server, role: str, stop: Optional[threading.Event], log_level: "str |
             server.serve_forever()
         finally:
             done.set()
+    if getattr(server, "refused", None) is not None:
+        raise server.refused
+
+
+def _say_ready(server: StorageServer) -> None:
+    """The storage node's ``ready`` line, once: its first registration."""
+    server.on_registered = None
+    print(f"kvproto storage ready: segment {server.segment}, "
+          f"{format_size(server.memory.capacity)} at {server.endpoint}, "
+          f"master {server.master} (term {server.core.term})", flush=True)
 
 
 def run_master(listen: str = "tcp://127.0.0.1:5555", *, writer_timeout: float = 10.0,

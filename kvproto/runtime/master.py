@@ -518,8 +518,14 @@ class MasterCore:
             if placement is None:
                 # The allocator refuses before the machine sees anything; name the
                 # error the machine would have given for a taken key.
+                live = len(self.segments)
                 if key in self.directory.objects:
                     err: errors.KvError = errors.KeyExists(f"key {key!r} exists or is being put")
+                elif not live:
+                    err = errors.NoStorage("no storage node has registered with this master")
+                elif replicas > live:
+                    err = errors.NoSpace(f"{replicas} replicas need {replicas} live storage nodes; "
+                                         f"only {live} registered")
                 else:
                     err = errors.NoSpace(f"no {replicas} live segment(s) can hold {length} bytes")
                 items[i] = wire.error_item(err)
@@ -1120,6 +1126,7 @@ class MasterServer:
         self._renewer: Optional[_Renewer] = None
         self._turned = time.monotonic()   # the serving loop's last turn
         self._next_lead = 0.0
+        self._waiting_for: Optional[tuple[int, str]] = None   # the leader a standby last named
         self.terms_held: list[int] = []
         self.max_header_bytes = max_header_bytes
         self._own_context = context is None
@@ -1175,6 +1182,7 @@ class MasterServer:
         try:
             term = coord.campaign(self.address)
             if term is None:
+                self._waiting(coord.leader())
                 return
             nodes = coord.nodes()
         except errors.KvError as err:
@@ -1185,6 +1193,12 @@ class MasterServer:
         self._renewer = _Renewer(coord, term, now, self._serving)
         log.info("won term %d at %s", term, self.address)
         self.core.take_term(term, nodes)
+
+    def _waiting(self, leader: Optional[tuple[int, str]]) -> None:
+        """A standby says once per leader that it waits, and for whom."""
+        if leader is not None and leader != self._waiting_for:
+            log.info("standby at %s: waiting while term %d is held by %s", self.address, *leader)
+        self._waiting_for = leader
 
     #: seconds without a turn of the serving loop (outside a recovery) after
     #: which the master stops renewing its leadership

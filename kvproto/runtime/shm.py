@@ -37,6 +37,7 @@ unlink the node's segment when the *reader* exits).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import secrets
@@ -88,9 +89,32 @@ def gen_word(token: int, done: bool) -> int:
     return (token << 1) | int(done)
 
 
+SHM_DIR = "/dev/shm"
+
+
+def shm_free() -> Optional[int]:
+    """Bytes free for shared memory (``/dev/shm``), or None where it is not a directory."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _reserve(shm: SharedMemory, size: int) -> None:
+    """Allocate the object's pages now (``posix_fallocate``), so a full
+    ``/dev/shm`` is an ``ENOSPC`` here, not a SIGBUS ("Bus error") at the
+    first write into a page that has no room."""
+    fd = getattr(shm, "_fd", -1)
+    if fd >= 0 and hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+
+
 class SegmentMemory:
     """The storage node's side: owns (creates, and at :meth:`close` unlinks) the
-    segment and its generation table."""
+    segment and its generation table. A segment larger than the free space of
+    ``/dev/shm`` is refused at once: ``OSError(ENOSPC)`` saying how much is free
+    (a default container has 64 MiB; ``docker run --shm-size`` raises it)."""
 
     def __init__(self, capacity: int, page_size: int, prefix: str = "kvp") -> None:
         if capacity <= 0 or capacity % page_size:
@@ -98,14 +122,27 @@ class SegmentMemory:
         self.capacity = capacity
         self.page_size = page_size
         self.pages = capacity // page_size
+        gen_size = 8 * (HEADER_WORDS + self.pages)
+        free = shm_free()
+        if free is not None and capacity + gen_size > free:
+            raise _no_room(capacity + gen_size, free)
         tag = secrets.token_hex(6)
         self._shm = SharedMemory(name=f"{prefix}_{tag}", create=True, size=capacity)
         try:
-            self._gen_shm = SharedMemory(name=f"{prefix}_{tag}_g", create=True,
-                                         size=8 * (HEADER_WORDS + self.pages))
+            self._gen_shm = SharedMemory(name=f"{prefix}_{tag}_g", create=True, size=gen_size)
         except BaseException:
             self._shm.close()
             self._shm.unlink()
+            raise
+        try:
+            _reserve(self._shm, capacity)
+            _reserve(self._gen_shm, gen_size)
+        except OSError as e:
+            for shm in (self._shm, self._gen_shm):
+                shm.close()
+                shm.unlink()
+            if e.errno == errno.ENOSPC:
+                raise _no_room(capacity + gen_size, shm_free() or 0) from None
             raise
         self.data: memoryview = self._shm.buf
         # Fault every page in now, as a store registering its memory would, so
@@ -161,6 +198,13 @@ class SegmentMemory:
                     resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
                 except Exception:
                     pass
+
+
+def _no_room(need: int, free: int) -> OSError:
+    mib = 1 << 20
+    return OSError(errno.ENOSPC, f"a segment of {need / mib:,.1f} MiB (with its generation table) "
+                   f"does not fit in {SHM_DIR}: {free / mib:,.1f} MiB free; use a smaller size or "
+                   "give the host more shared memory (e.g. docker run --shm-size)")
 
 
 def _close_quietly(shm: SharedMemory) -> None:

@@ -43,7 +43,12 @@ a heartbeat (or a command) with ``SegmentUnavailable`` — it declared the segme
 lost, or it restarted — the node *starts over*: new segment id, empty region
 table, new nonce in the generation table; its old bytes are gone as far as the
 protocol is concerned, exactly as ``SegmentLost`` says. An unanswered
-``register`` is retried the same way after ``register_timeout``.
+``register`` is retried the same way after ``register_timeout`` (and logged,
+naming the master's address). A register refused for good — the master finds
+the registration itself invalid (``InvalidArgument``, a malformed or
+unsupported frame), so every retry would be refused the same way — stops the
+node: :attr:`StorageServer.refused` holds the reason and ``serve_forever``
+returns. ``on_registered`` (if set) is called each time the node registers.
 """
 
 from __future__ import annotations
@@ -56,12 +61,13 @@ import secrets
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
 from kvproto import errors
 from kvproto.runtime import collector, wire
+from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id
 from kvproto.runtime.units import parse_size
 from kvproto.statemachines import failover as fm
@@ -75,10 +81,9 @@ from kvproto.statemachines.timeout import Refused as XferRefused
 
 log = logging.getLogger("kvproto.storage")
 
-
-def coordinator_url(address: str) -> bool:
-    """Whether ``address`` names a coordinator rather than a master."""
-    return address.startswith(("file://", "etcd://"))
+#: a register refused with one of these is refused for good: the node stops
+PERMANENT_REFUSALS = (errors.InvalidArgument, errors.MalformedFrame, errors.UnsupportedVersion,
+                      errors.UnknownMessage, errors.FrameTooLarge)
 
 
 def new_segment_id() -> str:
@@ -421,9 +426,19 @@ class StorageServer:
                  advertise: Optional[str] = None, page_size: int = 4096,
                  max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
                  context: Optional[zmq.Context] = None, debug: bool = False) -> None:
-        capacity = parse_size(size) // page_size * page_size
+        if type(page_size) is not int or page_size < 512 or page_size & (page_size - 1):
+            raise errors.InvalidArgument(f"page size {page_size!r} is not a power of two >= 512")
+        try:
+            capacity = parse_size(size) // page_size * page_size
+        except ValueError as e:
+            raise errors.InvalidArgument(f"segment size: {e}") from None
         if capacity <= 0:
-            raise ValueError(f"segment size {size!r} is smaller than a page ({page_size} bytes)")
+            raise errors.InvalidArgument(f"segment size {size!r} is smaller than a page "
+                                         f"({page_size} bytes)")
+        check_master(master)
+        check_listen(listen)
+        if advertise is not None and coordinator_url(check_master(advertise)):
+            raise errors.InvalidArgument(f"advertise {advertise!r}: use tcp://host:port or ipc://path")
         #: where the master is: a fixed ``tcp://``/``ipc://`` address, or a
         #: coordinator URL (``file://``, ``etcd://``) through which the node
         #: registers itself and follows the current master
@@ -458,6 +473,10 @@ class StorageServer:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.registered = threading.Event()
+        #: the master's refusal that stopped this node (see the module docstring)
+        self.refused: Optional[errors.KvError] = None
+        #: called with this server each time it registers with a master
+        self.on_registered: Optional[Callable[["StorageServer"], None]] = None
         self.heartbeat = 1.0
         self._next_rid = 1
         self._register_rid: Optional[int] = None
@@ -564,12 +583,21 @@ class StorageServer:
                 self.registered.set()
                 self._backoff = 0.1
                 log.info("segment %s registered at %s", self.segment, self.master)
+                if self.on_registered is not None:
+                    self.on_registered(self)
+            elif isinstance(reply.error(), PERMANENT_REFUSALS):
+                err = reply.error()
+                self.refused = type(err)(f"the master at {self.master} refused this node: {err}")
+                log.info("segment %s: %s; stopping", self.segment, self.refused)
+                self.stop()
             else:
-                self._start_over(f"register refused: {reply.error()}")
+                self._start_over(f"register refused by {self.master}: {reply.error()}")
         elif reply.status == errors.SegmentUnavailable.code and self.registered.is_set():
             self._start_over("the master does not know the segment")
 
     def _timers(self) -> None:
+        if self.refused is not None:
+            return
         self._freezer.grown(len(self.core.fence.index))
         self._follow()
         now = time.monotonic()
@@ -581,15 +609,20 @@ class StorageServer:
             if now >= self._retry_at:
                 self._register()
         elif now - self._register_sent > self.register_timeout:
+            silent = f"no answer from the master at {self.master} for {now - self._register_sent:.1f} s"
             self._connect_master()
             if self.coordinator is not None:
                 # the named master may be dead: keep the segment (a new master
                 # fences and recovers it) and ask again
+                if self.master is None:
+                    silent = "no master named yet"
+                log.warning("segment %s: %s; asking %s again", self.segment, silent,
+                            self.coordinator.url)
                 self._register_rid = None
                 self._next_coord = 0.0
             else:
                 # no answer: the master may be down or restarted; try again afresh
-                self._start_over("register unanswered")
+                self._start_over(silent)
 
     # ------------------------------------------------------------------ loop
 
