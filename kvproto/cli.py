@@ -283,6 +283,16 @@ def bench(args: argparse.Namespace) -> int:
     return bench_module.main(args)
 
 
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import plancli
+    plancli.add_arguments(parser)
+
+
+def plan(args: argparse.Namespace) -> int:
+    from .ops import plancli
+    return plancli.main(args)
+
+
 # --- subcommands ----------------------------------------------------------------
 
 # name -> (help, add_arguments(parser), handler(args) -> exit code).
@@ -296,4 +306,6 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
     "storage": ("serve one storage segment for a master", _storage_arguments, storage),
     "bench": ("measure put/get throughput against raw pyzmq and memcpy, and metadata rates",
               _bench_arguments, bench),
+    "plan": ("plan capacity, objects and traffic per machine for a model, workload and cluster",
+             _plan_arguments, plan),
 }
