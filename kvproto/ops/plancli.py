@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, TextIO
 
 from kvproto import errors
 from kvproto.ops import plan as P
-from kvproto.runtime.units import parse_size
+from kvproto.runtime.units import format_size, parse_size
 
 
 class InputError(ValueError):
@@ -99,9 +99,9 @@ FIELDS: list[tuple[str, str, str, Callable[[Any], Any], str]] = [
     ("store", "high_watermark", "--high-watermark", _float, "the master evicts past this share"),
     ("store", "inflight_s", "--inflight", _float, "seconds a transfer holds its buffer"),
     ("store", "metadata_bytes", "--metadata-bytes", _float,
-     f"master bytes per object (measured: {P.MEASURED.master_bytes_per_object:.0f})"),
+     f"master memory per object (measured {P.MEASURED.date})"),
     ("store", "index_bytes", "--index-bytes", _float,
-     f"storage node bytes per replica (measured: {P.MEASURED.node_bytes_per_replica:.0f})"),
+     f"storage node memory per replica (measured {P.MEASURED.date})"),
     ("cluster", "hosts", "--hosts", _int, "hosts, each an engine and a storage node"),
     ("cluster", "memory_per_host", "--memory", _size, "memory per host (e.g. 1TiB)"),
     ("cluster", "segment_per_host", "--segment", _size, "storage segment per host (e.g. 512GiB)"),
@@ -125,10 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None,
                         help="TOML file with [model] [workload] [store] [cluster] tables")
     group = parser.add_argument_group("inputs (flags override the file)")
-    for section, key, flag, _, help_text in FIELDS:
+    for section, key, flag, parse, help_text in FIELDS:
         default = getattr(RECORDS[section](), key) if key != "hot_replicas" else "replicas"
         if isinstance(default, tuple):
             default = ",".join(f"{t}:{w:g}" for t, w in default)
+        elif parse is _size:
+            default = format_size(default)
         group.add_argument(flag, dest=_dest(flag), default=None, metavar="V",
                            help=f"{help_text} (default {default})")
     parser.add_argument("--compare-chunk", type=int, default=None, metavar="TOKENS",
@@ -258,6 +260,8 @@ def count(n: float) -> str:
 
 
 def pct(x: float) -> str:
+    if 0 < x < 0.001:
+        return f"{100 * x:.2g}%"
     return f"{100 * x:.1f}%" if x < 10 else f"{100 * x:,.0f}%"
 
 
@@ -276,77 +280,81 @@ def render(p: P.Plan, other: P.Plan) -> str:
     t, cap, o, tr, f = p.tokens, p.capacity, p.objects, p.traffic, p.failure
     bw = c.nic_bytes_s
     lengths = ", ".join(f"{n:,} ({pct(q)})" for n, q in w.weighted())
+    hot = f" ({s.hot} for hot objects)" if s.hot != s.replicas else ""
     lines = [
-        f"model: {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} dim x "
+        f"model     {m.layers} layers x {m.kv_heads} KV heads x {m.head_dim} dim x "
         f"{P.canonical_dtype(m.dtype)} = {b(p.bytes_per_token)} per token (K and V)",
-        f"store: chunk {s.chunk_tokens} tokens = {b(cap.object_bytes)} per object; {s.replicas} replicas"
-        f" ({s.hot} for hot objects); eviction past {pct(s.high_watermark)} of a segment",
-        f"cluster: {c.hosts} hosts in {c.failure_domains} failure domains; {c.nic_gbps:g} Gb/s NIC "
-        f"({rate(bw)}) and {b(c.memory_per_host)} each",
-        f"workload: {w.request_rate:g} prompts/s; lengths {lengths}: {count(t.prompt)} tokens on average",
-        f"  {pct(w.sharing)} of a prompt is a shared prefix; {w.prefixes:,} prefixes, the hot "
-        f"{pct(w.hot_fraction)} take {pct(w.hot_share)} of reads; chunks kept {w.retention_s:g} s",
+        f"store     chunk {s.chunk_tokens} tokens = {b(cap.object_bytes)} per object, "
+        f"{s.replicas} replicas{hot}, eviction past {pct(s.high_watermark)}",
+        f"cluster   {c.hosts} hosts in {c.failure_domains} failure domains, each {b(c.memory_per_host)} "
+        f"and a {c.nic_gbps:g} Gb/s NIC ({rate(bw)})",
+        f"workload  {w.request_rate:g} prompts/s of {lengths} tokens",
+        f"          {pct(w.sharing)} of a prompt is a shared prefix; of {w.prefixes:,} prefixes the hot "
+        f"{pct(w.hot_fraction)} take {pct(w.hot_share)} of reads;",
+        f"          chunks must stay {w.retention_s:g} s to be reused",
         "",
-        f"PER PROMPT  {count(t.prompt)} tokens: {count(t.shared)} shared, {count(t.reused)} reused "
-        f"(loaded), {count(t.written)} written, {count(t.stored)} in whole chunks",
-        f"  reuse {pct(p.reuse)} of prompt tokens (shared {pct(w.sharing)}); partial chunks waste "
-        f"{count(t.shared_waste)} shared tokens (recomputed) and {count(t.tail_waste)} tail tokens (never stored)",
+        f"PER PROMPT  {count(t.prompt)} tokens on average: {count(t.shared)} shared, "
+        f"{count(t.reused)} reused (loaded, not recomputed),",
+        f"  {count(t.written)} written as new chunks; reuse {pct(p.reuse)} of prompt tokens. Partial "
+        f"chunks waste {count(t.shared_waste)}",
+        f"  shared tokens (recomputed though stored) and {count(t.tail_waste)} tail tokens "
+        f"(never stored)",
         "",
-        f"CAPACITY{'per host':>44}{'cluster':>14}",
+        f"CAPACITY{'per host':>50}{'cluster':>12}",
         _row(f"working set: {w.retention_s:g} s of new chunks, one copy", cap.working_set / c.hosts,
              cap.working_set, b),
-        _row(f"stored: x {s.replicas} replicas" + (f", hot x {s.hot}" if s.hot != s.replicas else "")
-             + ", whole pages", cap.per_host, cap.stored, b),
-        _row(f"usable: segment {b(c.segment_per_host)} x {s.high_watermark:g}", cap.usable_per_host,
-             cap.usable_per_host * c.hosts, b)
-        + f"   fits: {yes(cap.per_host <= cap.usable_per_host)}",
-        f"  host memory ({b(c.memory_per_host)})",
-        _row("  segment", c.segment_per_host, None, b),
-        _row(f"  + engine L1 ({b(c.l1_per_host)}" + (", inside the segment)" if c.l1_in_segment else ")"),
+        _row(f"stored: x {s.replicas} replicas" + (f", hot x {s.hot}" if hot else "") + ", whole pages",
+             cap.per_host, cap.stored, b),
+        _row(f"usable: {b(c.segment_per_host)} segment x {s.high_watermark:g}", cap.usable_per_host,
+             cap.usable_per_host * c.hosts, b) + f"  fits: {yes(cap.per_host <= cap.usable_per_host)}",
+        _row(f"host memory ({b(c.memory_per_host)}): segment", c.segment_per_host, None, b),
+        _row(f"  + engine L1, {b(c.l1_per_host)}" + (" inside the segment" if c.l1_in_segment else ""),
              cap.l1_per_host, None, b),
         _row("  + staging buffers", cap.staging_per_host, None, b),
-        _row(f"  + in flight ({s.inflight_s:g} s of {rate((tr.reads + tr.writes_payload) / c.hosts)})",
+        _row(f"  + in flight: {s.inflight_s:g} s of {rate((tr.reads + tr.writes_payload) / c.hosts)}",
              cap.inflight_per_host, None, b),
-        _row(f"  + storage node index ({s.index_bytes:.0f} B/replica)", cap.index_per_host, None, b),
-        _row("  = committed, each address once", cap.host_committed, None, b)
-        + f"   fits: {yes(cap.host_committed <= c.memory_per_host)}",
-        _row("  (configured sizes added: shared ones twice)", cap.host_naive, None, b),
-        _row(f"master directory ({s.metadata_bytes:.0f} B/object)", None, cap.master_metadata, b)
-        + "   on the master's machine",
+        _row(f"  + storage node index, {s.index_bytes:.0f} B per replica", cap.index_per_host, None, b),
+        _row("  = committed, each address counted once", cap.host_committed, None, b)
+        + f"  fits: {yes(cap.host_committed <= c.memory_per_host)}",
+        _row("    (configured sizes added up instead)", cap.host_naive, None, b),
+        _row(f"master directory, {s.metadata_bytes:.0f} B per object", None, cap.master_metadata, b)
+        + "  (the master's machine)",
         "",
         "OBJECTS",
         f"  held {count(o.stored)} objects, {count(o.replicas_stored)} replicas; "
-        f"written {count(o.written_s)}/s, read {count(o.read_s)}/s",
-        f"  master: {count(o.master_items_s)} items/s ({count(o.looked_up_s)} keys looked up/s) in "
-        f"{count(o.master_requests_s)} requests/s; {b(o.master_metadata)} of directory",
-        f"  wire: {rate(o.wire_overhead_s)} of headers and descriptors ({s.read_wire_bytes:.0f} B per "
-        f"read, {s.write_wire_bytes:.0f} B per replica written) = {pct(o.wire_overhead_share)} of the payload "
-        f"moved; page slack {b(o.page_slack)}",
+        f"{count(o.written_s)} written/s, {count(o.read_s)} read/s",
+        f"  master: {count(o.master_items_s)} items/s ({count(o.looked_up_s)} keys looked up) in "
+        f"{count(o.master_requests_s)} requests/s",
+        f"  wire: {s.read_wire_bytes:.0f} B per object read, {s.write_wire_bytes:.0f} B per replica written "
+        f"= {rate(o.wire_overhead_s)}, {pct(o.wire_overhead_share)} of payload",
+        f"  page slack (allocated, not payload): {b(o.page_slack)}",
         "",
-        f"TRAFFIC (per host: each NIC direction){'per host':>14}{'cluster':>14}",
+        f"TRAFFIC (per host: each NIC direction){'per host':>20}{'cluster':>12}",
         _row("reads of reused prefixes", tr.reads / c.hosts, tr.reads, rate),
         _row("  from another host (no replica on the reader's)", tr.reads_network / c.hosts,
              tr.reads_network, rate),
         _row("writes of new chunks, one copy", tr.writes_payload / c.hosts, tr.writes_payload, rate),
-        _row(f"  x {s.replicas} replicas (the writer sends each)", tr.writes_replicas / c.hosts,
+        _row(f"  x {s.replicas} replicas, each sent by the writer", tr.writes_replicas / c.hosts,
              tr.writes_replicas, rate),
         _row("  to another host", tr.writes_network / c.hosts, tr.writes_network, rate),
-        _row("NIC, average host", tr.per_host, None, rate) + f"   {pct(tr.utilisation)} busy",
-        _row("NIC, the host busiest with the hot set", tr.per_host_peak, None, rate)
-        + f"   {pct(tr.utilisation_peak)} busy",
-        f"  loading a prompt's reused {b(t.reused * p.bytes_per_token)}: {secs(tr.load_s)} on the average "
-        f"host, {secs(tr.load_s_peak)} on the busiest (budget {secs(c.slo_load_s)}: "
-        f"{'met' if tr.load_s_peak <= c.slo_load_s else 'MISSED'} on the busiest host)",
+        _row("NIC of the average host", tr.per_host, None, rate) + f"  {pct(tr.utilisation)} busy",
+        _row("NIC of the host busiest with the hot set", tr.per_host_peak, None, rate)
+        + f"  {pct(tr.utilisation_peak)} busy",
+        f"  loading a prompt's reused {b(t.reused * p.bytes_per_token)}: {secs(tr.load_s)} through the "
+        f"average host, {secs(tr.load_s_peak)} through",
+        f"  the busiest; budget {secs(c.slo_load_s)}: "
+        + ("met" if tr.load_s_peak <= c.slo_load_s else
+           "met on average, MISSED on the busiest" if tr.load_s <= c.slo_load_s else "MISSED"),
         "",
         f"FAILURE: the largest domain lost ({f.lost_hosts} of {c.hosts} hosts)",
-        f"  objects with every replica there (placement ignores domains): {pct(f.lost_outright)}, "
-        f"{b(f.bytes_lost_outright)}: recomputed",
-        f"  repair: {b(f.repair_bytes)} of lost replicas copied from survivors: {secs(f.repair_s)} "
-        f"at {pct(c.repair_share)} of {f.survivors} NICs",
-        f"  each survivor's NIC: {rate(f.per_survivor)} ({pct(f.per_survivor / bw)}) steady, "
-        f"{pct(f.utilisation_during_repair)} while repairing",
+        f"  objects with every replica in it: {pct(f.lost_outright)}, {b(f.bytes_lost_outright)}, "
+        f"recomputed (placement ignores domains)",
+        f"  repair: {b(f.repair_bytes)} of lost replicas copied from survivors in {secs(f.repair_s)} "
+        f"at {pct(c.repair_share)} of their NICs",
+        f"  each of {f.survivors} survivors' NICs: {rate(f.per_survivor)} ({pct(f.per_survivor / bw)}) "
+        f"steady, {pct(f.utilisation_during_repair)} while repairing",
         f"  survivors' usable segments {b(f.capacity_after)}: every replica fits: "
-        f"{yes(f.holds_all_replicas)}; one copy of the working set fits: {yes(f.holds_one_copy)}",
+        f"{yes(f.holds_all_replicas)}; one copy fits: {yes(f.holds_one_copy)}",
         "",
         *chunk_question(p, other),
         "",
@@ -358,8 +366,12 @@ def render(p: P.Plan, other: P.Plan) -> str:
 
 
 def _row(label: str, host: Optional[float], cluster: Optional[float], fmt) -> str:
-    return (f"  {label:<48}{fmt(host) if host is not None else '':>12}"
-            f"{fmt(cluster) if cluster is not None else '':>14}").rstrip()
+    return (f"  {label:<48}{fmt(host) if host is not None else '':>10}"
+            f"{fmt(cluster) if cluster is not None else '':>12}").rstrip()
+
+
+def _ratio(tr: P.Traffic) -> float:
+    return tr.per_host_peak / tr.per_host if tr.per_host else 1.0
 
 
 def chunk_question(a: P.Plan, z: P.Plan) -> list[str]:
@@ -370,21 +382,21 @@ def chunk_question(a: P.Plan, z: P.Plan) -> list[str]:
          z.tokens.shared_waste + z.tokens.tail_waste, count, -1),
         ("objects held", a.objects.stored, z.objects.stored, count, -1),
         ("master directory memory", a.objects.master_metadata, z.objects.master_metadata, b, -1),
-        ("storage index memory per host", a.capacity.index_per_host, z.capacity.index_per_host, b, -1),
+        ("storage node index per host", a.capacity.index_per_host, z.capacity.index_per_host, b, -1),
         ("master items per second", a.objects.master_items_s, z.objects.master_items_s, count, -1),
-        ("per-object wire overhead", a.objects.wire_overhead_s, z.objects.wire_overhead_s, rate, -1),
+        ("per-object bytes on the wire", a.objects.wire_overhead_s, z.objects.wire_overhead_s, rate, -1),
         ("new bytes written per second", a.traffic.writes_payload, z.traffic.writes_payload, rate, -1),
-        ("busiest host / average host", a.traffic.per_host_peak / a.traffic.per_host,
-         z.traffic.per_host_peak / z.traffic.per_host, lambda x: f"{x:.2f}", -1),
+        ("busiest host / average host", _ratio(a.traffic), _ratio(z.traffic), lambda x: f"{x:.2f}", -1),
     ]
     out = [f"Q: chunk {a.store.chunk_tokens} -> {z.store.chunk_tokens} tokens: which ledgers improve, "
            "which worsen?",
-           f"  {'':<40}{a.store.chunk_tokens:>14}{z.store.chunk_tokens:>14}"]
+           f"  {'':<38}{a.store.chunk_tokens:>12}{z.store.chunk_tokens:>12}"]
     for label, x, y, fmt, better in rows:
         verdict = "same" if math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) else \
             ("better" if (y - x) * better > 0 else "worse")
-        factor = f" (x{y / x:.2f})" if x and verdict != "same" and not label.startswith(("reuse", "busiest")) else ""
-        out.append(f"  {label:<40}{fmt(x):>14}{fmt(y):>14}   {verdict}{factor}")
+        factor = f" x{y / x:.2f}" if x and verdict != "same" and fmt is not pct and better < 0 \
+            and not label.startswith("busiest") else ""
+        out.append(f"  {label:<38}{fmt(x):>12}{fmt(y):>12}  {verdict}{factor}")
     return out
 
 
@@ -393,23 +405,25 @@ def hot_question(p: P.Plan) -> list[str]:
     replicas of the hot objects do."""
     w, tr, c = p.workload, p.traffic, p.cluster
     counts = sorted({p.store.hot, 2 * p.store.hot, 4 * p.store.hot, c.hosts})
-    options = P.hot_replica_options(p, counts)
     out = [
-        f"Q: the hot {pct(w.hot_fraction)} of prefixes take {pct(w.hot_share)} of reads: mean bandwidth "
-        "suffices, so why can the SLO still be missed?",
-        f"  The average host's NIC is {pct(tr.utilisation)} busy. But the hot prefixes' "
-        f"{count(tr.hot_objects)} objects live on only {count(tr.hot_units)} replicas, so the host holding",
-        f"  the most of them serves {pct(tr.per_host_peak / tr.per_host - 1)} more than the average: "
-        f"{pct(tr.utilisation_peak)} busy. A load's delay grows as 1/(1 - busy):",
-        f"  {secs(tr.load_s)} on the average host, {secs(tr.load_s_peak)} on the busiest, "
-        f"against a budget of {secs(c.slo_load_s)}; the prompts of hot prefixes are the ones that wait.",
-        "  More replicas of the hot objects spread their reads (and put a copy on more readers' own hosts):",
-        f"  {'hot replicas':>14}{'avg busy':>10}{'busiest':>10}{'ratio':>7}{'load avg':>11}"
-        f"{'load busiest':>14}{'extra bytes':>13}",
+        f"Q: the hot {pct(w.hot_fraction)} of prefixes take {pct(w.hot_share)} of reads: why can the "
+        "SLO fail when mean",
+        "   bandwidth suffices?",
+        f"  The average NIC is {pct(tr.utilisation)} busy. The hot prefixes' {count(tr.hot_objects)} "
+        f"objects have only {count(tr.hot_units)} replicas",
+        f"  among {c.hosts} hosts, so the host holding most of them carries {_ratio(tr):.2f}x the "
+        f"average: {pct(tr.utilisation_peak)} busy.",
+        f"  Delay grows as 1/(1 - busy): a prompt loads in {secs(tr.load_s)} through the average host, "
+        f"{secs(tr.load_s_peak)}",
+        f"  through the busiest (budget {secs(c.slo_load_s)}); the prompts that wait there are the "
+        f"hot ones, {pct(w.hot_share)} of reads.",
+        "  More replicas of the hot objects spread their reads and put copies on readers' own hosts:",
+        f"  {'hot replicas':>12}{'avg busy':>10}{'busiest':>10}{'ratio':>7}{'load avg':>10}"
+        f"{'busiest':>10}{'extra bytes':>13}",
     ]
-    for q in options:
+    for q in P.hot_replica_options(p, counts):
         qt = q.traffic
-        out.append(f"  {q.store.hot:>14}{pct(qt.utilisation):>10}{pct(qt.utilisation_peak):>10}"
-                   f"{qt.per_host_peak / qt.per_host:>7.2f}{secs(qt.load_s):>11}{secs(qt.load_s_peak):>14}"
+        out.append(f"  {q.store.hot:>12}{pct(qt.utilisation):>10}{pct(qt.utilisation_peak):>10}"
+                   f"{_ratio(qt):>7.2f}{secs(qt.load_s):>10}{secs(qt.load_s_peak):>10}"
                    f"{b(q.capacity.hot_extra):>13}")
     return out
