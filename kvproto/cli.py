@@ -3,8 +3,10 @@
 ``kvproto check`` model-checks every ``spec/*.cfg`` with TLC and compares each
 verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc`);
 ``kvproto demo`` runs an embedded cluster; ``kvproto master`` and
-``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
-measures it.
+``kvproto storage`` serve the runtime as separate processes (with
+``--metrics-port``, Prometheus metrics too); ``kvproto bench`` measures it;
+``kvproto stats`` prints a running cluster's figures; ``kvproto plan`` plans
+capacity, objects and traffic per machine (:mod:`kvproto.ops`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from kvproto import errors
 from kvproto.checking import tlc
 from kvproto.checking.tla import TraceStep, describe_changes, format_state
 
@@ -218,10 +221,38 @@ def _master_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-timeout", type=float, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
+    _metrics_arguments(parser)
+
+
+def _metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on this port (0: a free one; "
+                             "default: none; see docs/metrics.md)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics port binds (default 127.0.0.1; 0.0.0.0 for all)")
+
+
+def _metrics_mistake(command: str, args: argparse.Namespace) -> bool:
+    """Print the one-line mistake in the metrics flags, if any."""
+    if args.metrics_port is None:
+        return False
+    if not 0 <= args.metrics_port <= 65535:
+        print(f"kvproto {command}: --metrics-port {args.metrics_port} is not a port (0-65535)",
+              file=sys.stderr)
+        return True
+    try:
+        import prometheus_client  # noqa: F401
+    except ModuleNotFoundError:
+        print(f"kvproto {command}: --metrics-port needs the prometheus_client package "
+              "(pip install 'kvproto[metrics]')", file=sys.stderr)
+        return True
+    return False
 
 
 def master(args: argparse.Namespace) -> int:
     from .runtime.embedded import run_master
+    if _metrics_mistake("master", args):
+        return 2
     coordinator = None
     if args.coordinator:
         from .runtime.coordinator import connect
@@ -234,9 +265,15 @@ def master(args: argparse.Namespace) -> int:
     elif args.standby:
         print("kvproto master: --standby needs --coordinator", file=sys.stderr)
         return 2
-    run_master(args.listen, writer_timeout=args.writer_timeout, storage_timeout=args.storage_timeout,
-               coordinator=coordinator, advertise=args.advertise, fence_timeout=args.fence_timeout,
-               log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"))
+    try:
+        run_master(args.listen, writer_timeout=args.writer_timeout,
+                   storage_timeout=args.storage_timeout, coordinator=coordinator,
+                   advertise=args.advertise, fence_timeout=args.fence_timeout,
+                   log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
+                   metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+    except errors.InvalidArgument as err:   # the metrics port cannot be served
+        print(f"kvproto master: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -250,12 +287,20 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="endpoint clients connect to (default: the bound one)")
     parser.add_argument("--page-size", type=int, default=4096,
                         help="allocation granularity in bytes (a power of two >= 512)")
+    _metrics_arguments(parser)
 
 
 def storage(args: argparse.Namespace) -> int:
     from .runtime.embedded import run_storage
-    run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
-                page_size=args.page_size)
+    if _metrics_mistake("storage", args):
+        return 2
+    try:
+        run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
+                    page_size=args.page_size, metrics_port=args.metrics_port,
+                    metrics_host=args.metrics_host)
+    except errors.InvalidArgument as err:   # the metrics port cannot be served
+        print(f"kvproto storage: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -283,6 +328,16 @@ def bench(args: argparse.Namespace) -> int:
     return bench_module.main(args)
 
 
+def _stats_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import stats as stats_module
+    stats_module.add_arguments(parser)
+
+
+def stats(args: argparse.Namespace) -> int:
+    from .ops import stats as stats_module
+    return stats_module.main(args)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .ops import plancli
     plancli.add_arguments(parser)
@@ -308,4 +363,6 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               _bench_arguments, bench),
     "plan": ("plan capacity, objects and traffic per machine for a model, workload and cluster",
              _plan_arguments, plan),
+    "stats": ("print a running cluster's figures (the metrics' names), once or every few seconds",
+              _stats_arguments, stats),
 }

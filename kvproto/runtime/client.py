@@ -235,6 +235,8 @@ class Client:
         self.lease_counters: dict[str, float] = dict.fromkeys(LEASE_COUNTERS, 0)
         #: phases of the last leased read (queued, transferring, verifying), seconds
         self.last_read: Optional[lm.ReadPhases] = None
+        #: ``observe(op, seconds)`` after each round trip to a master (metrics; None: off)
+        self.observe = None
         self.master = master
         self.timeout = float(timeout)
         self.local_reads = local_reads
@@ -368,7 +370,10 @@ class Client:
                     raise errors.MasterNotOpen("the coordinator names no master")
             asked = self.master
             sock = self._master()
+            started = time.perf_counter()
             reply = self._await_master(sock, self._send(sock, op, body), deadline)
+            if self.observe is not None:
+                self.observe(op, time.perf_counter() - started)
             if reply is not None and reply.status != errors.MasterNotOpen.code:
                 return reply.raise_for_status()
             if self.master == asked:        # no other master named while waiting
