@@ -427,7 +427,7 @@ def plan(model: Model, workload: Workload, store: Store, cluster: Cluster) -> Pl
     # --- traffic
     reads = rate * tok.reused * bpt
     hot_reads = workload.hot_share * reads
-    local, hot_local = min(r, n) / n, min(hr, n) / n
+    local, hot_local = r / n, hr / n          # a reader on a host with a replica reads it locally
     hot_net = hot_reads * (1 - hot_local)
     cold_net = (reads - hot_reads) * (1 - local)
     payload_s = rate * tok.written * bpt
