@@ -4,7 +4,10 @@
 verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc`);
 ``kvproto demo`` runs an embedded cluster; ``kvproto master`` and
 ``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
-measures it; ``kvproto --version`` prints the installed package's version.
+measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
+prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
+and traffic per machine (:mod:`kvproto.ops`); ``kvproto --version`` prints the
+installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
 address it cannot listen on, a port in use, a segment larger than the free
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvproto import errors
 from kvproto.checking import tlc
 from kvproto.checking.tla import TraceStep, describe_changes, format_state
 
@@ -382,12 +386,40 @@ def _master_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-timeout", type=_seconds, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
+    _metrics_arguments(parser)
+
+
+def _metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on this port (0: a free one; "
+                             "default: none; see docs/metrics.md)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="address the metrics port binds (default 127.0.0.1; 0.0.0.0 for all)")
+
+
+def _metrics_mistake(command: str, args: argparse.Namespace) -> bool:
+    """Print the one-line mistake in the metrics flags, if any."""
+    if args.metrics_port is None:
+        return False
+    if not 0 <= args.metrics_port <= 65535:
+        print(f"kvproto {command}: --metrics-port {args.metrics_port} is not a port (0-65535)",
+              file=sys.stderr)
+        return True
+    try:
+        import prometheus_client  # noqa: F401
+    except ModuleNotFoundError:
+        print(f"kvproto {command}: --metrics-port needs the prometheus_client package "
+              "(pip install 'kvproto[metrics]')", file=sys.stderr)
+        return True
+    return False
 
 
 def master(args: argparse.Namespace) -> int:
     import zmq
     from .errors import KvError
     from .runtime.embedded import run_master
+    if _metrics_mistake("master", args):
+        return 2
     coordinator = None
     try:
         if args.coordinator:
@@ -403,7 +435,8 @@ def master(args: argparse.Namespace) -> int:
         run_master(args.listen, writer_timeout=args.writer_timeout,
                    storage_timeout=args.storage_timeout, coordinator=coordinator,
                    advertise=args.advertise, fence_timeout=args.fence_timeout,
-                   log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"))
+                   log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
+                   metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     except (KvError, OSError, zmq.ZMQError) as e:
         if coordinator is not None:
             coordinator.close()
@@ -431,15 +464,19 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="endpoint clients connect to (default: the bound one)")
     parser.add_argument("--page-size", type=_page_size, default=4096,
                         help="allocation granularity in bytes (a power of two >= 512)")
+    _metrics_arguments(parser)
 
 
 def storage(args: argparse.Namespace) -> int:
     import zmq
     from .errors import KvError
     from .runtime.embedded import run_storage
+    if _metrics_mistake("storage", args):
+        return 2
     try:
         run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
-                    page_size=args.page_size)
+                    page_size=args.page_size, metrics_port=args.metrics_port,
+                    metrics_host=args.metrics_host)
     except (KvError, OSError, zmq.ZMQError) as e:
         return _fail("storage", _start_failure(e, args.listen))
     return 0
@@ -476,6 +513,26 @@ def bench(args: argparse.Namespace) -> int:
     return bench_module.main(args)
 
 
+def _stats_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import stats as stats_module
+    stats_module.add_arguments(parser)
+
+
+def stats(args: argparse.Namespace) -> int:
+    from .ops import stats as stats_module
+    return stats_module.main(args)
+
+
+def _plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import plancli
+    plancli.add_arguments(parser)
+
+
+def plan(args: argparse.Namespace) -> int:
+    from .ops import plancli
+    return plancli.main(args)
+
+
 # --- subcommands ----------------------------------------------------------------
 
 # name -> (help, add_arguments(parser), handler(args) -> exit code).
@@ -490,4 +547,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
     "storage": ("serve one storage segment for a master", _storage_arguments, storage),
     "bench": ("measure put/get throughput against raw pyzmq and memcpy, and metadata rates",
               _bench_arguments, bench),
+    "plan": ("plan capacity, objects and traffic per machine for a model, workload and cluster",
+             _plan_arguments, plan),
+    "stats": ("print a running cluster's figures (the metrics' names), once or every few seconds",
+              _stats_arguments, stats),
 }

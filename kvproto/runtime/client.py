@@ -276,6 +276,8 @@ class Client:
         self.lease_counters: dict[str, float] = dict.fromkeys(LEASE_COUNTERS, 0)
         #: phases of the last leased read (queued, transferring, verifying), seconds
         self.last_read: Optional[lm.ReadPhases] = None
+        #: ``observe(op, seconds)`` after each round trip to a master (metrics; None: off)
+        self.observe = None
         self.master = master
         self.timeout = float(timeout)
         self.local_reads = local_reads
@@ -429,7 +431,10 @@ class Client:
                                                       "names no master")
             asked = self.master
             sock = self._master()
+            sent_at = time.perf_counter()
             reply = self._await_master(sock, self._send(sock, op, body), deadline, started)
+            if self.observe is not None:
+                self.observe(op, time.perf_counter() - sent_at)
             if reply is not None and reply.status != errors.MasterNotOpen.code:
                 return reply
             if self.master == asked:        # no other master named while waiting
@@ -713,14 +718,14 @@ class Client:
         except errors.KvError:
             pass
 
-    def _abandon(self, keys: list[bytes], wait: float = 2.0) -> None:
-        """Best effort: end this client's pending attempts on ``keys`` whose
-        tokens it never received (``put_abandon``); the master also ends them
-        by their own deadline."""
+    def _abandon(self, keys: list[bytes]) -> None:
+        """End this client's pending attempts on ``keys`` whose tokens it never
+        received (``put_abandon``). Fire-and-forget, on the master connection,
+        so it is handled before this client's next request; the master also
+        ends such attempts by their own deadline."""
         try:
-            self._call_master("put_abandon", {"client": self.client_id, "keys": keys},
-                              time.monotonic() + wait)
-        except errors.KvError:
+            self._send(self._master(), "put_abandon", {"client": self.client_id, "keys": keys})
+        except (errors.KvError, zmq.ZMQError):
             pass
 
     # ------------------------------------------------------------------ get

@@ -11,7 +11,8 @@ inproc zero-copy read reply would alias the storage segment itself.
 SIGTERM (or until ``stop`` is set), then shut down cleanly (a storage node
 deregisters and unlinks its shared memory). Both print one line,
 ``kvproto <role> listening on <endpoint>``, to stdout once they serve, so a
-parent process can learn a port picked with ``tcp://127.0.0.1:*``. A storage
+parent process can learn a port picked with ``tcp://127.0.0.1:*`` (with
+``metrics_port``, a line ``kvproto <role> metrics on <url>`` comes first). A storage
 node prints a second line once it has registered with its master and can be
 given objects (puts before it get ``NoStorage``)::
 
@@ -87,7 +88,7 @@ class EmbeddedCluster:
                  page_size: int = 4096, transport: str = "tcp", client_timeout: float = 30.0,
                  start_timeout: float = 30.0, storage_debug: bool = False,
                  lease_ttl: float = 5.0, high_watermark: float = 0.90,
-                 free_fraction: float = 0.05) -> None:
+                 free_fraction: float = 0.05, metrics: bool = False) -> None:
         if storage_nodes < 0:
             raise ValueError("storage_nodes must be >= 0")
         if transport not in ("tcp", "ipc"):
@@ -98,6 +99,11 @@ class EmbeddedCluster:
         self._clients: list[Client] = []
         self._threads: list[_ServerThread] = []
         self.storage: list[StorageServer] = []
+        #: with ``metrics``: where each server's (and the clients') Prometheus
+        #: metrics are served: ``{"master": url, "storage-0": url, ..., "clients": url}``
+        self.metrics_urls: dict[str, str] = {}
+        self._exporters: list = []
+        self._client_metrics = None
         self._stopped = False
         try:
             master_listen = self._endpoint("master")
@@ -121,9 +127,25 @@ class EmbeddedCluster:
                         raise node.refused
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"storage node {node.endpoint} did not register")
+            if metrics:
+                self._serve_metrics()
         except BaseException:
             self.stop()
             raise
+
+    def _serve_metrics(self) -> None:
+        """Each server's metrics, and the clients', on free loopback ports."""
+        from kvproto.ops import metrics
+        named = [("master", metrics.serve_master, self.master)]
+        named += [(f"storage-{n}", metrics.serve_storage, node) for n, node in enumerate(self.storage)]
+        for name, serve, server in named:
+            exporter = serve(server)
+            self._exporters.append(exporter)
+            self.metrics_urls[name] = exporter.url
+        self._client_metrics = metrics.ClientCollector()
+        exporter = metrics.serve_clients(self._client_metrics)
+        self._exporters.append(exporter)
+        self.metrics_urls["clients"] = exporter.url
 
     def _endpoint(self, name: str) -> str:
         if self._tmpdir is not None:
@@ -135,6 +157,8 @@ class EmbeddedCluster:
         kwargs.setdefault("timeout", self.client_timeout)
         c = Client(self.master_address, **kwargs)
         self._clients.append(c)
+        if self._client_metrics is not None:
+            self._client_metrics.add(c)
         return c
 
     def stats(self) -> dict:
@@ -148,6 +172,9 @@ class EmbeddedCluster:
         for c in self._clients:
             c.close()
         self._clients.clear()
+        for exporter in self._exporters:
+            exporter.close()
+        self._exporters.clear()
         # storage nodes first (they deregister with the master), then the master
         for t in reversed(self._threads):
             t.stop()
@@ -170,7 +197,10 @@ def embedded(storage_nodes: int = 2, segment_size: "int | str" = "256MiB", **kwa
     clients made by ``.client()``), ``storage_debug`` (storage nodes accept the
     test-only ``debug`` fault-injection op; off by default), ``lease_ttl``
     (seconds, default 5), ``high_watermark`` / ``free_fraction`` (the master's
-    eviction policy, default 0.90 / 0.05).
+    eviction policy, default 0.90 / 0.05), ``metrics`` (serve Prometheus
+    metrics of the master, each storage node and the clients made by
+    ``.client()`` on free loopback ports, listed in ``.metrics_urls``; off by
+    default; needs ``prometheus_client``).
     """
     return EmbeddedCluster(storage_nodes, segment_size, **kwargs)
 
@@ -194,6 +224,17 @@ def _until_signalled(server):
     finally:
         for sig, h in old.items():
             signal.signal(sig, h)
+
+
+def _metrics(server, role: str, port: Optional[int], host: str):
+    """Serve ``server``'s metrics on ``host:port`` (``None``: not at all) and
+    say where, before the ``listening`` line."""
+    if port is None:
+        return None
+    from kvproto.ops import metrics
+    exporter = (metrics.serve_master if role == "master" else metrics.serve_storage)(server, port, host)
+    print(f"kvproto {role} metrics on {exporter.url}", flush=True)
+    return exporter
 
 
 def _serve(server, role: str, stop: Optional[threading.Event], log_level: "str | int") -> None:
@@ -231,31 +272,53 @@ def _say_ready(server: StorageServer) -> None:
 
 def run_master(listen: str = "tcp://127.0.0.1:5555", *, writer_timeout: float = 10.0,
                storage_timeout: float = 10.0, stop: Optional[threading.Event] = None,
-               log_level: "str | int" = "WARNING", **kwargs: Any) -> None:
+               log_level: "str | int" = "WARNING", metrics_port: Optional[int] = None,
+               metrics_host: str = "127.0.0.1", **kwargs: Any) -> None:
     """Serve a master on ``listen`` until SIGINT/SIGTERM (or ``stop`` is set).
 
     ``log_level`` applies when the process has no logging configured yet (it
-    logs to stderr; ``INFO`` shows segments joining and leaving). Other keyword
-    arguments go to :class:`~kvproto.runtime.master.MasterServer`
-    (``max_header_bytes``)."""
+    logs to stderr; ``INFO`` shows segments joining and leaving).
+    ``metrics_port`` (0: a free one) serves Prometheus metrics on
+    ``metrics_host``. Other keyword arguments go to
+    :class:`~kvproto.runtime.master.MasterServer` (``max_header_bytes``)."""
     server = MasterServer(listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                           **kwargs)
-    _serve(server, "master", stop, log_level)
+    try:
+        exporter = _metrics(server, "master", metrics_port, metrics_host)
+    except BaseException:
+        server.close()
+        raise
+    try:
+        _serve(server, "master", stop, log_level)
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
 def run_storage(master: str, size: "int | str", *, listen: str = "tcp://127.0.0.1:*",
                 advertise: Optional[str] = None, page_size: int = 4096,
                 stop: Optional[threading.Event] = None, log_level: "str | int" = "WARNING",
+                metrics_port: Optional[int] = None, metrics_host: str = "127.0.0.1",
                 **kwargs: Any) -> None:
     """Serve one storage segment of ``size`` bytes for ``master`` until SIGINT/SIGTERM.
 
     ``listen`` is the data endpoint to bind; ``advertise`` is the endpoint clients
     and the master should connect to (default: the bound one; set it when
     binding ``0.0.0.0``). ``page_size`` is the allocation granularity (a power of
-    two >= 512). Other keyword arguments go to
+    two >= 512). ``metrics_port`` (0: a free one) serves Prometheus metrics on
+    ``metrics_host``. Other keyword arguments go to
     :class:`~kvproto.runtime.storage.StorageServer` (``max_header_bytes``,
     ``register_timeout``).
     """
     server = StorageServer(master, size, listen=listen, advertise=advertise,
                            page_size=page_size, **kwargs)
-    _serve(server, "storage", stop, log_level)
+    try:
+        exporter = _metrics(server, "storage", metrics_port, metrics_host)
+    except BaseException:
+        server.close()
+        raise
+    try:
+        _serve(server, "storage", stop, log_level)
+    finally:
+        if exporter is not None:
+            exporter.close()

@@ -183,7 +183,7 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "lease_expiries", "leased_refusals", "removes_forced", "evictions", "eviction_short",
             # failover (spec/Failover.tla)
             "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open",
-            "abandoned", "removes_inherited_refused")
+            "abandoned")
 
 
 class MasterCore:
@@ -1144,6 +1144,8 @@ class MasterServer:
         self.dealers: dict[str, zmq.Socket] = {}
         self._segment_of: dict[zmq.Socket, str] = {}
         self._stopping = False  # a plain flag: stop() takes no lock (signal-handler safe)
+        #: ``observe(op, seconds)`` after each request is handled (metrics; None: off)
+        self.observe: Optional[Callable[[str, float], None]] = None
 
     # ------------------------------------------------------------------ loop
 
@@ -1286,6 +1288,8 @@ class MasterServer:
             self.core.counters["rejected"] += 1
             self._reply(identity, getattr(err, "request_id", 0), err.code, {"message": err.message})
             return
+        observe = self.observe
+        started = time.perf_counter() if observe is not None else 0.0
         try:
             result = self.core.handle(req.op, req.body, identity, req.request_id)
         except errors.KvError as err:
@@ -1294,6 +1298,8 @@ class MasterServer:
             log.exception("master failed on %s", req.op)
             err = errors.InternalError(f"{req.op}: {exc.__class__.__name__}: {exc}")
             result = (err.code, {"message": err.message})
+        if observe is not None:
+            observe(req.op, time.perf_counter() - started)
         if result is not None:
             self._reply(identity, req.request_id, *result)
 

@@ -493,6 +493,8 @@ class StorageServer:
         self._outq: list = []      # (due, seq, frames): delayed data replies
         self._seq = itertools.count()
         self._freezer = collector.Freezer()
+        #: ``observe(op, seconds)`` after each request is served (metrics; None: off)
+        self.observe = None
 
     @property
     def segment(self) -> str:
@@ -700,6 +702,8 @@ class StorageServer:
     def _serve(self, identity: bytes, req: wire.Request) -> None:
         rid = req.request_id
         out: list = []
+        observe = self.observe
+        started = time.perf_counter() if observe is not None else 0.0
         try:
             result = self.core.handle(req.op, req.body, req.payloads)
             if result is None:
@@ -711,6 +715,8 @@ class StorageServer:
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("storage failed on %s", req.op)
             header = wire.encode_error(rid, errors.InternalError(f"{req.op}: {exc}"))
+        if observe is not None:
+            observe(req.op, time.perf_counter() - started)
         frames = [identity, header, *out]
         if req.op == "read" and self.faults["read_delay_ms"]:
             self.core.counters["reads_delayed"] += 1
