@@ -24,14 +24,11 @@ are accepted and not needed: kvproto has no separate metadata service, moves
 bytes over ZeroMQ or same-host shared memory, and needs no staging buffer.
 
 Zero-copy forms (``put_from``, ``get_into`` and their batches) take raw
-addresses. :func:`memory_at` is the one place an address becomes a
-``memoryview``, and :meth:`MooncakeDistributedStore._load` the one place a
-read lands in a caller's memory.
+addresses, turned into views and read into by :mod:`kvproto.engines.memory`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import re
 import socket
@@ -42,6 +39,7 @@ from typing import Any, Optional
 import numpy
 
 from kvproto import errors
+from kvproto.engines.memory import load_into, memory_at
 from kvproto.runtime.client import Client
 from kvproto.runtime.embedded import ServerThread
 from kvproto.runtime.storage import StorageServer, coordinator_url
@@ -79,14 +77,6 @@ def return_code(err: BaseException) -> int:
         if isinstance(err, types):
             return code
     return INTERNAL_ERROR
-
-
-def memory_at(ptr: int, size: int) -> memoryview:
-    """A writable byte view of ``size`` bytes at address ``ptr`` (no copy).
-    The caller keeps the memory alive while the view is used."""
-    if not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0:
-        raise errors.InvalidArgument(f"bad buffer: address {ptr!r}, size {size!r}")
-    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
 
 
 class BufferHandle(numpy.ndarray):
@@ -359,24 +349,12 @@ class MooncakeDistributedStore:
             return return_code(err)
 
     def _load(self, keys: Sequence[str], targets: Sequence[Sequence[memoryview]]) -> list[int]:
-        """Read each key into its target views, in order; the bytes read or a
-        code (``-600`` when the targets are smaller than the object, and then
-        nothing is written). The one place a read lands in caller memory."""
-        out: list[int] = []
-        for value, views in zip(self._get_many(keys), targets):
-            if isinstance(value, int):
-                out.append(value)
-                continue
-            if value.nbytes > sum(v.nbytes for v in views):
-                out.append(INVALID_PARAMS)
-                continue
-            at = 0
-            for view in views:
-                n = min(view.nbytes, value.nbytes - at)
-                view[:n] = value[at:at + n]
-                at += n
-            out.append(value.nbytes)
-        return out
+        """Read each key into its target views: the bytes read or a code."""
+        try:
+            client = self._need()
+        except errors.KvError as err:
+            return [return_code(err)] * len(keys)
+        return [r if isinstance(r, int) else return_code(r) for r in load_into(client, keys, targets)]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read ``key`` into ``size`` bytes at ``buffer_ptr``: the bytes read, or a code."""
