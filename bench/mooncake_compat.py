@@ -6,7 +6,8 @@ real Mooncake Store where it is installed.
 
 Each figure is the median over ``--repeat`` runs of ``--count`` puts (new keys)
 or gets (of keys just put), one call per object, for 4 KiB and 1 MiB objects;
-ratios are to the native kvproto API measured in the same run. kvproto runs a
+the native and shim runs take turns, and ratios are to the native kvproto API
+measured in the same run (``get_into`` to native ``get``). kvproto runs a
 master and one storage node as processes on loopback (as ``kvproto bench``);
 Mooncake runs its master with its HTTP metadata server, and its store client
 contributes its segment in this process (Mooncake's usual deployment, and
@@ -31,42 +32,60 @@ from kvproto.runtime.client import Client
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20}
 
 
-def _rate(fn, count: int, repeat: int) -> float:
-    """Median calls per second of ``fn(i)`` over ``repeat`` runs of ``count`` calls."""
-    runs = []
-    for r in range(repeat + 1):                    # the first run warms up
-        t0 = time.perf_counter()
-        for i in range(count):
-            fn(r * count + i)
-        if r:
-            runs.append(count / (time.perf_counter() - t0))
-    return statistics.median(runs)
+def _rates(paths: dict, count: int, repeat: int) -> dict:
+    """Median calls per second of each ``fn(i)`` in ``paths`` over ``repeat``
+    runs of ``count`` calls; the paths take turns run by run, so load from
+    elsewhere falls on all of them alike."""
+    runs: dict = {name: [] for name in paths}
+    for r in range(repeat + 1):                    # the first round warms up
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            for i in range(count):
+                fn(r * count + i)
+            if r:
+                runs[name].append(count / (time.perf_counter() - t0))
+    return {name: statistics.median(v) for name, v in runs.items()}
 
 
-def _paths(put, get, get_into, size: int, count: int, repeat: int) -> dict:
+def _impl_paths(impl: str, api, size: int, count: int, repeat: int, ptr: int) -> dict:
+    """put (new keys), get and, for a Mooncake API, get_into, of ``size`` bytes;
+    reads go to the keys of the last put run (older ones may have been evicted)."""
     value = bytes(range(256)) * (size // 256)
-    tag = uuid.uuid4().hex[:8]
-    out = {"put": _rate(lambda i: put(f"{tag}/{i}", value), count, repeat)}
-    out["get"] = _rate(lambda i: get(f"{tag}/{i % count}"), count, repeat)
-    if get_into is not None:
-        out["get_into"] = _rate(lambda i: get_into(f"{tag}/{i % count}"), count, repeat)
-    return out
+    tag = f"{impl}/{uuid.uuid4().hex[:8]}"
+
+    def key(i):
+        return f"{tag}/{repeat * count + i % count}"
+    if impl == "native":
+        return {"put": lambda i: api.put(f"{tag}/{i}", value), "get": lambda i: api.get(key(i))}
+
+    def put(i):
+        assert api.put(f"{tag}/{i}", value) == 0
+
+    def get_into(i):
+        assert api.get_into(key(i), ptr, size) == size
+    return {"put": put, "get": lambda i: api.get(key(i)), "get_into": get_into}
 
 
-def _store_paths(store, size: int, count: int, repeat: int) -> dict:
+def _measure(impls: dict, size: int, count: int, repeat: int) -> dict:
+    """``{impl: {op: calls/s}}``: puts of all impls in turn, then their reads."""
     buf = ctypes.create_string_buffer(size)
     ptr = ctypes.addressof(buf)
-    assert store.register_buffer(ptr, size) == 0
-
-    def put(k, v):
-        assert store.put(k, v) == 0
-
-    def get_into(k):
-        assert store.get_into(k, ptr, size) == size
+    paths = {impl: _impl_paths(impl, api, size, count, repeat, ptr) for impl, api in impls.items()}
+    for impl, api in impls.items():
+        if impl != "native":
+            assert api.register_buffer(ptr, size) == 0
     try:
-        return _paths(put, store.get, get_into, size, count, repeat)
+        puts = _rates({impl: p["put"] for impl, p in paths.items()}, count, repeat)
+        reads = _rates({(impl, op): fn for impl, p in paths.items() for op, fn in p.items()
+                        if op != "put"}, count, repeat)
     finally:
-        store.unregister_buffer(ptr)
+        for impl, api in impls.items():
+            if impl != "native":
+                api.unregister_buffer(ptr)
+    out = {impl: {"put": puts[impl]} for impl in impls}
+    for (impl, op), rate in reads.items():
+        out[impl][op] = rate
+    return out
 
 
 def main(argv=None) -> int:
@@ -74,7 +93,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--count", type=int, default=256)
     args = parser.parse_args(argv)
-    segment = max(SIZES.values()) * args.count * (args.repeat + 2) * 2
+    segment = 1 << 30                # past its watermark the store evicts the oldest runs' keys
     rows: dict = {}
     procs, address = _start_store(str(segment))
     try:
@@ -82,8 +101,9 @@ def main(argv=None) -> int:
             store = MooncakeDistributedStore()
             assert store.setup("127.0.0.1", "", 0, 0, "tcp", "", address) == 0
             for name, size in SIZES.items():
-                rows[("native", name)] = _paths(client.put, client.get, None, size, args.count, args.repeat)
-                rows[("shim", name)] = _store_paths(store, size, args.count, args.repeat)
+                for impl, r in _measure({"native": client, "shim": store}, size, args.count,
+                                        args.repeat).items():
+                    rows[(impl, name)] = r
             store.close()
     finally:
         _stop(procs)
@@ -93,7 +113,8 @@ def main(argv=None) -> int:
             store = module.MooncakeDistributedStore()
             if store.setup(master.setup_config(segment, 64 << 20)) == 0:
                 for name, size in SIZES.items():
-                    rows[("mooncake", name)] = _store_paths(store, size, args.count, args.repeat)
+                    rows[("mooncake", name)] = _measure({"mooncake": store}, size, args.count,
+                                                        args.repeat)["mooncake"]
                 store.close()
             else:
                 why = "its store did not set up"
