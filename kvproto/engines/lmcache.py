@@ -158,7 +158,7 @@ class KvprotoConnector(RemoteConnector):
             return data
         head = RemoteMetadata(len(data), obj.get_shapes(), obj.get_dtypes(),
                               obj.get_memory_format()).serialize()
-        return bytes(head) + bytes(data)
+        return b"".join((head, data))        # one copy
 
     def _put_many(self, keys: List[CacheEngineKey], objs: List[MemoryObj]) -> None:
         items = [(self._key(k), self._value(o)) for k, o in zip(keys, objs)]

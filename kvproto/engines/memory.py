@@ -2,9 +2,9 @@
 reads that land in them.
 
 :func:`memory_at` is the one place an address becomes a ``memoryview``;
-:func:`load_into` the one place a read lands in caller memory (today a
-``get_many`` and one copy per target; a same-host path that copies straight
-from the storage segment replaces it here alone).
+:func:`load_into` the one place a read lands in caller memory (today
+:func:`read_many` and one copy per target; a same-host path that copies
+straight from the storage segment replaces it here alone).
 """
 
 from __future__ import annotations
@@ -25,27 +25,31 @@ def memory_at(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
 
 
-def load_into(client: Client, keys: Sequence, targets: Sequence[Sequence[memoryview]]
-              ) -> list[Union[int, errors.KvError]]:
-    """Read each key into its target views, filled in order (a scatter): per
-    key the bytes read, or the error (``KeyNotFound`` for a miss,
-    ``InvalidArgument`` when the targets are smaller than the object, and then
-    nothing is written)."""
+def read_many(client: Client, keys: Sequence) -> list[Union[memoryview, errors.KvError]]:
+    """Per key its bytes, or the error (``KeyNotFound`` for a miss): one
+    ``get_many``, and key by key only when that fails for a reason other than
+    a miss, to tell the keys apart."""
     try:
-        values: list = client.get_many(list(keys))
+        values = client.get_many(list(keys))
     except errors.KvError:
-        # a failure that is not a miss: read key by key to tell them apart
         values = []
         for key in keys:
             try:
                 values.append(client.get(key))
             except errors.KvError as err:
                 values.append(err)
+    return [errors.KeyNotFound(f"{k!r}") if v is None else v for k, v in zip(keys, values)]
+
+
+def load_into(client: Client, keys: Sequence, targets: Sequence[Sequence[memoryview]]
+              ) -> list[Union[int, errors.KvError]]:
+    """Read each key into its target views, filled in order (a scatter): per
+    key the bytes read, or the error (``KeyNotFound`` for a miss,
+    ``InvalidArgument`` when the targets are smaller than the object, and then
+    nothing is written)."""
     out: list[Union[int, errors.KvError]] = []
-    for key, value, views in zip(keys, values, targets):
-        if value is None:
-            out.append(errors.KeyNotFound(f"{key!r}"))
-        elif isinstance(value, errors.KvError):
+    for key, value, views in zip(keys, read_many(client, keys), targets):
+        if isinstance(value, errors.KvError):
             out.append(value)
         elif value.nbytes > sum(v.nbytes for v in views):
             out.append(errors.InvalidArgument(

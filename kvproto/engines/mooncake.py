@@ -39,7 +39,7 @@ from typing import Any, Optional
 import numpy
 
 from kvproto import errors
-from kvproto.engines.memory import load_into, memory_at
+from kvproto.engines.memory import load_into, memory_at, read_many
 from kvproto.runtime.client import Client
 from kvproto.runtime.embedded import ServerThread
 from kvproto.runtime.storage import StorageServer, coordinator_url
@@ -309,16 +309,10 @@ class MooncakeDistributedStore:
     def _get_many(self, keys: Sequence[str]) -> list:
         """The bytes (memoryview) of each key, or an int code."""
         try:
-            views = self._need().get_many(list(keys))
-        except errors.KvError:
-            # one failure that is not a miss: read key by key to tell them apart
-            views = []
-            for key in keys:
-                try:
-                    views.append(self._need().get(key))
-                except errors.KvError as err:
-                    views.append(return_code(err))
-        return [OBJECT_NOT_FOUND if v is None else v for v in views]
+            client = self._need()
+        except errors.KvError as err:
+            return [return_code(err)] * len(keys)
+        return [return_code(v) if isinstance(v, errors.KvError) else v for v in read_many(client, keys)]
 
     def get(self, key: str) -> bytes:
         """The bytes of ``key``; ``b""`` on a miss or a failure."""

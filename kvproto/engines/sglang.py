@@ -96,11 +96,11 @@ class KvprotoHiCacheStorage(HiCacheStorage):
         targets = list(target_locations or [None] * len(keys))
         out: List[Optional[torch.Tensor]] = [None] * len(keys)
         todo = [i for i, t in enumerate(targets) if t is not None]
-        views = [[_as_bytes(targets[i])] for i in todo]
-        if not todo:
-            return out
         if any(not targets[i].is_contiguous() for i in todo):
             raise ValueError("target tensors must be contiguous")
+        if not todo:
+            return out
+        views = [[_as_bytes(targets[i])] for i in todo]
         for i, view, got in zip(todo, views, load_into(self.client, [self._key(keys[i]) for i in todo],
                                                        views)):
             if got == view[0].nbytes:
