@@ -3,8 +3,8 @@
 :class:`MooncakeDistributedStore` and :class:`ReplicateConfig` take the same
 arguments and give the same return values as Mooncake's binding, so code
 written for Mooncake runs on kvproto unchanged (through the ``PYTHONPATH``
-shim in ``kvproto/engines/shim``, or by importing this module). Every call is
-one call of the public :class:`kvproto.Client` API; see ``docs/engines.md``
+shim in ``kvproto/engines/shim``, or by importing this module). Every call goes
+through the public :class:`kvproto.Client` API; see ``docs/engines.md``
 for which protocol step each one is.
 
 Return codes are Mooncake's (``ErrorCode``): ``0`` success; a re-put of an
