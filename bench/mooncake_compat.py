@@ -32,10 +32,11 @@ from kvproto.runtime.client import Client
 SIZES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20}
 
 
-def _rates(paths: dict, count: int, repeat: int) -> dict:
+def _rates(paths: dict, count: int, repeat: int, after=None) -> dict:
     """Median calls per second of each ``fn(i)`` in ``paths`` over ``repeat``
     runs of ``count`` calls; the paths take turns run by run, so load from
-    elsewhere falls on all of them alike."""
+    elsewhere falls on all of them alike. ``after(name, r)`` runs, untimed,
+    after run ``r`` of ``name``."""
     runs: dict = {name: [] for name in paths}
     for r in range(repeat + 1):                    # the first round warms up
         for name, fn in paths.items():
@@ -44,26 +45,32 @@ def _rates(paths: dict, count: int, repeat: int) -> dict:
                 fn(r * count + i)
             if r:
                 runs[name].append(count / (time.perf_counter() - t0))
+            if after is not None:
+                after(name, r)
     return {name: statistics.median(v) for name, v in runs.items()}
 
 
 def _impl_paths(impl: str, api, size: int, count: int, repeat: int, ptr: int) -> dict:
     """put (new keys), get and, for a Mooncake API, get_into, of ``size`` bytes;
-    reads go to the keys of the last put run (older ones may have been evicted)."""
+    reads go to the keys of the last put run (older runs' keys are dropped)."""
     value = bytes(range(256)) * (size // 256)
     tag = f"{impl}/{uuid.uuid4().hex[:8]}"
 
     def key(i):
         return f"{tag}/{repeat * count + i % count}"
+    def drop(r):              # an earlier put run's keys (untimed), so no run fills the store
+        for i in range(r * count, (r + 1) * count) if r < repeat else ():
+            api.remove(f"{tag}/{i}")
     if impl == "native":
-        return {"put": lambda i: api.put(f"{tag}/{i}", value), "get": lambda i: api.get(key(i))}
+        return {"put": lambda i: api.put(f"{tag}/{i}", value), "get": lambda i: api.get(key(i)),
+                "drop": drop}
 
     def put(i):
         assert api.put(f"{tag}/{i}", value) == 0
 
     def get_into(i):
         assert api.get_into(key(i), ptr, size) == size
-    return {"put": put, "get": lambda i: api.get(key(i)), "get_into": get_into}
+    return {"put": put, "get": lambda i: api.get(key(i)), "get_into": get_into, "drop": drop}
 
 
 def _measure(impls: dict, size: int, count: int, repeat: int) -> dict:
@@ -75,9 +82,10 @@ def _measure(impls: dict, size: int, count: int, repeat: int) -> dict:
         if impl != "native":
             assert api.register_buffer(ptr, size) == 0
     try:
-        puts = _rates({impl: p["put"] for impl, p in paths.items()}, count, repeat)
+        puts = _rates({impl: p["put"] for impl, p in paths.items()}, count, repeat,
+                      after=lambda impl, r: paths[impl]["drop"](r))
         reads = _rates({(impl, op): fn for impl, p in paths.items() for op, fn in p.items()
-                        if op != "put"}, count, repeat)
+                        if op not in ("put", "drop")}, count, repeat)
     finally:
         for impl, api in impls.items():
             if impl != "native":
@@ -93,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--count", type=int, default=256)
     args = parser.parse_args(argv)
-    segment = 1 << 30                # past its watermark the store evicts the oldest runs' keys
+    segment = 1 << 30                # each put run's keys are removed after the next run
     rows: dict = {}
     procs, address = _start_store(str(segment))
     try:
