@@ -71,10 +71,16 @@ class KVLayout:
         import torch
         return getattr(torch, self.dtype)
 
-    def tag(self) -> str:
-        """Stable text naming the layout (for keys)."""
+    def tag(self, rank: bool = True) -> str:
+        """Stable text naming the layout (for keys): layout version, layers, KV
+        heads, head dim, dtype, block size, and tensor-parallel rank/size.
+
+        ``rank=False`` names what every rank of one tensor-parallel group shares
+        (``tp*/size``): a namespace holds that, and each object key of a chunk
+        adds its own rank (:mod:`kvproto.engines.prefix`)."""
+        tp = f"{self.tp_rank}/{self.tp_size}" if rank else f"*/{self.tp_size}"
         return (f"kvl{self.version}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-                f":{_DTYPES[self.dtype]}:B{self.block_size}:tp{self.tp_rank}/{self.tp_size}")
+                f":{_DTYPES[self.dtype]}:B{self.block_size}:tp{tp}")
 
     def check(self, kv: Any) -> int:
         """The number of blocks of ``kv``, or ``InvalidArgument`` when ``kv`` is

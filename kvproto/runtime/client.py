@@ -994,6 +994,24 @@ class Client:
                     out.append(bool(value))
         return out
 
+    def keys(self, prefix: Key = b"", *, page: int = 4096,
+             timeout: Optional[float] = None) -> list[bytes]:
+        """Every published key that starts with ``prefix``, in key order, fetched
+        from the master ``page`` keys per request (a listing, not a snapshot:
+        keys published or removed meanwhile may or may not appear)."""
+        prefix = _as_key(prefix) if prefix else b""
+        if not 1 <= page <= wire.MAX_BATCH:
+            raise errors.InvalidArgument(f"page must be in [1, {wire.MAX_BATCH}], not {page}")
+        deadline = self._deadline(timeout)
+        out: list[bytes] = []
+        with self._lock:
+            while True:
+                body = {"limit": page, "prefix": prefix, "after": out[-1] if out else b""}
+                reply = self._call_master("list", body, deadline)
+                out.extend(reply.body["keys"])
+                if not reply.body["more"]:
+                    return out
+
     # ------------------------------------------------------------------ leases (low level)
 
     def read_begin(self, keys: Iterable[Key], *, timeout: Optional[float] = None

@@ -43,7 +43,7 @@ from kvproto.runtime.units import format_size, parse_size
 log = logging.getLogger("kvproto.embedded")
 
 
-class _ServerThread(threading.Thread):
+class ServerThread(threading.Thread):
     """Builds a server inside the thread (sockets stay in the thread that made them)."""
 
     def __init__(self, name: str, factory) -> None:
@@ -97,7 +97,7 @@ class EmbeddedCluster:
         self.client_timeout = client_timeout
         self._tmpdir = tempfile.mkdtemp(prefix="kvproto-") if transport == "ipc" else None
         self._clients: list[Client] = []
-        self._threads: list[_ServerThread] = []
+        self._threads: list[ServerThread] = []
         self.storage: list[StorageServer] = []
         #: with ``metrics``: where each server's (and the clients') Prometheus
         #: metrics are served: ``{"master": url, "storage-0": url, ..., "clients": url}``
@@ -107,7 +107,7 @@ class EmbeddedCluster:
         self._stopped = False
         try:
             master_listen = self._endpoint("master")
-            mt = _ServerThread("kvproto-master", lambda: MasterServer(
+            mt = ServerThread("kvproto-master", lambda: MasterServer(
                 master_listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                 lease_ttl=lease_ttl, high_watermark=high_watermark, free_fraction=free_fraction))
             self._threads.append(mt)
@@ -115,7 +115,7 @@ class EmbeddedCluster:
             self.master_address: str = self.master.address
             for n in range(storage_nodes):
                 listen = self._endpoint(f"storage{n}")
-                st = _ServerThread(f"kvproto-storage-{n}", lambda listen=listen: StorageServer(
+                st = ServerThread(f"kvproto-storage-{n}", lambda listen=listen: StorageServer(
                     self.master_address, self.segment_size, listen=listen, page_size=page_size,
                     debug=storage_debug))
                 self._threads.append(st)

@@ -55,6 +55,7 @@ Payload bytes never reach the master: its ROUTER accepts no payload frames.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import re
 import threading
@@ -715,6 +716,16 @@ class MasterCore:
             record = objects.get(key)
             items.append(wire.ok_item(record is not None and record.status is Status.PUBLISHED))
         return 0, {"items": items}
+
+    def _op_list(self, body, reply_to, request_id):
+        """Published keys in key order (a read of the directory; nothing changes):
+        those after ``after`` that start with ``prefix``, at most ``limit``, and
+        whether more follow."""
+        prefix, after, limit = body.get("prefix", b""), body.get("after", b""), body["limit"]
+        keys = heapq.nsmallest(limit + 1, (
+            k for k, record in self.directory.objects.items()
+            if record.status is Status.PUBLISHED and k > after and k.startswith(prefix)))
+        return 0, {"keys": keys[:limit], "more": len(keys) > limit}
 
     def _op_remove(self, body, reply_to, request_id):
         """``Remove``: the lease machine first (``ObjectLeased`` under an

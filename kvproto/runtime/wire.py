@@ -169,6 +169,9 @@ MASTER_OPS: dict[str, OpSchema] = {
     "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     "exists": OpSchema({"keys": KEYS}),
+    # published keys in key order, after ``after``, starting with ``prefix``, at most ``limit``
+    "list": OpSchema({"limit": uint(MAX_BATCH, 1)},
+                     optional={"prefix": binary(MAX_KEY_BYTES, 0), "after": binary(MAX_KEY_BYTES, 0)}),
     "remove": OpSchema({"keys": KEYS}, optional={"force": boolean()}),
     # ``tokens``: the client's put attempts still being written (each one's deadline restarts)
     "heartbeat": OpSchema({"client": CLIENT}, optional={"tokens": list_of(TOKEN)}),
