@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import re
+import textwrap
 import socket
 import subprocess
 import sys
@@ -418,7 +419,9 @@ def test_a_standby_logs_whom_it_waits_for(tmp_path, caplog):
 
 def readme_python_blocks() -> list[str]:
     text = (REPO / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, re.S)
+    # a block may be indented (inside a list item): take it as its indent sets it
+    return [textwrap.dedent(body) for _, body in
+            re.findall(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M)]
 
 
 def test_every_readme_python_snippet_compiles_and_imports_what_it_uses():
@@ -430,9 +433,11 @@ def test_every_readme_python_snippet_compiles_and_imports_what_it_uses():
             assert "import kvproto" in block, block
 
 
-def test_the_readme_embedded_cluster_snippet_runs():
-    block, = [b for b in readme_python_blocks() if "kvproto.embedded(" in b]
-    exec(compile(block, "README.md", "exec"), {})
+def test_the_readme_embedded_cluster_snippets_run():
+    blocks = [b for b in readme_python_blocks() if "kvproto.embedded(" in b]
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
 
 
 def test_the_demo_passes_and_says_what_it_checked(capsys):
