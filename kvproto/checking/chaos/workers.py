@@ -1,0 +1,274 @@
+"""The fault matrix's writer and reader processes, and the values they check.
+
+Every value names itself: ``magic | generation | size | digest(key) |
+digest(payload) | payload``, the payload drawn from a generator seeded by the
+key and generation. A reader checks what it got against the key it asked for
+(:func:`verify`) without knowing what was written: torn, stale-region or
+foreign bytes fail the digests; bytes of another key fail the key digest.
+
+Each worker appends what it did to a journal (JSON lines, one per operation,
+written before a put or remove starts and after it ends, so a worker killed
+in the middle leaves an operation with an unknown outcome). The harness
+(:mod:`kvproto.checking.chaos.verdict`) judges the journals; workers judge
+only the bytes.
+
+* writer: puts fresh keys, removes its older acknowledged ones (keeping at
+  most ``live`` objects), and puts some removed keys again with the next
+  generation. Each key is written by one writer only, one operation at a time.
+* reader: follows the writers' journals and reads acknowledged, removed and
+  never-written keys, alone (``get``) or in batches (``get_many``).
+
+Run as ``python -m kvproto.checking.chaos.workers ROLE CONFIG_JSON``; the
+worker stops when the file ``config["stop"]`` exists, or on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import struct
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+MAGIC = b"KVPF"
+HEADER = struct.Struct("<4sII16s16s")
+
+
+def _digest(data) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def value(key: bytes, gen: int, size: int) -> bytes:
+    """The only bytes ever put under ``key`` at generation ``gen``."""
+    body = max(size - HEADER.size, 1)
+    seed = int.from_bytes(_digest(key + gen.to_bytes(4, "little"))[:8], "little")
+    payload = random.Random(seed).randbytes(body)
+    return HEADER.pack(MAGIC, gen, body, _digest(key), _digest(payload)) + payload
+
+
+def verify(key: bytes, data: Any) -> tuple[Optional[int], str]:
+    """``(generation, "")`` if ``data`` is a whole value of ``key``, else ``(None, why)``."""
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    if len(view) < HEADER.size:
+        return None, f"{len(view)} bytes, shorter than a header"
+    magic, gen, size, key_digest, payload_digest = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        return None, "no magic"
+    if key_digest != _digest(key):
+        return None, f"bytes of another key (generation {gen})"
+    if len(view) != HEADER.size + size:
+        return None, f"{len(view)} bytes, the header says {HEADER.size + size}"
+    if _digest(view[HEADER.size:]) != payload_digest:
+        return None, f"payload digest mismatch (generation {gen})"
+    return gen, ""
+
+
+class Journal:
+    """One JSON object per line, written as soon as it is known."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, **record: Any) -> None:
+        self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_journal(path: str, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete records from ``offset`` on, and the offset after the last one."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue   # a line cut by a kill -9 in the middle of a write
+    return records, offset + end
+
+
+#: errors after which a put certainly stored nothing, a remove certainly removed
+#: nothing. Not ``KeyNotFound`` for a remove: a client that sends its remove
+#: again to a new master (the first master died before answering) is told
+#: that the key, which the first one removed, is not found.
+PUT_REFUSALS = ("KeyExists", "NoSpace", "NoStorage", "InvalidArgument")
+REMOVE_REFUSALS = ("ObjectLeased", "ObjectBusy", "NotPublished")
+
+
+class Worker:
+    def __init__(self, config: dict) -> None:
+        import kvproto
+        self.config = config
+        self.rng = random.Random(config.get("seed", 0))
+        self.journal = Journal(config["journal"])
+        self.stopping = False
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        self.client = kvproto.Client(config["master"], **config.get("client", {}))
+        self.journal.write(op="start", pid=os.getpid(), client=self.client.client_id, t=time.monotonic())
+
+    def stopped(self) -> bool:
+        return self.stopping or os.path.exists(self.config["stop"])
+
+    def run(self) -> None:
+        try:
+            while not self.stopped():
+                if not self.step():
+                    time.sleep(0.02)   # a failed call: do not spin while the master is away
+        finally:
+            self.journal.write(op="end", t=time.monotonic())
+            self.journal.close()
+            self.client.close()
+
+    def call(self, fn, *args, **kwargs) -> tuple[Any, str]:
+        """``(result, "ok")`` or ``(None, error name)``; anything but a typed
+        kvproto error is journalled with its traceback (a client bug)."""
+        from kvproto.errors import KvError
+        try:
+            return fn(*args, **kwargs), "ok"
+        except KvError as err:
+            return None, type(err).__name__
+        except Exception as exc:   # not a typed error: the harness reports it
+            self.journal.write(op="exception", error=f"{type(exc).__name__}: {exc}",
+                               trace=traceback.format_exc(limit=8), t=time.monotonic())
+            return None, "exception:" + type(exc).__name__
+
+
+class Writer(Worker):
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.prefix = config["prefix"]
+        self.n = 0
+        self.live: list[tuple[str, int]] = []       # acknowledged, not removed: (key, gen)
+        self.removed: list[tuple[str, int]] = []    # acknowledged removes: (key, gen)
+
+    def step(self) -> bool:
+        c = self.config
+        roll = self.rng.random()
+        if self.live and (len(self.live) > c.get("live", 64) or roll < c.get("remove", 0.15)):
+            return self.remove(self.live.pop(0 if roll < 0.5 else self.rng.randrange(len(self.live))))
+        if self.removed and roll > 1 - c.get("reput", 0.1):
+            key, gen = self.removed.pop(self.rng.randrange(len(self.removed)))
+            return self.put(key, gen + 1)
+        self.n += 1
+        return self.put(f"{self.prefix}/{self.n}", 1)
+
+    def put(self, key: str, gen: int) -> bool:
+        c = self.config
+        size = self.rng.randint(c.get("min_size", 256), c.get("max_size", 8192))
+        data = value(key.encode(), gen, size)
+        t0 = time.monotonic()
+        self.journal.write(op="put?", key=key, gen=gen, t0=t0)
+        _, out = self.call(self.client.put, key, data, replicas=c.get("replicas", 1))
+        self.journal.write(op="put", key=key, gen=gen, t0=t0, t1=time.monotonic(), out=out)
+        if out == "ok":
+            self.live.append((key, gen))
+        return out == "ok"
+
+    def remove(self, entry: tuple[str, int]) -> bool:
+        key, gen = entry
+        t0 = time.monotonic()
+        self.journal.write(op="remove?", key=key, gen=gen, t0=t0)
+        _, out = self.call(self.client.remove, key)
+        self.journal.write(op="remove", key=key, gen=gen, t0=t0, t1=time.monotonic(), out=out)
+        if out == "ok":
+            self.removed.append(entry)
+        elif out in ("ObjectLeased", "ObjectBusy"):
+            self.live.append(entry)     # leased or being read: try again later
+        # any other outcome: unknown, the key is left alone
+        return out == "ok"
+
+
+class Reader(Worker):
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.offsets: dict[str, int] = {}
+        self.present: dict[str, int] = {}
+        self.gone: dict[str, int] = {}
+        self.recent: list[str] = []
+        self._followed = 0.0
+
+    def follow(self) -> None:
+        """Learn acknowledged puts and removes from the writers' journals."""
+        now = time.monotonic()
+        if now - self._followed < 0.1:
+            return
+        self._followed = now
+        folder = self.config["journals"]
+        for name in os.listdir(folder):
+            if not name.startswith("writer"):
+                continue
+            path = os.path.join(folder, name)
+            records, self.offsets[path] = read_journal(path, self.offsets.get(path, 0))
+            for r in records:
+                if r.get("out") != "ok":
+                    continue
+                if r["op"] == "put":
+                    self.present[r["key"]] = r["gen"]
+                    self.gone.pop(r["key"], None)
+                    self.recent.append(r["key"])
+                elif r["op"] == "remove":
+                    self.present.pop(r["key"], None)
+                    self.gone[r["key"]] = r["gen"]
+        del self.recent[:-512]
+
+    def pick(self, n: int) -> list[str]:
+        keys = []
+        for _ in range(n):
+            roll = self.rng.random()
+            if self.recent and roll < 0.7:
+                keys.append(self.rng.choice(self.recent))
+            elif self.gone and roll < 0.85:
+                keys.append(self.rng.choice(list(self.gone)) if len(self.gone) < 4096
+                            else next(iter(self.gone)))
+            else:
+                keys.append(f"{self.config['prefix']}/never/{self.rng.randrange(1 << 30)}")
+        return keys
+
+    def step(self) -> bool:
+        self.follow()
+        batch = self.config.get("batch", 8)
+        keys = self.pick(batch if self.rng.random() < 0.5 else 1)
+        t0 = time.monotonic()
+        if len(keys) == 1:
+            got, out = self.call(self.client.get, keys[0])
+            results = [got] if out == "ok" else None
+            if out == "KeyNotFound":
+                results, out = [None], "ok"
+        else:
+            results, out = self.call(self.client.get_many, keys)
+        t1 = time.monotonic()
+        if results is None:
+            self.journal.write(op="get", keys=keys, t0=t0, t1=t1, out=out)
+            return False
+        res: list = []
+        for key, data in zip(keys, results):
+            if data is None:
+                res.append(-1)
+                continue
+            gen, why = verify(key.encode(), data)
+            res.append(gen if gen is not None else f"wrong: {why}")
+        self.journal.write(op="get", keys=keys, t0=t0, t1=t1, out="ok", res=res)
+        return True
+
+
+def main(argv: list[str]) -> int:
+    role, config = argv[0], json.loads(argv[1])
+    worker = {"writer": Writer, "reader": Reader}[role](config)
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
