@@ -523,6 +523,16 @@ def stats(args: argparse.Namespace) -> int:
     return stats_module.main(args)
 
 
+def _chaos_arguments(parser: argparse.ArgumentParser) -> None:
+    from .checking.chaos import matrix
+    matrix.add_arguments(parser)
+
+
+def chaos(args: argparse.Namespace) -> int:
+    from .checking.chaos import matrix
+    return matrix.main(args)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .ops import plancli
     plancli.add_arguments(parser)
@@ -551,4 +561,6 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
              _plan_arguments, plan),
     "stats": ("print a running cluster's figures (the metrics' names), once or every few seconds",
               _stats_arguments, stats),
+    "chaos": ("run the fault matrix: real processes, faults at chosen protocol phases, every "
+              "read checked, nothing leaked", _chaos_arguments, chaos),
 }

@@ -46,7 +46,7 @@ class Context:
 class Cell:
     def __init__(self, name: str, about: str, rules: Callable[[Context], list],
                  period: float = 1.0, whole: bool = False, once: bool = False,
-                 window: float = 4.0, writers: int = 2, readers: int = 2) -> None:
+                 window: float = 4.0, duplicates: bool = False, first_after: float = 0.5) -> None:
         self.name = name
         self.about = about
         self.rules = rules
@@ -54,8 +54,11 @@ class Cell:
         self.whole = whole            # arm only while the cluster is whole
         self.once = once              # arm once, for the whole run
         self.window = window          # seconds an armed rule waits for its frame
-        self.writers = writers
-        self.readers = readers
+        #: whether requests may be delivered twice: then a refusal a client
+        #: heard may have been followed by a copy that took effect
+        self.duplicates = duplicates
+        #: seconds of traffic before the first fault (so something is stored)
+        self.first_after = 0.0 if once else first_after
 
 
 def _rotate(ctx: Context, choices: list):
@@ -238,7 +241,8 @@ CELLS: dict[str, Cell] = {c.name: c for c in [
          storage_stop, whole=True, period=2.0),
     Cell("net-drop", "2% of all frames dropped", net_drop, once=True),
     Cell("net-delay", "frames delayed: 15% by 40 ms, 2% by 400 ms", net_delay, once=True),
-    Cell("net-duplicate", "5% of all frames delivered twice", net_duplicate, once=True),
+    Cell("net-duplicate", "5% of all frames delivered twice", net_duplicate, once=True,
+         duplicates=True),
     Cell("net-reorder", "5% of all frames overtaken by the next one", net_reorder, once=True),
     Cell("net-partition", "a storage node, its control link or the master cut off, then healed",
          net_partition, whole=True, period=2.0),

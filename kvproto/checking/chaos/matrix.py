@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +39,9 @@ from kvproto.checking.chaos.workers import read_journal, verify
 
 
 class Matrix:
+    #: worker processes: (role, how many); they serve cell after cell
+    WORKERS = (("writer", 2), ("reader", 2))
+
     def __init__(self, workdir: Optional[Path] = None, seed: int = 0,
                  settings: Optional[Settings] = None, log: Optional[TextIO] = None,
                  keep: bool = False) -> None:
@@ -50,42 +54,114 @@ class Matrix:
         self.log = log
         self.keep = keep
         self.runs = 0
+        self.control = self.workdir / "control"
+        self.control.mkdir(parents=True, exist_ok=True)
+        #: (role, index) -> the worker process serving that slot now
+        self.workers: dict[tuple[str, int], Proc] = {}
+        self.worker_deaths = 0
 
     def say(self, text: str) -> None:
         if self.log is not None:
             print(text, file=self.log, flush=True)
 
     def __enter__(self) -> "Matrix":
-        self.cluster.start()
+        try:
+            self.cluster.start()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
+        (self.control / "quit").touch()
+        for proc in self.workers.values():
+            proc.stop(grace=2.0)
         self.cluster.stop()
         if self._own_dir and not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    # ------------------------------------------------------------------ one cell
+    # ------------------------------------------------------------------ workers
+
+    def spawn_worker(self, role: str, index: int, first: int) -> Proc:
+        s = self.settings
+        config = {"role": role, "index": index, "first": first, "control": str(self.control),
+                  "master": self.cluster.coordinator,
+                  "client": {"timeout": s.client_timeout, "lookup_timeout": s.lookup_timeout,
+                             "switch_window": s.switch_window}}
+        if role == "writer":
+            config.update(replicas=2, live=48, min_size=256, max_size=8192)
+        else:
+            config.update(batch=8)
+            config["client"]["local_reads"] = index % 2 == 0   # one over shared memory
+        proc = Proc(role, f"{role}{index}", [sys.executable, "-m", "kvproto.checking.chaos.workers",
+                                             json.dumps(config)],
+                    self.workdir / "logs" / f"{role}{index}.log")
+        self.cluster.proxy.call("allow", pids=[proc.pid])
+        self.workers[(role, index)] = proc
+        return proc
+
+    def replace_workers(self, k: int) -> int:
+        """Start a worker in every slot whose process died, from cell ``k`` on."""
+        n = 0
+        for (role, index), proc in list(self.workers.items()):
+            if not proc.alive():
+                proc.close()
+                self.spawn_worker(role, index, k)
+                n += 1
+        self.worker_deaths += n
+        return n
+
+    # ------------------------------------------------------------------ cells
 
     def run(self, cell: "Cell | str", seconds: float) -> Report:
-        cell = CELLS[cell] if isinstance(cell, str) else cell
+        return self.run_all([cell], seconds)[0]
+
+    def run_all(self, cells: "Iterable[Cell | str]", seconds: float,
+                until: Optional[float] = None) -> list[Report]:
+        """Run ``cells`` one after another, ``seconds`` of traffic each (none
+        is started after the monotonic time ``until``). The workers move on to
+        the next cell (and wait for it) while the last one settles."""
+        cells = [CELLS[c] if isinstance(c, str) else c for c in cells]
+        reports: list[Report] = []
+        upcoming = self._prepare(cells[0]) if cells else None
+        for i in range(len(cells)):
+            run = upcoming
+            if run is None:
+                break
+            try:
+                run.traffic(seconds)
+                run.mark("traffic")
+            finally:
+                run.heal_network()
+                run.stop_workers()
+                run.mark("stop")
+            more = i + 1 < len(cells) and (until is None or time.monotonic() < until)
+            upcoming = self._prepare(cells[i + 1]) if more else None
+            run.quiesce()
+            run.report.seconds = time.monotonic() - run.began
+            self.say(format_row(run.report))
+            reports.append(run.report)
+        return reports
+
+    def _prepare(self, cell: Cell) -> "_CellRun":
+        k = self.runs
         self.runs += 1
-        tag = f"{cell.name}.{self.runs}"
+        tag = f"{cell.name}.{k}"
         folder = self.workdir / "cells" / tag
         folder.mkdir(parents=True)
-        report = Report(cell.name)
-        started = time.monotonic()
-        run = _CellRun(self, cell, tag, folder, report)
-        try:
-            run.traffic(seconds)
-        finally:
-            run.stop_workers()
-        run.quiesce()
-        report.seconds = time.monotonic() - started
-        self.say(format_row(report))
-        return report
+        assignment = {"folder": str(folder), "tag": tag, "seed": self.rng.randrange(1 << 30)}
+        path = self.control / f"cell-{k}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(assignment))
+        path.with_suffix(".tmp").rename(path)
+        if not self.workers:
+            for role, n in self.WORKERS:
+                for index in range(n):
+                    self.spawn_worker(role, index, k)
+        self.replace_workers(k)
+        return _CellRun(self, cell, k, tag, folder, Report(cell.name))
 
     def soak(self, minutes: float, cells: Iterable[str], seconds: float = 30.0) -> dict[str, Report]:
         """Run ``cells`` in turn, ``seconds`` each, until ``minutes`` have passed."""
@@ -93,90 +169,75 @@ class Matrix:
         names = list(cells)
         end = time.monotonic() + minutes * 60
         while time.monotonic() < end:
-            for name in names:
-                if time.monotonic() >= end:
-                    break
-                totals.setdefault(name, Report(name)).add(self.run(name, seconds))
+            for report in self.run_all(names, seconds, until=end):
+                totals.setdefault(report.cell, Report(report.cell)).add(report)
         return totals
 
 
 class _CellRun:
-    def __init__(self, matrix: Matrix, cell: Cell, tag: str, folder: Path, report: Report) -> None:
+    def __init__(self, matrix: Matrix, cell: Cell, k: int, tag: str, folder: Path,
+                 report: Report) -> None:
         self.m = matrix
         self.cluster = matrix.cluster
         self.s = matrix.settings
         self.cell = cell
+        self.k = k
         self.tag = tag
         self.folder = folder
         self.report = report
         self.rng = random.Random(matrix.rng.randrange(1 << 30))
         self.ctx = Context(self.cluster, self.rng)
-        self.workers: list[Proc] = []
-        self.incarnations = 0
         self.rule_ids: list[int] = []
         self.armed_at = -1e9
-        self.stop_file = folder / "stop"
+        self.began = time.monotonic()
+        self._mark = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.report.phases[phase] = round(now - self._mark, 2)
+        self._mark = now
 
     # ------------------------------------------------------------------ workers
 
-    def spawn(self, role: str, index: int) -> Proc:
-        self.incarnations += 1
-        name = f"{role}{index}.{self.incarnations}"
-        config = {"master": self.cluster.coordinator, "stop": str(self.stop_file),
-                  "journal": str(self.folder / f"{name}.jsonl"),
-                  "seed": self.rng.randrange(1 << 30), "prefix": f"{self.tag}/{name}",
-                  "client": {"timeout": self.s.client_timeout, "lookup_timeout": self.s.lookup_timeout,
-                             "switch_window": self.s.switch_window}}
-        if role == "writer":
-            config.update(replicas=2, live=48, min_size=256, max_size=8192)
-        else:
-            config.update(journals=str(self.folder), batch=8)
-            config["client"]["local_reads"] = index % 2 == 0
-        proc = Proc(role, name, [sys.executable, "-m", "kvproto.checking.chaos.workers", role,
-                                 json.dumps(config)], self.folder / f"{name}.log")
-        proc.index = index  # type: ignore[attr-defined]
-        self.cluster.proxy.call("allow", pids=[proc.pid])
-        self.workers.append(proc)
-        return proc
+    def _journal(self, proc: Proc) -> list[dict]:
+        records, _ = read_journal(str(self.folder / f"{proc.name}-{proc.pid}.jsonl"))
+        return records
 
-    def started(self, proc: Proc) -> bool:
-        records, _ = read_journal(str(self.folder / f"{proc.name}.jsonl"))
-        return bool(records) or not proc.alive()
+    def _all(self, op: str) -> bool:
+        """Every live worker has journalled ``op`` in this cell (dead ones are replaced)."""
+        self.m.replace_workers(self.k)
+        return all(any(r.get("op") == op for r in self._journal(p))
+                   for p in self.m.workers.values() if p.alive())
 
     def traffic(self, seconds: float) -> None:
-        for i in range(self.cell.writers):
-            self.spawn("writer", i)
-        for i in range(self.cell.readers):
-            self.spawn("reader", i)
-        Cluster.wait(lambda: all(self.started(p) for p in self.workers), 60, "the workers to start")
+        waited = time.monotonic()
+        Cluster.wait(lambda: self._all("start"), 60, "the workers to start", interval=0.02)
+        self.began = self._mark = time.monotonic()
+        self.report.phases["ready"] = round(self.began - waited, 2)
+        (self.folder / "go").touch()
         end = time.monotonic() + seconds
         next_look = 0.0
         while time.monotonic() < end:
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + 0.2
-                self.replace_workers()
+                self.m.replace_workers(self.k)
                 replaced = self.cluster.heal()
                 if replaced:
                     self.m.say(f"  {self.tag}: replaced {', '.join(replaced)}")
                 self.arm(now)
             time.sleep(0.05)
 
-    def replace_workers(self) -> None:
-        for proc in [p for p in self.workers if not p.alive() and not p.killed_by_us]:
-            proc.killed_by_us = True    # seen; replaced once
-            proc.close()
-            if proc.popen.returncode == 0:
-                continue
-            self.spawn(proc.role, proc.index)  # type: ignore[attr-defined]
-
     def arm(self, now: float) -> None:
         cell = self.cell
         if self.rule_ids and (cell.once or not self._spent()):
             return
-        if now - self.armed_at < cell.period or (cell.whole and not self.ctx.whole()):
+        if now - self.began < cell.first_after or now - self.armed_at < cell.period \
+                or (cell.whole and not self.ctx.whole()):
             return
         rules = cell.rules(self.ctx)
+        if os.environ.get("KVPROTO_CHAOS_DEBUG"):
+            self.m.say(f"  {self.tag}: arming {rules}")
         if not rules:
             return
         self.ctx.armed += 1
@@ -200,30 +261,40 @@ class _CellRun:
     def _lapsed(self) -> bool:
         return time.monotonic() - self.armed_at > self.cell.window
 
+    #: how long a worker may take to finish its call once told to stop; then
+    #: it is killed (its operation's outcome is unknown, as with any kill)
+    STOP_GRACE = 1.0
+
     def stop_workers(self) -> None:
-        self.stop_file.touch()
-        deadline = time.monotonic() + self.s.client_timeout * 2 + 5
-        for proc in self.workers:
+        (self.folder / "stop").touch()
+        for proc in self.m.workers.values():
             proc.signal(signal.SIGCONT)
-        for proc in self.workers:
-            try:
-                proc.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except Exception:
+        deadline = time.monotonic() + self.STOP_GRACE
+        while time.monotonic() < deadline:
+            if all(any(r.get("op") == "end" for r in self._journal(p))
+                   for p in self.m.workers.values() if p.alive()):
+                return
+            time.sleep(0.02)
+        for proc in self.m.workers.values():
+            if not any(r.get("op") == "end" for r in self._journal(proc)):
                 proc.signal(signal.SIGKILL)
-                proc.popen.wait(5)
-            proc.close()
+                try:
+                    proc.popen.wait(5)
+                except subprocess.TimeoutExpired:
+                    pass
 
     # ------------------------------------------------------------------ after
 
-    def quiesce(self) -> None:
+    def heal_network(self) -> None:
+        """Count the faults injected, then heal: no more rules; the proxy
+        delivers what it holds and resumes what it stopped."""
         proxy = self.cluster.proxy
-        stats = proxy.call("stats")
-        for name, n in stats["fired"].items():
-            if name.startswith(self.cell.name + ":"):
-                self.report.faults_by[name.split(":", 1)[1]] += n
+        for name, n in proxy.call("clear")["fired"].items():
+            self.report.faults_by[name.split(":", 1)[1]] += n
         self.report.faults = sum(self.report.faults_by.values())
-        proxy.call("clear")
         proxy.call("events")
+
+    def quiesce(self) -> None:
         healed_until = time.monotonic() + self.s.quiet_after() + 30
         while True:
             replaced = self.cluster.heal()
@@ -237,8 +308,10 @@ class _CellRun:
                 self.report.leaked = sum((leaks or {"x": 1}).values())
                 self.report.note(f"not quiescent: {self.report.leaks}")
                 break
-            time.sleep(0.25)
+            time.sleep(0.1)
+        self.mark("quiesce")
         self.read_back()
+        self.mark("read back")
 
     def whole(self) -> bool:
         c = self.cluster
@@ -293,10 +366,15 @@ class _CellRun:
                     "unpublished regions": unpublished})
         return out
 
+    #: past this fraction of the live capacity used, the keys of the cells
+    #: already judged are removed (far below the master's eviction watermark)
+    ROOM = 0.25
+
     def read_back(self) -> None:
-        """Read every key of the cell, judge, then remove them."""
+        """Read every key of the cell and judge; make room if the store fills."""
+        from kvproto.errors import KvError
         final: dict[str, object] = {}
-        history = History.load(str(self.folder))
+        history = History.load(str(self.folder), self.cell.duplicates)
         prefix = self.tag + "/"
         with self.client() as c:
             keys = c.keys(prefix=prefix)
@@ -313,11 +391,15 @@ class _CellRun:
             stats = self.cluster.master_stats() or {}
             live = {seg for seg, s in stats.get("segments", {}).items() if s.get("live")}
             judge(self.report, history, final, placements, live, prefix)
-            for key in keys:
-                try:
-                    c.remove(key, force=True)
-                except Exception:
-                    pass
+            used, capacity = (sum(s.get(f, 0) for s in stats.get("segments", {}).values() if s.get("live"))
+                              for f in ("used", "capacity"))
+            if used > self.ROOM * capacity:
+                # every key was judged: make room for the next cells
+                for key in c.keys():
+                    try:
+                        c.remove(key, force=True)
+                    except KvError:
+                        pass
 
 
 # ---------------------------------------------------------------------- report
@@ -354,3 +436,78 @@ def format_table(reports: Iterable[Report]) -> str:
                        for c, w, (_, _, a) in zip(row, widths, COLUMNS)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def total(reports: Iterable[Report]) -> Report:
+    out = Report("total")
+    for r in reports:
+        out.add(r)
+    return out
+
+
+# ---------------------------------------------------------------------- command line
+
+def add_arguments(parser) -> None:
+    from kvproto.cli import _checked, _number
+    parser.description = (
+        "Run the fault matrix: writers, readers, storage nodes and two masters as separate "
+        "processes behind a fault-injecting proxy; each cell injects one kind of fault at a "
+        "chosen protocol phase. Every read is checked against what was acknowledged; after "
+        "each cell the store must settle with nothing leaked. Prints a row per cell run and "
+        "a table per cell at the end; exits 1 if any cell found wrong bytes, lost an "
+        "acknowledged operation or leaked.\n\n"
+        "Cells: " + ", ".join(f"{c.name} ({c.about})" for c in CELLS.values()) + ".")
+
+    def cells(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CELLS]
+        if unknown or not names:
+            raise ValueError(f"unknown cell(s) {', '.join(unknown) or text!r}; "
+                             f"known: {', '.join(CELLS)}")
+        return names
+    cells.__name__ = "cells"
+    minutes = _checked(lambda text: _number(text))
+    minutes.__name__ = "minutes"
+    parser.add_argument("--minutes", type=minutes, default=1.0,
+                        help="how long to run, cell after cell (a cell under way finishes)")
+    parser.add_argument("--seconds", type=minutes, default=30.0,
+                        help="seconds of traffic and faults per cell run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    parser.add_argument("--cells", type=_checked(cells), default=list(CELLS),
+                        help="comma-separated cells to run (default: all)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="folder for journals and logs (default: a temporary one, removed "
+                             "unless --keep or a cell fails)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write every figure per cell as JSON to PATH")
+
+
+def main(args) -> int:
+    out = sys.stdout
+    started = time.monotonic()
+    matrix = Matrix(args.workdir, seed=args.seed, log=out, keep=True)
+    print(f"kvproto chaos: {args.minutes:g} min, {args.seconds:g} s per cell, seed {args.seed}, "
+          f"work folder {matrix.workdir}", file=out, flush=True)
+    print("  ".join(h for h, _, _ in COLUMNS), file=out, flush=True)
+    failed = False
+    try:
+        with matrix:
+            totals = matrix.soak(args.minutes, args.cells, args.seconds)
+        reports = list(totals.values())
+        failed = any(r.failed for r in reports)
+        print(file=out)
+        print(format_table(reports + [total(reports)]), file=out)
+        for r in reports:
+            for example in r.examples:
+                print(f"  {r.cell}: {example}", file=out)
+        print(f"{time.monotonic() - started:.0f} s; workers replaced {matrix.worker_deaths}, "
+              f"servers replaced {matrix.cluster.replaced}", file=out)
+        if args.json is not None:
+            args.json.write_text(json.dumps({r.cell: r.as_dict() for r in reports}, indent=1))
+    finally:
+        if args.workdir is None and not args.keep and not failed:
+            shutil.rmtree(matrix.workdir, ignore_errors=True)
+        elif failed:
+            print(f"journals and logs kept in {matrix.workdir}", file=out)
+    return 1 if failed else 0

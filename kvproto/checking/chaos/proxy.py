@@ -21,7 +21,9 @@ peer and request id), so a *rule* can pick a protocol phase: "the 3rd
   passed (at most ``delay_ms``), then delivered after it;
 * ``kill``: SIGKILL to ``target``, then the frame is delivered if ``forward``;
 * ``stop``: SIGSTOP to ``target`` for ``stop_ms``, then SIGCONT; the frame is
-  delivered at once (``forward``), after the SIGCONT (``hold``), or never.
+  delivered at once (``forward``), after the SIGCONT (``hold``), or never;
+* ``corrupt``: one byte of the last frame flipped (no real network delivers
+  that past TCP's checksum: it is there to show that the checks catch it).
 
 ``target`` is ``"sender"`` or ``"receiver"`` (the client process on the other
 end, known from the ``client``/``owner`` fields of its requests, which carry
@@ -52,7 +54,7 @@ import msgpack
 import zmq
 
 REQUEST, REPLY = "request", "reply"
-ACTIONS = ("drop", "delay", "duplicate", "reorder", "kill", "stop")
+ACTIONS = ("drop", "delay", "duplicate", "reorder", "kill", "stop", "corrupt")
 #: at most this many put grants / pending requests are remembered
 MEMORY = 200_000
 
@@ -242,10 +244,12 @@ class Proxy:
             self.rules.append(rule)
             return {"id": rule.id}
         if what == "clear":
-            # heal: no more faults; what is in flight is delivered now
+            # heal: no more faults; what is in flight is delivered now. The
+            # answer counts the faults fired since the last clear, per rule name
+            fired, self.fired = dict(self.fired), defaultdict(int)
             self.rules.clear()
             self._release_all()
-            return {}
+            return {"fired": fired}
         if what == "stats":
             return {"rules": [{"id": r.id, "name": r.name, "matched": r.matched, "fired": r.fired}
                               for r in self.rules],
@@ -421,6 +425,12 @@ class Proxy:
         if rule.action == "duplicate":
             self._deliver(sock, frames, key)
             self._later(now + rule.delay_ms / 1000, "send", (sock, frames, key))
+            return True
+        if rule.action == "corrupt":
+            data = bytearray(frames[-1])
+            if data:
+                data[self.rng.randrange(len(data))] ^= 0xFF
+            self._deliver(sock, [*frames[:-1], bytes(data)], key)
             return True
         if rule.action == "reorder":
             self.reordering.setdefault(key, []).append((sock, frames, key))

@@ -53,10 +53,13 @@ class Op:
         self.error = error
 
 
-def outcome(kind: str, out: str) -> str:
+def outcome(kind: str, out: str, duplicates: bool = False) -> str:
+    """``ok``, ``refused`` or ``unknown``. Where requests may be delivered
+    twice, no refusal is certain: the copy may have come when it could succeed."""
     if out == "ok":
         return OK
-    return REFUSED if out in (PUT_REFUSALS if kind == "put" else REMOVE_REFUSALS) else UNKNOWN
+    refusals = PUT_REFUSALS if kind == "put" else REMOVE_REFUSALS
+    return REFUSED if out in refusals and not duplicates else UNKNOWN
 
 
 class Report:
@@ -76,6 +79,8 @@ class Report:
         self.leaks: dict[str, int] = {}
         self.examples: list[str] = []
         self.settled = True
+        #: seconds spent in each phase of the run (start, traffic, stop, quiesce, read back)
+        self.phases: dict[str, float] = {}
 
     def note(self, text: str) -> None:
         if len(self.examples) < 20:
@@ -90,7 +95,7 @@ class Report:
         d = {name: getattr(self, name) for name in self.FIGURES}
         d.update(cell=self.cell, seconds=round(self.seconds, 1), errors=dict(self.errors),
                  faults_by=dict(self.faults_by), leaks=self.leaks, examples=self.examples,
-                 settled=self.settled, failed=self.failed)
+                 settled=self.settled, failed=self.failed, phases=self.phases)
         return d
 
     def add(self, other: "Report") -> None:
@@ -110,14 +115,15 @@ class Report:
 class History:
     """Every writer's operations per key, and every reader's reads, of one cell."""
 
-    def __init__(self) -> None:
+    def __init__(self, duplicates: bool = False) -> None:
+        self.duplicates = duplicates
         self.ops: dict[str, list[Op]] = {}
         self.gets: list[dict] = []
         self.exceptions: list[dict] = []
 
     @classmethod
-    def load(cls, folder: str) -> "History":
-        h = cls()
+    def load(cls, folder: str, duplicates: bool = False) -> "History":
+        h = cls(duplicates)
         for name in sorted(os.listdir(folder)):
             if not name.endswith(".jsonl"):
                 continue
@@ -134,7 +140,7 @@ class History:
             elif op in ("put", "remove"):
                 begun = None
                 self.ops.setdefault(r["key"], []).append(
-                    Op(op, r["gen"], outcome(op, r["out"]), r["t0"], r["t1"], r["out"]))
+                    Op(op, r["gen"], outcome(op, r["out"], self.duplicates), r["t0"], r["t1"], r["out"]))
             elif op == "get":
                 self.gets.append(r)
             elif op == "exception":

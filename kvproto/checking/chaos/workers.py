@@ -18,8 +18,7 @@ only the bytes.
 * reader: follows the writers' journals and reads acknowledged, removed and
   never-written keys, alone (``get``) or in batches (``get_many``).
 
-Run as ``python -m kvproto.checking.chaos.workers ROLE CONFIG_JSON``; the
-worker stops when the file ``config["stop"]`` exists, or on SIGTERM.
+Run as ``python -m kvproto.checking.chaos.workers CONFIG_JSON`` (see :class:`Worker`).
 """
 
 from __future__ import annotations
@@ -108,28 +107,67 @@ REMOVE_REFUSALS = ("ObjectLeased", "ObjectBusy", "NotPublished")
 
 
 class Worker:
+    """A worker process: one client for its whole life, serving cell after cell.
+
+    The harness writes ``cell-K.json`` (the cell's folder, key tag and seed)
+    into the control folder for cell K; the worker takes cells from ``first``
+    on: it journals ``start`` into ``FOLDER/ROLE-PID.jsonl``, waits for the
+    file ``FOLDER/go``, works until ``FOLDER/stop`` exists, journals ``end``
+    and moves on. The file ``quit`` in the control folder (or SIGTERM) ends it."""
+
     def __init__(self, config: dict) -> None:
         import kvproto
         self.config = config
-        self.rng = random.Random(config.get("seed", 0))
-        self.journal = Journal(config["journal"])
         self.stopping = False
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         self.client = kvproto.Client(config["master"], **config.get("client", {}))
-        self.journal.write(op="start", pid=os.getpid(), client=self.client.client_id, t=time.monotonic())
+        self.name = f"{config['role']}{config['index']}-{os.getpid()}"
+        self.cell: dict = {}
+        self.folder = ""
+        self.rng = random.Random()
+        self.journal: Optional[Journal] = None
+
+    def quit(self) -> bool:
+        return self.stopping or os.path.exists(os.path.join(self.config["control"], "quit"))
 
     def stopped(self) -> bool:
-        return self.stopping or os.path.exists(self.config["stop"])
+        return self.quit() or os.path.exists(os.path.join(self.folder, "stop"))
+
+    def _wait_for(self, path: str, stop_too: bool = True) -> bool:
+        while not os.path.exists(path):
+            if self.quit() or (stop_too and self.folder and self.stopped()):
+                return False
+            time.sleep(0.01)
+        return True
 
     def run(self) -> None:
+        k = self.config["first"]
         try:
-            while not self.stopped():
-                if not self.step():
-                    time.sleep(0.02)   # a failed call: do not spin while the master is away
+            while not self.quit():
+                assignment = os.path.join(self.config["control"], f"cell-{k}.json")
+                if not self._wait_for(assignment, stop_too=False):
+                    return
+                with open(assignment, encoding="utf-8") as f:
+                    self.cell = json.load(f)
+                self.folder = self.cell["folder"]
+                self.begin_cell()
+                self.journal = Journal(os.path.join(self.folder, f"{self.name}.jsonl"))
+                self.journal.write(op="start", pid=os.getpid(), client=self.client.client_id,
+                                   t=time.monotonic())
+                try:
+                    if self._wait_for(os.path.join(self.folder, "go")):
+                        while not self.stopped():
+                            if not self.step():
+                                time.sleep(0.02)   # a failed call: do not spin while the master is away
+                finally:
+                    self.journal.write(op="end", t=time.monotonic())
+                    self.journal.close()
+                k += 1
         finally:
-            self.journal.write(op="end", t=time.monotonic())
-            self.journal.close()
             self.client.close()
+
+    def begin_cell(self) -> None:
+        self.rng = random.Random(f"{self.cell['seed']}/{self.name}")
 
     def call(self, fn, *args, **kwargs) -> tuple[Any, str]:
         """``(result, "ok")`` or ``(None, error name)``; anything but a typed
@@ -146,9 +184,9 @@ class Worker:
 
 
 class Writer(Worker):
-    def __init__(self, config: dict) -> None:
-        super().__init__(config)
-        self.prefix = config["prefix"]
+    def begin_cell(self) -> None:
+        super().begin_cell()
+        self.prefix = f"{self.cell['tag']}/{self.name}"
         self.n = 0
         self.live: list[tuple[str, int]] = []       # acknowledged, not removed: (key, gen)
         self.removed: list[tuple[str, int]] = []    # acknowledged removes: (key, gen)
@@ -191,8 +229,8 @@ class Writer(Worker):
 
 
 class Reader(Worker):
-    def __init__(self, config: dict) -> None:
-        super().__init__(config)
+    def begin_cell(self) -> None:
+        super().begin_cell()
         self.offsets: dict[str, int] = {}
         self.present: dict[str, int] = {}
         self.gone: dict[str, int] = {}
@@ -205,7 +243,7 @@ class Reader(Worker):
         if now - self._followed < 0.1:
             return
         self._followed = now
-        folder = self.config["journals"]
+        folder = self.folder
         for name in os.listdir(folder):
             if not name.startswith("writer"):
                 continue
@@ -233,7 +271,7 @@ class Reader(Worker):
                 keys.append(self.rng.choice(list(self.gone)) if len(self.gone) < 4096
                             else next(iter(self.gone)))
             else:
-                keys.append(f"{self.config['prefix']}/never/{self.rng.randrange(1 << 30)}")
+                keys.append(f"{self.cell['tag']}/{self.name}/never/{self.rng.randrange(1 << 30)}")
         return keys
 
     def step(self) -> bool:
@@ -264,8 +302,8 @@ class Reader(Worker):
 
 
 def main(argv: list[str]) -> int:
-    role, config = argv[0], json.loads(argv[1])
-    worker = {"writer": Writer, "reader": Reader}[role](config)
+    config = json.loads(argv[0])
+    worker = {"writer": Writer, "reader": Reader}[config["role"]](config)
     worker.run()
     return 0
 
