@@ -282,6 +282,8 @@ class Cluster:
 
     def heal(self) -> list[str]:
         """Replace dead masters and storage nodes; returns what was replaced."""
+        if self.proxy_proc is not None and not self.proxy_proc.alive():
+            raise RuntimeError(f"the fault proxy died (see {self.proxy_proc.log})")
         done = []
         for group, spawn in ((self.masters, self.spawn_master), (self.storage, self.spawn_storage)):
             for proc in [p for p in group if not p.alive()]:
