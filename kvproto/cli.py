@@ -6,8 +6,9 @@ verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc
 ``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
 measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
-and traffic per machine (:mod:`kvproto.ops`); ``kvproto --version`` prints the
-installed package's version.
+and traffic per machine (:mod:`kvproto.ops`); ``kvproto chaos`` runs the fault
+matrix and ``kvproto fuzz`` fuzzes frames (:mod:`kvproto.checking`);
+``kvproto --version`` prints the installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
 address it cannot listen on, a port in use, a segment larger than the free
@@ -533,6 +534,16 @@ def chaos(args: argparse.Namespace) -> int:
     return matrix.main(args)
 
 
+def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
+    from .checking import fuzz as fuzz_module
+    fuzz_module.add_arguments(parser)
+
+
+def fuzz(args: argparse.Namespace) -> int:
+    from .checking import fuzz as fuzz_module
+    return fuzz_module.main(args)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .ops import plancli
     plancli.add_arguments(parser)
@@ -563,4 +574,6 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               _stats_arguments, stats),
     "chaos": ("run the fault matrix: real processes, faults at chosen protocol phases, every "
               "read checked, nothing leaked", _chaos_arguments, chaos),
+    "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "
+             "change", _fuzz_arguments, fuzz),
 }

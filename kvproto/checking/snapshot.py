@@ -107,9 +107,10 @@ def master_snapshot(core) -> Any:
 def storage_snapshot(core) -> Any:
     """The protocol state of a ``StorageCore``, its segment's bytes included."""
     memory = core.memory
-    state = snapshot(core, OBSERVATIONS | {"memory"})
-    return (state, hashlib.blake2b(memory.data, digest_size=16).digest(),
-            hashlib.blake2b(memory.gens.tobytes(), digest_size=16).digest())
+    name, fields = snapshot(core, OBSERVATIONS | {"memory"})
+    fields["memory"] = (hashlib.blake2b(memory.data, digest_size=16).digest(),
+                        hashlib.blake2b(memory.gens.tobytes(), digest_size=16).digest())
+    return name, fields
 
 
 def differences(before: Any, after: Any, path: str = "", limit: int = 5) -> list[str]:

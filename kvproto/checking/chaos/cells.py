@@ -21,11 +21,13 @@ CONTROL = ["assign", "free", "publish", "fence", "purge"]
 class Context:
     """What a cell may look at when it arms its faults."""
 
-    def __init__(self, cluster, rng: random.Random) -> None:
+    def __init__(self, cluster, rng: random.Random, folder: str = "") -> None:
         self.cluster = cluster
         self.settings = cluster.settings
         self.rng = rng
+        self.folder = folder    # the cell's journals
         self.armed = 0          # how many times this cell armed its faults
+        self.started = 0.0      # when its traffic began (monotonic)
 
     def ms(self, seconds: float) -> int:
         return int(seconds * 1000)

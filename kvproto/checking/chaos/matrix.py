@@ -186,7 +186,7 @@ class _CellRun:
         self.folder = folder
         self.report = report
         self.rng = random.Random(matrix.rng.randrange(1 << 30))
-        self.ctx = Context(self.cluster, self.rng)
+        self.ctx = Context(self.cluster, self.rng, str(folder))
         self.rule_ids: list[int] = []
         self.armed_at = -1e9
         self.began = time.monotonic()
@@ -212,7 +212,7 @@ class _CellRun:
     def traffic(self, seconds: float) -> None:
         waited = time.monotonic()
         Cluster.wait(lambda: self._all("start"), 60, "the workers to start", interval=0.02)
-        self.began = self._mark = time.monotonic()
+        self.began = self._mark = self.ctx.started = time.monotonic()
         self.report.phases["ready"] = round(self.began - waited, 2)
         (self.folder / "go").touch()
         end = time.monotonic() + seconds

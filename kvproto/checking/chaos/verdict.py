@@ -228,7 +228,7 @@ def judge(report: Report, history: History, final: dict[str, Any],
             report.lost_puts += 1
             report.note(f"{key}: acknowledged put of generation {sorted(s for s in states if s != ABSENT)} "
                         f"is gone (replicas on {segments or 'unknown segments'})")
-        elif any(op.kind == "put" and op.gen == actual for op in ops):
+        elif any(op.kind == "put" and op.gen == actual and op.outcome != REFUSED for op in ops):
             report.lost_removes += 1
             report.note(f"{key}: generation {actual} is stored after its remove was acknowledged")
         else:
