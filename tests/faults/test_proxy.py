@@ -109,10 +109,30 @@ def test_delay_duplicate_and_reorder(net):
     control.rule(ops="stats", direction="request", action="duplicate", delay_ms=10)
     send(client, "stats", 2)
     assert replies(client, 2) == [2, 2]
-    control.rule(ops="free", direction="request", action="reorder", delay_ms=1000)
-    send(client, "free", 3)
-    send(client, "assign", 4)
-    assert replies(client, 2) == [4, 3]
+    # a delayed frame holds back the later frames of its connection (TCP keeps order)
+    control.rule(ops="read", direction="request", action="delay", delay_ms=200)
+    send(client, "read", 3)
+    send(client, "stats", 4)
+    assert replies(client, 2) == [3, 4]
+
+
+def test_reorder_lets_another_connection_overtake(net):
+    control, server, client = net
+    other = zmq.Context.instance().socket(zmq.DEALER)
+    other.linger = 0
+    other.connect(client.getsockopt(zmq.LAST_ENDPOINT).decode())
+    try:
+        control.rule(ops="free", direction="request", action="reorder", delay_ms=2000)
+        send(client, "free", 1)
+        send(client, "assign", 2)          # same connection: stays behind the free
+        time.sleep(0.2)
+        assert server.seen == []
+        send(other, "stats", 3)            # another connection overtakes
+        assert replies(other, 1) == [3]
+        assert replies(client, 2) == [1, 2]
+        assert [rid for _, rid in server.seen] == [3, 1, 2]
+    finally:
+        other.close()
 
 
 def test_a_partition_drops_everything_for_a_while(net):

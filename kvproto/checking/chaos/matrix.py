@@ -40,7 +40,7 @@ from kvproto.checking.chaos.workers import read_journal, verify
 
 class Matrix:
     #: worker processes: (role, how many); they serve cell after cell
-    WORKERS = (("writer", 2), ("reader", 2))
+    WORKERS = (("writer", 2), ("reader", 2), ("loader", 1))
 
     def __init__(self, workdir: Optional[Path] = None, seed: int = 0,
                  settings: Optional[Settings] = None, log: Optional[TextIO] = None,
@@ -95,7 +95,7 @@ class Matrix:
             config.update(replicas=2, live=48, min_size=256, max_size=8192)
         else:
             config.update(batch=8)
-            config["client"]["local_reads"] = index % 2 == 0   # one over shared memory
+            config["client"]["local_reads"] = role == "reader" and index % 2 == 0   # one over shared memory
         proc = Proc(role, f"{role}{index}", [sys.executable, "-m", "kvproto.checking.chaos.workers",
                                              json.dumps(config)],
                     self.workdir / "logs" / f"{role}{index}.log")
@@ -261,9 +261,10 @@ class _CellRun:
     def _lapsed(self) -> bool:
         return time.monotonic() - self.armed_at > self.cell.window
 
-    #: how long a worker may take to finish its call once told to stop; then
-    #: it is killed (its operation's outcome is unknown, as with any kill)
-    STOP_GRACE = 1.0
+    #: how long a worker may take to finish its call once told to stop (a
+    #: loader also waits up to 1 s for its pool to settle); then it is
+    #: killed (its operation's outcome is unknown, as with any kill)
+    STOP_GRACE = 2.0
 
     def stop_workers(self) -> None:
         (self.folder / "stop").touch()
@@ -408,6 +409,7 @@ COLUMNS = [("cell", "cell", "<"), ("s", "seconds", ">"), ("ops", "operations", "
            ("faults", "faults", ">"), ("verified", "verified", ">"), ("wrong", "wrong_bytes", ">"),
            ("acked lost", "acked_lost", ">"), ("with nodes", "lost_with_nodes", ">"),
            ("unexpl.", "unexplained", ">"), ("exc.", "exceptions", ">"), ("leaked", "leaked", ">"),
+           ("written off", "buffers_written_off", ">"),
            ("result", None, "<")]
 
 

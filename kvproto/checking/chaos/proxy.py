@@ -17,13 +17,19 @@ peer and request id), so a *rule* can pick a protocol phase: "the 3rd
 * ``drop``: never delivered;
 * ``delay``: delivered ``delay_ms`` later;
 * ``duplicate``: delivered now and again ``delay_ms`` later;
-* ``reorder``: held until the next frame of the same peer and direction has
-  passed (at most ``delay_ms``), then delivered after it;
+* ``reorder``: held until a frame of *another* peer of the same route and
+  direction has passed (at most ``delay_ms``), then delivered after it;
 * ``kill``: SIGKILL to ``target``, then the frame is delivered if ``forward``;
 * ``stop``: SIGSTOP to ``target`` for ``stop_ms``, then SIGCONT; the frame is
   delivered at once (``forward``), after the SIGCONT (``hold``), or never;
 * ``corrupt``: one byte of the last frame flipped (no real network delivers
   that past TCP's checksum: it is there to show that the checks catch it).
+
+Each connection keeps its order, as ZeroMQ over TCP does: a frame held
+(delayed, reordered, held for a stopped sender) holds back the later frames
+of its connection and direction, which follow it when it goes. Frames of
+different connections are what overtake each other. (Only ``duplicate``
+breaks this on purpose: its copy comes late.)
 
 ``target`` is ``"sender"`` or ``"receiver"`` (the client process on the other
 end, known from the ``client``/``owner`` fields of its requests, which carry
@@ -152,6 +158,8 @@ class Peer:
 
 class Proxy:
     IDLE_S = 120.0
+    #: how long after the frame that overtook them reordered frames follow
+    OVERTAKE_S = 0.01
 
     def __init__(self, control: str, seed: int = 0) -> None:
         self.ctx = zmq.Context()
@@ -173,8 +181,11 @@ class Proxy:
         #: (due, seq, kind, payload): frames to deliver, SIGCONTs to send
         self.timers: list = []
         self._seq = itertools.count()
-        #: (peer key, direction) -> frames held by a ``reorder`` until the next frame
-        self.reordering: dict[tuple, list] = {}
+        #: (route, peer, direction) -> [due, socket, frames] held, in the
+        #: connection's order; a frame with due 0 goes as soon as those before it
+        self.gates: dict[tuple, list] = {}
+        #: (route, direction) -> streams whose head waits for another peer's frame
+        self.overtake: dict[tuple, set] = defaultdict(set)
         self.events: list[dict] = []
         self.forwarded: dict[str, int] = defaultdict(int)
         self.fired: dict[str, int] = defaultdict(int)
@@ -255,7 +266,7 @@ class Proxy:
             return {"rules": [{"id": r.id, "name": r.name, "matched": r.matched, "fired": r.fired}
                               for r in self.rules],
                     "fired": dict(self.fired), "forwarded": dict(self.forwarded),
-                    "held": len(self.timers) + sum(len(v) for v in self.reordering.values()),
+                    "held": sum(len(v) for v in self.gates.values()),
                     "stopped": sorted(self.stopped), "peers": len(self.peers)}
         if what == "events":
             events, self.events = self.events, []
@@ -276,10 +287,9 @@ class Proxy:
         for _, _, kind, payload in timers:
             if kind == "send":
                 self._send(*payload)
-        for held in self.reordering.values():
-            for payload in held:
-                self._send(*payload)
-        self.reordering.clear()
+        for key in list(self.gates):
+            self._flush(key, force=True)
+        self.overtake.clear()
 
     # ------------------------------------------------------------------ frames
 
@@ -421,7 +431,7 @@ class Proxy:
         if rule.action == "drop":
             return True
         if rule.action == "delay":
-            self._later(now + rule.delay_ms / 1000, "send", (sock, frames, key))
+            self._hold(key, now + rule.delay_ms / 1000, sock, frames)
             return True
         if rule.action == "duplicate":
             self._deliver(sock, frames, key)
@@ -434,8 +444,8 @@ class Proxy:
             self._deliver(sock, [*frames[:-1], bytes(data)], key)
             return True
         if rule.action == "reorder":
-            self.reordering.setdefault(key, []).append((sock, frames, key))
-            self._later(now + max(rule.delay_ms, 1) / 1000, "flush", key)
+            self._hold(key, now + max(rule.delay_ms, 1) / 1000, sock, frames)
+            self.overtake[(route.name, direction)].add(key)
             return True
         if rule.action == "kill":
             self._signal(target, signal.SIGKILL)
@@ -449,7 +459,7 @@ class Proxy:
         resume = now + rule.stop_ms / 1000
         self._later(resume, "cont", target)
         if rule.hold:
-            self._later(resume + 0.001, "send", (sock, frames, key))
+            self._hold(key, resume + 0.001, sock, frames)
         elif rule.forward:
             self._deliver(sock, frames, key)
         return True
@@ -463,12 +473,40 @@ class Proxy:
     def _later(self, due: float, kind: str, payload: Any) -> None:
         heapq.heappush(self.timers, (due, next(self._seq), kind, payload))
 
+    def _hold(self, key: tuple, due: float, sock: zmq.Socket, frames: list) -> None:
+        """Hold a frame until ``due``; the connection's later frames wait behind it."""
+        gate = self.gates.setdefault(key, [])
+        gate.append([due, sock, frames])
+        if len(gate) == 1:
+            self._later(due, "gate", key)
+
     def _deliver(self, sock: zmq.Socket, frames: list, key: tuple) -> None:
+        gate = self.gates.get(key)
+        if gate:
+            gate.append([0.0, sock, frames])   # behind what this connection has held
+            return
         self._send(sock, frames, key)
-        held = self.reordering.pop(key, None)
-        if held:
-            for payload in held:
-                self._send(*payload)
+        waiting = self.overtake.get((key[0], key[2]))
+        if waiting:
+            # a frame of this connection overtook the held ones of other
+            # connections: they follow a little later (over another connection,
+            # "at once" could still arrive first)
+            for other in [k for k in waiting if k[1] != key[1]]:
+                waiting.discard(other)
+                self._later(time.monotonic() + self.OVERTAKE_S, "release", other)
+
+    def _flush(self, key: tuple, force: bool = False) -> None:
+        """Send the connection's held frames that are due (all, with ``force``),
+        in order, stopping at the first that is not."""
+        gate = self.gates.get(key)
+        now = time.monotonic()
+        while gate and (force or gate[0][0] <= now):
+            _, sock, frames = gate.pop(0)
+            self._send(sock, frames, key)
+        if gate:
+            self._later(gate[0][0], "gate", key)
+        else:
+            self.gates.pop(key, None)
 
     def _send(self, sock: zmq.Socket, frames: list, key: tuple) -> None:
         if sock.closed:
@@ -484,9 +522,10 @@ class Proxy:
             _, _, kind, payload = heapq.heappop(self.timers)
             if kind == "send":
                 self._send(*payload)
-            elif kind == "flush":
-                for held in self.reordering.pop(payload, ()):
-                    self._send(*held)
+            elif kind == "gate":
+                self._flush(payload)
+            elif kind == "release":
+                self._flush(payload, force=True)
             elif kind == "cont" and payload in self.stopped:
                 self.stopped.discard(payload)
                 self._signal(payload, signal.SIGCONT)

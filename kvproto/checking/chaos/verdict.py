@@ -23,6 +23,12 @@ What counts against the store:
 * **client exceptions**: a client call that raised anything but a typed
   kvproto error.
 
+Leaks: after the cell, the master and the storage nodes must agree region by
+region (see :mod:`kvproto.checking.chaos.matrix`), and a loader's buffer pool
+must hold no buffer quarantined or loading; buffers *written off* (their
+load's node died, so neither its bytes nor a cancel acknowledgement will come)
+are counted apart: the Timeout protocol keeps them on a bounded leak ledger.
+
 An acknowledged put that is absent at the end is *lost with its nodes*, not
 counted against the store, when every storage segment its replicas were
 granted on (the fault proxy saw the grant) is no longer live: its bytes died
@@ -67,7 +73,8 @@ class Report:
 
     FIGURES = ("operations", "puts_acked", "removes_acked", "gets", "verified", "misses",
                "wrong_bytes", "acked_lost", "stale_reads", "lost_puts", "lost_removes",
-               "lost_with_nodes", "unexplained", "exceptions", "faults", "leaked")
+               "lost_with_nodes", "unexplained", "exceptions", "faults", "leaked",
+               "buffers_written_off")
 
     def __init__(self, cell: str) -> None:
         self.cell = cell
@@ -120,6 +127,7 @@ class History:
         self.ops: dict[str, list[Op]] = {}
         self.gets: list[dict] = []
         self.exceptions: list[dict] = []
+        self.engines: list[dict] = []     # a loader's buffer pool counts at the end of the cell
 
     @classmethod
     def load(cls, folder: str, duplicates: bool = False) -> "History":
@@ -145,6 +153,8 @@ class History:
                 self.gets.append(r)
             elif op == "exception":
                 self.exceptions.append(r)
+            elif op == "engine":
+                self.engines.append(r)
         if begun is not None:   # killed in the middle: the outcome is unknown
             kind = begun["op"][:-1]
             self.ops.setdefault(begun["key"], []).append(
@@ -182,6 +192,15 @@ def judge(report: Report, history: History, final: dict[str, Any],
                 report.removes_acked += op.outcome == OK
                 if op.outcome == OK:
                     removed_at[(key, op.gen)] = op.t1
+    for e in history.engines:
+        counts = e["counts"]
+        held = counts.get("quarantined", 0) + counts.get("loading", 0)
+        report.buffers_written_off += counts.get("leaked", 0)
+        if held:
+            report.leaks["buffers quarantined or loading at the end"] = \
+                report.leaks.get("buffers quarantined or loading at the end", 0) + held
+            report.leaked += held
+            report.note(f"a loader's pool at the end of the cell: {counts}")
     for e in history.exceptions:
         report.exceptions += 1
         report.note(f"client raised {e['error']}: {e.get('trace', '')[-400:]}")

@@ -16,7 +16,10 @@ only the bytes.
   most ``live`` objects), and puts some removed keys again with the next
   generation. Each key is written by one writer only, one operation at a time.
 * reader: follows the writers' journals and reads acknowledged, removed and
-  never-written keys, alone (``get``) or in batches (``get_many``).
+  never-written keys, alone (``get``) or in batches (``get_many``);
+* loader: the same reads, one key at a time, into the buffers of a transfer
+  engine (tracked loads, cancelled on timeout), journalling the buffer pool's
+  counts at the end of each cell.
 
 Run as ``python -m kvproto.checking.chaos.workers CONFIG_JSON`` (see :class:`Worker`).
 """
@@ -50,8 +53,10 @@ def value(key: bytes, gen: int, size: int) -> bytes:
     return HEADER.pack(MAGIC, gen, body, _digest(key), _digest(payload)) + payload
 
 
-def verify(key: bytes, data: Any) -> tuple[Optional[int], str]:
-    """``(generation, "")`` if ``data`` is a whole value of ``key``, else ``(None, why)``."""
+def verify(key: bytes, data: Any, whole: bool = True) -> tuple[Optional[int], str]:
+    """``(generation, "")`` if ``data`` is a whole value of ``key`` (or, with
+    ``whole=False``, starts with one: a pool buffer larger than the object),
+    else ``(None, why)``."""
     view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
     if len(view) < HEADER.size:
         return None, f"{len(view)} bytes, shorter than a header"
@@ -60,9 +65,9 @@ def verify(key: bytes, data: Any) -> tuple[Optional[int], str]:
         return None, "no magic"
     if key_digest != _digest(key):
         return None, f"bytes of another key (generation {gen})"
-    if len(view) != HEADER.size + size:
+    if len(view) != HEADER.size + size and (whole or len(view) < HEADER.size + size):
         return None, f"{len(view)} bytes, the header says {HEADER.size + size}"
-    if _digest(view[HEADER.size:]) != payload_digest:
+    if _digest(view[HEADER.size:HEADER.size + size]) != payload_digest:
         return None, f"payload digest mismatch (generation {gen})"
     return gen, ""
 
@@ -160,6 +165,7 @@ class Worker:
                             if not self.step():
                                 time.sleep(0.02)   # a failed call: do not spin while the master is away
                 finally:
+                    self.end_cell()
                     self.journal.write(op="end", t=time.monotonic())
                     self.journal.close()
                 k += 1
@@ -168,6 +174,9 @@ class Worker:
 
     def begin_cell(self) -> None:
         self.rng = random.Random(f"{self.cell['seed']}/{self.name}")
+
+    def end_cell(self) -> None:
+        pass
 
     def call(self, fn, *args, **kwargs) -> tuple[Any, str]:
         """``(result, "ok")`` or ``(None, error name)``; anything but a typed
@@ -301,9 +310,71 @@ class Reader(Worker):
         return any(r != -1 for r in res)   # all misses: maybe a master switch; do not spin
 
 
+class Loader(Reader):
+    """A reader that loads into destination buffers through a transfer engine
+    (tracked ``load`` transfers, cancelled on timeout: ``spec/Timeout.tla``).
+    At the end of each cell it waits a little for its engine to settle and
+    journals the pool's counts: a buffer still quarantined or loading then
+    is a buffer the protocol did not give back."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.engine = None
+
+    def begin_cell(self) -> None:
+        super().begin_cell()
+        counts = self.engine.counts() if self.engine is not None else {}
+        if self.engine is None or counts["leaked"] or counts["quarantined"]:
+            # buffers written off (their node died mid-load) stay on the leak
+            # ledger for good: each cell starts with a whole pool
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = self.client.transfer_engine(buffers=8, buffer_size=16 << 10,
+                                                      cancel_interval=0.1)
+
+    def step(self) -> bool:
+        from kvproto.errors import KvError
+        self.follow()
+        key = self.pick(1)[0]
+        t0 = time.monotonic()
+        request = self.engine.request()
+        try:
+            buf = request.acquire()
+        except KvError as err:               # every buffer quarantined
+            request.cancel()
+            self.journal.write(op="get", keys=[key], t0=t0, t1=time.monotonic(), out=type(err).__name__)
+            return False
+        res: Any = -1
+        try:
+            request.get_into(key, buf, timeout=self.config.get("load_timeout", 0.5))
+            gen, why = verify(key.encode(), request.consume(buf), whole=False)
+            res = gen if gen is not None else f"wrong: {why}"
+            request.release(buf)
+            request.finish()
+            out = "ok"
+        except KvError as err:
+            request.cancel()
+            out = "ok" if type(err).__name__ == "KeyNotFound" else type(err).__name__
+        except Exception as exc:
+            request.cancel()
+            self.journal.write(op="exception", error=f"{type(exc).__name__}: {exc}",
+                               trace=traceback.format_exc(limit=8), t=time.monotonic())
+            return False
+        t1 = time.monotonic()
+        if out != "ok":
+            self.journal.write(op="get", keys=[key], t0=t0, t1=t1, out=out)
+            return False
+        self.journal.write(op="get", keys=[key], t0=t0, t1=t1, out="ok", res=[res])
+        return res != -1
+
+    def end_cell(self) -> None:
+        idle = self.engine.wait_idle(self.config.get("settle", 1.0))
+        self.journal.write(op="engine", idle=idle, counts=self.engine.counts(), t=time.monotonic())
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(argv[0])
-    worker = {"writer": Writer, "reader": Reader}[config["role"]](config)
+    worker = {"writer": Writer, "reader": Reader, "loader": Loader}[config["role"]](config)
     worker.run()
     return 0
 
