@@ -79,7 +79,7 @@ def pid_of(client_id: Any) -> Optional[int]:
 class Rule:
     """When to act (route, direction, ops, body fields, which match) and how."""
 
-    FIELDS = ("route", "direction", "ops", "where", "nth", "count", "probability", "until",
+    FIELDS = ("route", "direction", "ops", "except_ops", "where", "nth", "count", "probability", "until",
               "action", "delay_ms", "target", "stop_ms", "forward", "hold", "name")
 
     def __init__(self, spec: dict, rule_id: int, now: float) -> None:
@@ -96,6 +96,7 @@ class Rule:
         ops = spec.get("ops")
         self.ops: Optional[frozenset] = None if ops is None else frozenset(
             [ops] if isinstance(ops, str) else ops)
+        self.except_ops: frozenset = frozenset(spec.get("except_ops") or ())
         self.where: dict = dict(spec.get("where") or {})
         self.nth = int(spec.get("nth", 1))
         self.count = int(spec.get("count", 1))          # fires at most this often (0: no limit)
@@ -120,7 +121,7 @@ class Rule:
             return False
         if self.routes is not None and not any(route.startswith(r) for r in self.routes):
             return False
-        if self.ops is not None and op not in self.ops:
+        if (self.ops is not None and op not in self.ops) or op in self.except_ops:
             return False
         if self.where:
             if type(body) is not dict:
