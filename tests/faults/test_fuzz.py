@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvproto import errors
-from kvproto.checking import fuzz
+from kvproto.checking import frames, fuzz
 from kvproto.checking.snapshot import differences, master_snapshot, storage_snapshot
 from kvproto.runtime import wire
 
@@ -23,20 +23,20 @@ SEED = 16
 
 def test_every_field_of_every_op_has_a_fuzzing_rule():
     for table in (wire.MASTER_OPS, wire.STORAGE_OPS):
-        ops = fuzz.ops_of(table)
+        ops = frames.ops_of(table)
         assert [op.name for op in ops] == list(table)
 
 
 @pytest.mark.parametrize("table", ["MASTER_OPS", "STORAGE_OPS"])
 def test_valid_bodies_pass_the_wire_and_each_wrong_field_is_refused(table):
-    ops, src = getattr(wire, table), fuzz.Source(random.Random(SEED))
-    for op in fuzz.ops_of(ops):
+    ops, src = getattr(wire, table), frames.Source(random.Random(SEED))
+    for op in frames.ops_of(ops):
         for _ in range(30):
-            body = fuzz.body_of(src, op, {})
-            frames = [wire.encode_request(op.name, 7, body), *[b"x"] * op.payloads]
-            assert wire.decode_request(frames, 1 << 24, 1 << 20, ops).body.keys() <= body.keys()
+            body = frames.body_of(src, op, {})
+            valid = [wire.encode_request(op.name, 7, body), *[b"x"] * op.payloads]
+            assert wire.decode_request(valid, 1 << 24, 1 << 20, ops).body.keys() <= body.keys()
             for name, field in {**op.fields, **op.optional}.items():
-                bad = {**body, name: fuzz.wrong(src, field)}
+                bad = {**body, name: frames.wrong(src, field)}
                 with pytest.raises((errors.MalformedFrame, errors.InvalidArgument)):
                     wire.decode_request([wire.encode_request(op.name, 7, bad), *[b"x"] * op.payloads],
                                         1 << 24, 1 << 20, ops)
@@ -75,11 +75,11 @@ def test_real_servers_over_their_sockets():
 
 # ---------------------------------------------------------------- the checks can fail
 
-def _run(target, frames_, report=None):
+def _run(target, n, report=None):
     report = report or fuzz.Report()
-    src = fuzz.Source(random.Random(SEED))
-    for _ in range(frames_):
-        fuzz.check(target, fuzz.make_frame(src, target.ops, target.pools()), report)
+    src = frames.Source(random.Random(SEED))
+    for _ in range(n):
+        fuzz.check(target, frames.make_frame(src, target.ops, target.pools()), report)
     return report
 
 

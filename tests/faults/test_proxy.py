@@ -3,7 +3,6 @@ the frame its rule picks, between a DEALER client and a ROUTER server."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

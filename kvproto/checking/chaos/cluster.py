@@ -1,6 +1,7 @@
 """The fault matrix's processes: a fault proxy, two masters, storage nodes, workers.
 
-Every server is a separate process on loopback and is reached only through
+Every server is a separate process on loopback (the coordinator is the
+embedded ``file://`` one, or an etcd given in the settings) and is reached only through
 the fault proxy (:mod:`kvproto.checking.chaos.proxy`): a master advertises its
 proxy front end in the coordinator (the embedded ``file://`` one), a storage
 node advertises its own, so clients, storage nodes and masters all talk
@@ -126,6 +127,9 @@ class Settings:
         self.client_timeout = 4.0
         self.lookup_timeout = 1.0
         self.switch_window = 6.0
+        #: the masters' coordinator: None for an embedded ``file://`` one in
+        #: the work folder, or an ``etcd://host:port/prefix`` URL
+        self.coordinator: Optional[str] = None
         for name, v in overrides.items():
             if not hasattr(self, name):
                 raise ValueError(f"unknown setting {name!r}")
@@ -147,7 +151,7 @@ class Cluster:
         self.settings = settings
         self.seed = seed
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        self.coordinator = f"file://{self.workdir / 'coordinator'}"
+        self.coordinator = settings.coordinator or f"file://{self.workdir / 'coordinator'}"
         self.ctx = zmq.Context()
         self.masters: list[Proc] = []
         self.storage: list[Proc] = []

@@ -478,6 +478,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     parser.add_argument("--cells", type=_checked(cells), default=list(CELLS),
                         help="comma-separated cells to run (default: all)")
+    parser.add_argument("--coordinator", default=None, metavar="URL",
+                        help="etcd://host:port/prefix for the masters' election (default: an "
+                             "embedded file:// coordinator in the work folder)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="folder for journals and logs (default: a temporary one, removed "
                              "unless --keep or a cell fails)")
@@ -489,7 +492,12 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     out = sys.stdout
     started = time.monotonic()
-    matrix = Matrix(args.workdir, seed=args.seed, log=out, keep=True)
+    if args.coordinator is not None and not args.coordinator.startswith("etcd://"):
+        print(f"kvproto chaos: --coordinator {args.coordinator!r}: give an etcd://host:port/prefix "
+              "URL (the default is an embedded file:// coordinator)", file=sys.stderr)
+        return 2
+    matrix = Matrix(args.workdir, seed=args.seed, log=out, keep=True,
+                    settings=Settings(coordinator=args.coordinator))
     print(f"kvproto chaos: {args.minutes:g} min, {args.seconds:g} s per cell, seed {args.seed}, "
           f"work folder {matrix.workdir}", file=out, flush=True)
     print("  ".join(h for h, _, _ in COLUMNS), file=out, flush=True)
