@@ -465,7 +465,7 @@ def add_arguments(parser) -> None:
         names = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in names if n not in CELLS]
         if unknown or not names:
-            raise ValueError(f"unknown cell(s) {', '.join(unknown) or text!r}; "
+            raise ValueError(f"unknown cell(s) {', '.join(map(repr, unknown)) or repr(text)}; "
                              f"known: {', '.join(CELLS)}")
         return names
     cells.__name__ = "cells"
