@@ -39,9 +39,11 @@ class Context:
         return next((m for m in self.cluster.masters if m is not leader and m.alive()), None)
 
     def whole(self) -> bool:
+        """Two masters alive and none stopped, every storage node registered."""
         c = self.cluster
         return (len([m for m in c.masters if m.alive()]) >= 2
                 and all(s.alive() for s in c.storage)
+                and not c.proxy.call("stats")["stopped"]
                 and c.live_segments() >= len(c.storage))
 
 
