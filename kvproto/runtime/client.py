@@ -287,6 +287,7 @@ class Client:
         self._rid = 0
         self._master_sock: Optional[zmq.Socket] = None
         self._data: dict[str, zmq.Socket] = {}
+        self._pollers: dict[frozenset, zmq.Poller] = {}
         self._local: dict[str, Optional[LocalSegment]] = {}
         self._host = host_id()
         self._closed = False
@@ -355,6 +356,7 @@ class Client:
 
     def _reset_master(self) -> None:
         if self._master_sock is not None:
+            self._pollers.clear()
             self._master_sock.close(linger=0)
             self._master_sock = None
 
@@ -367,6 +369,7 @@ class Client:
     def _reset_data(self, endpoint: str) -> None:
         sock = self._data.pop(endpoint, None)
         if sock is not None:
+            self._pollers.clear()
             sock.close(linger=0)
 
     def _send(self, sock: zmq.Socket, op: str, body: dict, payloads: Sequence = ()) -> int:
@@ -381,24 +384,52 @@ class Client:
         return rid
 
     def _gather(self, pending: dict[int, zmq.Socket], deadline: float) -> dict[int, wire.Reply]:
-        """Replies to the request ids in ``pending`` that arrive before ``deadline``."""
+        """Replies to the request ids in ``pending`` that arrive before ``deadline``.
+        One socket (the common case) is read with blocking receives bounded by
+        the deadline; several are polled with a poller kept per socket set."""
         got: dict[int, wire.Reply] = {}
-        poller = zmq.Poller()
-        for sock in set(pending.values()):
-            poller.register(sock, zmq.POLLIN)
+        socks = set(pending.values())
+        one = next(iter(socks)) if len(socks) == 1 else None
+        poller = None if one is not None else self._poller(socks)
         while len(got) < len(pending):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            if one is not None:
+                one.rcvtimeo = max(1, int(remaining * 1000))
+                try:
+                    frames = one.recv_multipart(copy=False)
+                except zmq.Again:
+                    break
+                self._take(frames, one, pending, got)
+                for frames in wire.waiting(one):
+                    self._take(frames, one, pending, got)
+                continue
             for sock, _ in poller.poll(max(1, int(remaining * 1000))):
                 for frames in wire.waiting(sock):
-                    try:
-                        reply = wire.decode_reply(frames)
-                    except errors.KvError:
-                        continue
-                    if reply.request_id in pending and pending[reply.request_id] is sock:
-                        got[reply.request_id] = reply
+                    self._take(frames, sock, pending, got)
         return got
+
+    @staticmethod
+    def _take(frames: list, sock: zmq.Socket, pending: dict, got: dict) -> None:
+        try:
+            reply = wire.decode_reply(frames)
+        except errors.KvError:
+            return
+        if pending.get(reply.request_id) is sock:
+            got[reply.request_id] = reply
+
+    def _poller(self, socks: set) -> zmq.Poller:
+        """A poller over ``socks``, kept while the same set is asked for again."""
+        key = frozenset(socks)
+        cached = self._pollers.get(key)
+        if cached is None:
+            if len(self._pollers) > 16:
+                self._pollers.clear()
+            cached = self._pollers[key] = zmq.Poller()
+            for sock in socks:
+                cached.register(sock, zmq.POLLIN)
+        return cached
 
     def _call_master(self, op: str, body: dict, deadline: float,
                      started: Optional[float] = None) -> wire.Reply:

@@ -353,6 +353,17 @@ class StorageCore:
         self.counters["bytes_purged"] += purged.freed
         return {"purged": len(purged.keys), "freed": purged.freed}, []
 
+    def awaits_assign(self, body: dict) -> bool:
+        """A write whose region is not (yet) assigned to its token, for a token
+        above every one this node has been assigned, under a term it accepts:
+        its ``assign`` may still be on its way (the master does not wait for
+        the node before granting; it sends the assign first, on its own
+        connection). Any other write is judged at once by ``storage_step``."""
+        if body["token"] <= self.tokens_seen or not fm.node_accepts(self.fence, body["term"]):
+            return False
+        region = self.table.regions.get(body["offset"])
+        return region is None or region.token != body["token"]
+
     def _op_write(self, body, payloads):
         offset, token = body["offset"], body["token"]
         table, err = self._step(WriteReplica(self.segment, offset, token))
@@ -419,6 +430,11 @@ class StorageServer:
     """
 
     BURST = 64
+    #: how long a write waits for its region's ``assign`` (StorageCore.awaits_assign)
+    #: before it is judged (and refused, if the assign never came), and how
+    #: many may wait at once
+    ASSIGN_WAIT = 2.0
+    MAX_AWAITING = 4096
     FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms",
               "read_delay_ms")
 
@@ -491,6 +507,7 @@ class StorageServer:
         self.faults = dict.fromkeys(self.FAULTS, 0)
         self._held: list = []      # (due, seq, identity, request): delayed data-path requests
         self._outq: list = []      # (due, seq, frames): delayed data replies
+        self._awaiting: list = []  # (due, identity, request): writes before their assign
         self._seq = itertools.count()
         self._freezer = collector.Freezer()
         #: ``observe(op, seconds)`` after each request is served (metrics; None: off)
@@ -637,14 +654,16 @@ class StorageServer:
             self._register()
             while not self._stopping:
                 wait = poll_ms
-                if self._held or self._outq:
-                    due = min(q[0][0] for q in (self._held, self._outq) if q)
+                if self._held or self._outq or self._awaiting:
+                    due = min(q[0][0] for q in (self._held, self._outq, self._awaiting) if q)
                     wait = max(0, min(poll_ms, int((due - time.monotonic()) * 1000) + 1))
                 events = dict(self.poller.poll(wait))
                 if self._held or self._outq:
                     self._due()
                 if events.get(self.router):
                     self._drain_router()
+                if self._awaiting:
+                    self._serve_assigned()
                 if self.dealer is not None and events.get(self.dealer):
                     for frames in wire.waiting(self.dealer, self.BURST):
                         self._on_master_reply(frames)
@@ -697,7 +716,22 @@ class StorageServer:
                 heapq.heappush(self._held, (time.monotonic() + self.faults["delay_ms"] / 1000,
                                             next(self._seq), identity, req))
                 return
+        if req.op == "write" and len(self._awaiting) < self.MAX_AWAITING \
+                and self.core.awaits_assign(req.body):
+            self._awaiting.append((time.monotonic() + self.ASSIGN_WAIT, identity, req))
+            return
         self._serve(identity, req)
+
+    def _serve_assigned(self) -> None:
+        """Serve the waiting writes whose assign has arrived, and those that
+        waited ``ASSIGN_WAIT`` (judged now: refused if still unassigned)."""
+        now, waiting = time.monotonic(), self._awaiting
+        self._awaiting = []
+        for due, identity, req in waiting:
+            if due > now and self.core.awaits_assign(req.body):
+                self._awaiting.append((due, identity, req))
+            else:
+                self._serve(identity, req)
 
     def _serve(self, identity: bytes, req: wire.Request) -> None:
         rid = req.request_id
