@@ -616,6 +616,8 @@ class MasterCore:
         ``Remove`` and eviction respect and the reader checks after the transfer."""
         client = body["client"]
         leased = body.get("lease", False)
+        if body.get("release"):
+            self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
         session = self._session(client, create=True)
         items, segments = [], {}
         for key in body["keys"]:

@@ -184,8 +184,9 @@ class StorageCore:
 
     @staticmethod
     def tracked(op: str, body: dict) -> bool:
-        """Whether the request is a tracked transfer of the Timeout protocol."""
-        return op == "load" or (op == "write" and "xfer" in body)
+        """Whether the request is a tracked transfer of the Timeout protocol
+        (``writes`` carries one per region)."""
+        return op in ("load", "writes") or (op == "write" and "xfer" in body)
 
     def _xfer_step(self, owner: str, event):
         """``node_step`` on ``owner``'s table without committing: ``(table, effects)``."""
@@ -209,20 +210,27 @@ class StorageCore:
         if op == "write" and "owner" not in body:
             raise errors.MalformedFrame("write: xfer without owner")
         owner = body["owner"]
-        buffer = body["buffer"] if op == "load" else f"{body['segment']}@{body['offset']}"
-        table, effects = self._xfer_step(owner, Start(body["xfer"], buffer))
-        if effects and isinstance(effects[0], XferRefused):
-            raise effects[0].error
+        if op == "writes":
+            started = [(xfer, f"{body['segment']}@{offset}") for offset, _, xfer in body["regions"]]
+        else:
+            started = [(body["xfer"], body["buffer"] if op == "load"
+                        else f"{body['segment']}@{body['offset']}")]
+        table = self.xfers.get(owner, NodeTransfers())
+        for xfer, buffer in started:           # all or none
+            table, effects = node_step(table, Start(xfer, buffer))
+            if effects and isinstance(effects[0], XferRefused):
+                raise effects[0].error
         self._xfer_commit(owner, table)
 
-    def _land(self, body: dict) -> bool:
+    def _land(self, owner: str, xfer: int) -> bool:
         """``Land`` of a tracked transfer about to run: it is finished and
         forgotten (whether its checks then pass or not, it writes nothing after
         this step). False when a cancel stopped it (it must not write)."""
-        table, effects = self._xfer_step(body["owner"], Land(body["xfer"]))
+        table, effects = self._xfer_step(owner, Land(xfer))
         if effects and isinstance(effects[0], XferRefused):
+            self.counters["discarded"] += 1
             return False
-        self._xfer_commit(body["owner"], table)
+        self._xfer_commit(owner, table)
         return True
 
     def _op_cancel(self, body, payloads):
@@ -244,8 +252,9 @@ class StorageCore:
             return self.stats(), []
         if op == "cancel":
             return self._op_cancel(body, payloads)
-        if self.tracked(op, body) and not self._land(body):
-            self.counters["discarded"] += 1
+        if op == "writes":
+            return self._op_writes(body, payloads)
+        if self.tracked(op, body) and not self._land(body["owner"], body["xfer"]):
             if op == "load":
                 return None
             raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
@@ -359,17 +368,44 @@ class StorageCore:
         its ``assign`` may still be on its way (the master does not wait for
         the node before granting; it sends the assign first, on its own
         connection). Any other write is judged at once by ``storage_step``."""
-        if body["token"] <= self.tokens_seen or not fm.node_accepts(self.fence, body["term"]):
+        if not fm.node_accepts(self.fence, body["term"]):
             return False
-        region = self.table.regions.get(body["offset"])
-        return region is None or region.token != body["token"]
+        regions = self.table.regions
+        for offset, token in (((r[0], r[1]) for r in body["regions"]) if "regions" in body
+                              else ((body["offset"], body["token"]),)):
+            if token > self.tokens_seen:
+                region = regions.get(offset)
+                if region is None or region.token != token:
+                    return True
+        return False
+
+    def _op_writes(self, body, payloads):
+        """Several ``WriteReplica`` in one message (a batch's writes to this
+        node), each a tracked transfer of its own: ``{"results": [item per
+        region]}``; a region's refusal does not stop the others."""
+        owner, results = body["owner"], []
+        landed = [self._land(owner, xfer) for _, _, xfer in body["regions"]]
+        self._check_segment(body)
+        self._check_term(body)
+        for (offset, token, xfer), ran, payload in zip(body["regions"], landed, payloads):
+            try:
+                if not ran:
+                    raise errors.StaleGeneration(f"write transfer {xfer} was cancelled; discarded")
+                self._write_region(offset, token, payload)
+                results.append(wire.ok_item())
+            except errors.KvError as err:
+                results.append(wire.error_item(err))
+        return {"results": results}, []
 
     def _op_write(self, body, payloads):
-        offset, token = body["offset"], body["token"]
+        self._write_region(body["offset"], body["token"], payloads[0])
+        return {}, []
+
+    def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
+        """``WriteReplica``, then the one memcpy from the received frame."""
         table, err = self._step(WriteReplica(self.segment, offset, token))
         if err is not None:
             raise err
-        payload = payloads[0]
         region = self.table.regions[offset]
         if len(payload) != region.length:
             raise errors.InvalidArgument(f"write of {len(payload)} bytes to a region of {region.length}")
@@ -380,7 +416,6 @@ class StorageCore:
         self.table = table
         self.counters["writes"] += 1
         self.counters["bytes_written"] += region.length
-        return {}, []
 
     def _op_read(self, body, payloads):
         offset, token = body["offset"], body["token"]
@@ -716,7 +751,7 @@ class StorageServer:
                 heapq.heappush(self._held, (time.monotonic() + self.faults["delay_ms"] / 1000,
                                             next(self._seq), identity, req))
                 return
-        if req.op == "write" and len(self._awaiting) < self.MAX_AWAITING \
+        if req.op in ("write", "writes") and len(self._awaiting) < self.MAX_AWAITING \
                 and self.core.awaits_assign(req.body):
             self._awaiting.append((time.monotonic() + self.ASSIGN_WAIT, identity, req))
             return

@@ -128,7 +128,7 @@ def tuple_of(*items: Check) -> Check:
 
 class OpSchema:
     """Required body fields of one op, optional ones (checked when present), and
-    how many payload frames it carries."""
+    how many payload frames it carries (-1: one per entry of its ``regions``)."""
 
     __slots__ = ("fields", "optional", "payloads")
 
@@ -164,7 +164,9 @@ MASTER_OPS: dict[str, OpSchema] = {
     # revoke this client's own pending attempts on ``keys``, whose tokens it never received
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
     # ``lease: true`` asks for a read lease per key (lease id + TTL) instead of a pin
-    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS}, optional={"lease": boolean()}),
+    # ``release``: leases this client is done with, ended before the lookup
+    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS},
+                           optional={"lease": boolean(), "release": list_of(uint(_UINT63, 1))}),
     "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
@@ -205,6 +207,11 @@ STORAGE_OPS: dict[str, OpSchema] = {
     # and ``xfer`` is a tracked transfer that a ``cancel`` can stop (both or neither).
     "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM},
                       payloads=1, optional={"owner": OWNER, "xfer": XFER}),
+    # several writes to this node in one message, one payload frame each, in
+    # region order: [offset, token, xfer] (each a tracked transfer of ``owner``)
+    "writes": OpSchema({"segment": SEGMENT, "term": TERM, "owner": OWNER,
+                        "regions": list_of(tuple_of(uint(), TOKEN, XFER), min_items=1)},
+                       payloads=-1),
     "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM,
                       "length": uint(min_value=1)}),
     # a tracked read into the client's destination ``buffer``: answered with the
@@ -355,7 +362,7 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_byt
         raise _fail(errors.MalformedFrame("request_id must be a uint64"))
     if type(body) is not dict:
         raise _fail(errors.MalformedFrame("body must be a map"), rid)
-    if len(payloads) != schema.payloads:
+    if schema.payloads >= 0 and len(payloads) != schema.payloads:
         raise _fail(errors.MalformedFrame(
             f"{op} takes {schema.payloads} payload frame(s), got {len(payloads)}"), rid)
     checked = {}
@@ -369,6 +376,10 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_byt
                 checked[name] = check(body[name], f"{op}.{name}")
     except errors.KvError as err:
         raise _fail(err, rid) from None
+    if schema.payloads < 0 and len(payloads) != len(checked["regions"]):
+        raise _fail(errors.MalformedFrame(
+            f"{op} names {len(checked['regions'])} region(s) but carries {len(payloads)} "
+            "payload frame(s)"), rid)
     return Request(op, request_id, checked, payloads)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import kvproto
 from kvproto import errors
-from kvproto.runtime import wire
+from kvproto.runtime import datapath, wire
 from kvproto.runtime.coordinator import connect
 from kvproto.runtime.master import MasterCore
 from kvproto.runtime.shm import SegmentMemory
@@ -104,7 +104,8 @@ def test_kill_9_of_the_active_master_with_writers_and_readers(children, raw, coo
                               time.monotonic() + 5)
     grants = {i: (k, memoryview(value(k)), item[1]["token"], item[1]["replicas"])
               for i, (k, item) in enumerate(zip(pending, rep.body["items"]))}
-    assert not client._write_all(grants, rep.body["segments"], time.monotonic() + 5, rep.body["term"])
+    assert not datapath.write_all(client, grants, rep.body["segments"], time.monotonic() + 5,
+                                  rep.body["term"])
     old_term = rep.body["term"]
 
     wrong, done, stop = [], [], threading.Event()
@@ -243,7 +244,7 @@ def test_a_new_master_keeps_what_it_recovered_leased_for_one_lease_ttl(children,
     assert reader.renew([held])[0].__class__ is errors.LeaseExpired
     # the reader's transfer within its lease: the bytes are the object's
     seg, off, length = held.replicas[0]
-    local = reader._local_segment(seg, held.segments[seg])
+    local = reader._local.get(held.segments[seg])
     got = local.read(off, length, held.token, held.segments[seg][4])
     assert got is not None and bytes(got) == value(b"held")
     assert lm.accept_transfer(held.sent, time.monotonic(), held.ttl, reader.max_skew)

@@ -62,6 +62,7 @@ def store(children):
 WRITER = """
     import sys, time
     from kvproto.runtime.client import Client
+    from kvproto.runtime import datapath
     c = Client({address!r}, timeout=10.0)
     data = b"W" * {size}
     with c._activity():                       # heartbeats run, as in a real put
@@ -73,7 +74,7 @@ WRITER = """
         assert code == 0, grant
         c._in_flight = (grant["token"],)      # the heartbeats name the attempt, as in a real put
         grants = {{0: (b"victim", memoryview(data), grant["token"], grant["replicas"])}}
-        assert not c._write_all(grants, rep.body["segments"], deadline, rep.body["term"])
+        assert not datapath.write_all(c, grants, rep.body["segments"], deadline, rep.body["term"])
         print(grant["token"], flush=True)      # every replica written; put_end never comes
         time.sleep(120)
 """

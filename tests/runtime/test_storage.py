@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import kvproto
@@ -125,3 +127,26 @@ def test_a_write_that_overtakes_its_assign_waits_for_it(raw):
         assert not server._awaiting
     finally:
         server.close()
+
+
+def test_one_writes_message_carries_a_batchs_regions(cluster):
+    """A batch's writes to one node travel as one ``writes`` message, one
+    payload frame per region, each region a tracked transfer of its own and
+    judged on its own: a region whose token does not own it is refused while
+    the others are written."""
+    from kvproto.runtime import datapath
+    client = cluster.client()
+    node = cluster.storage[0]
+    before = node.core.counters["writes"]
+    errs = client.put_many([(b"w/%d" % i, bytes([i]) * 5000) for i in range(6)])
+    assert errs == [None] * 6 and node.core.counters["writes"] - before == 6
+    rep = client._call_master("put_start", {"client": client.client_id, "replicas": 1,
+                                            "items": [[b"w/x", 100], [b"w/y", 100]]},
+                              time.monotonic() + 5)
+    grants = {i: (k, memoryview(b"z" * 100), item[1]["token"] + (7 if i else 0), item[1]["replicas"])
+              for i, (k, item) in enumerate(zip([b"w/x", b"w/y"], rep.body["items"]))}
+    failed = datapath.write_all(client, grants, rep.body["segments"], time.monotonic() + 5,
+                                rep.body["term"])
+    assert list(failed) == [1] and isinstance(failed[1], (errors.StaleToken, errors.RegionMismatch))
+    client._revoke([(b"w/x", grants[0][2]), (b"w/y", grants[1][2] - 7)])
+    client.close()
