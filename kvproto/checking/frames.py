@@ -223,6 +223,15 @@ def body_of(src: Source, op: Op, pools: dict) -> dict:
     return body
 
 
+def payload_count(op: Op, body: dict) -> int:
+    """How many payload frames ``op`` carries with ``body`` (a negative count
+    in the schema: one per entry of its ``regions``)."""
+    if op.payloads >= 0:
+        return op.payloads
+    regions = body.get("regions")
+    return len(regions) if type(regions) is list else 1
+
+
 def _payloads(src: Source, n: int, pools: dict) -> list:
     lengths = pools.get("length") or [1]
     return [src.bytes(src.pick(lengths) if src.chance(0.8) else src.int(0, 600)) for _ in range(n)]
@@ -233,7 +242,7 @@ def make_frame(src: Source, ops: list[Op], pools: dict, kind: Optional[str] = No
     kind = kind or src.pick(KINDS)
     rid = src.int(0, 1 << 20)
     body = body_of(src, op, pools)
-    payloads = _payloads(src, op.payloads, pools)
+    payloads = _payloads(src, payload_count(op, body), pools)
     if kind == "field":
         names = list(op.fields) + list(op.optional)
         roll = src.int(0, 3)
@@ -245,7 +254,7 @@ def make_frame(src: Source, ops: list[Op], pools: dict, kind: Optional[str] = No
             name = src.pick(names)
             body[name] = wrong(src, (op.fields.get(name) or op.optional[name]))
     elif kind == "payloads":
-        n = src.pick([k for k in (0, 1, 2, 3) if k != op.payloads])
+        n = src.pick([k for k in (0, 1, 2, 3) if k != payload_count(op, body)])
         payloads = _payloads(src, n, pools)
     elif kind == "header":
         header = _bad_header(src, op.name, rid, body)

@@ -14,8 +14,10 @@ from __future__ import annotations
 import random
 from typing import Callable, Optional
 
-#: master -> storage node commands, and the storage node's own requests to its master
+#: master -> storage node commands
 CONTROL = ["assign", "free", "publish", "fence", "purge"]
+#: a client's writes to a storage node: one region, or a batch of them
+WRITES = ["write", "writes"]
 
 
 class Context:
@@ -72,8 +74,15 @@ def _rotate(ctx: Context, choices: list):
 # ---------------------------------------------------------------- clients
 
 def writer_kill_before_write(ctx: Context) -> list:
-    return [dict(route="storage", direction="request", ops="write", action="kill",
-                 target="sender", forward=False)]
+    return [_rotate(ctx, [
+        # a network writer, as its write reaches a node
+        dict(route="storage", direction="request", ops=WRITES, action="kill", target="sender",
+             forward=False),
+        # any writer (a direct writer too, which copies into shared memory), as
+        # its grant comes back
+        dict(route="master", direction="reply", ops="put_start", action="kill", target="receiver",
+             forward=False),
+    ])]
 
 
 def writer_kill_before_put_end(ctx: Context) -> list:
@@ -86,9 +95,12 @@ def writer_stop_past_timeout(ctx: Context) -> list:
     # the attempt was reclaimed (and its region maybe granted again)
     stop = ctx.ms(ctx.settings.writer_timeout * 2.5)
     return [_rotate(ctx, [
-        dict(route="storage", direction="request", ops="write", action="stop", target="sender",
+        dict(route="storage", direction="request", ops=WRITES, action="stop", target="sender",
              stop_ms=stop, hold=True),
-        dict(route="storage", direction="reply", ops="write", action="stop", target="receiver",
+        dict(route="storage", direction="reply", ops=WRITES, action="stop", target="receiver",
+             stop_ms=stop, forward=True),
+        # a direct writer too: stopped as its grant comes back, before it writes
+        dict(route="master", direction="reply", ops="put_start", action="stop", target="receiver",
              stop_ms=stop, forward=True),
     ])]
 
@@ -173,7 +185,7 @@ def storage_kill(ctx: Context) -> list:
     node = _node(ctx)
     if node is None:
         return []
-    return [dict(route=node.route, direction="request", ops=_rotate(ctx, ["write", "assign", "read"]),
+    return [dict(route=node.route, direction="request", ops=_rotate(ctx, [WRITES, "assign", "read"]),
                  action="kill", target=node.pid, forward=False)]
 
 
@@ -181,7 +193,7 @@ def storage_stop(ctx: Context) -> list:
     node = _node(ctx)
     if node is None:
         return []
-    return [dict(route=node.route, direction="request", ops=["write", "read", "assign"],
+    return [dict(route=node.route, direction="request", ops=WRITES + ["read", "assign"],
                  action="stop", target=node.pid, forward=True,
                  stop_ms=ctx.ms(ctx.settings.storage_timeout * _rotate(ctx, [2.0, 0.5])))]
 
@@ -227,7 +239,8 @@ def net_partition(ctx: Context) -> list:
 
 CELLS: dict[str, Cell] = {c.name: c for c in [
     Cell("none", "no faults: the control cell", lambda ctx: [], once=True),
-    Cell("writer-kill-before-write", "kill -9 of a writer between put_start and its write",
+    Cell("writer-kill-before-write", "kill -9 of a writer between put_start and its write "
+         "(as its write reaches a node, or as its grant comes back)",
          writer_kill_before_write),
     Cell("writer-kill-before-put-end", "kill -9 of a writer between its writes and put_end",
          writer_kill_before_put_end),

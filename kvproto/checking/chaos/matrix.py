@@ -39,7 +39,9 @@ from kvproto.checking.chaos.workers import read_journal, verify
 
 
 class Matrix:
-    #: worker processes: (role, how many); they serve cell after cell
+    #: worker processes: (role, how many); they serve cell after cell. Writer
+    #: 0 and reader 0 use this host's shared memory (direct writes, local
+    #: reads), the others the network
     WORKERS = (("writer", 2), ("reader", 2), ("loader", 1))
 
     def __init__(self, workdir: Optional[Path] = None, seed: int = 0,
@@ -93,6 +95,9 @@ class Matrix:
                              "switch_window": s.switch_window}}
         if role == "writer":
             config.update(replicas=2, live=48, min_size=256, max_size=8192)
+            # one writer copies into same-host segments itself (direct writes),
+            # one sends its bytes over the network
+            config["client"]["local_writes"] = index % 2 == 0
         else:
             config.update(batch=8)
             config["client"]["local_reads"] = role == "reader" and index % 2 == 0   # one over shared memory
@@ -245,7 +250,9 @@ class _CellRun:
         self.rule_ids = []
         for n, spec in enumerate(rules):
             spec = dict(spec)
-            spec.setdefault("name", f"{cell.name}:{spec['action']}:{spec.get('ops', 'any')}")
+            ops = spec.get("ops", "any")
+            ops = ops if isinstance(ops, str) else "+".join(ops)
+            spec.setdefault("name", f"{cell.name}:{spec['action']}:{ops}")
             if not cell.once:
                 spec.setdefault("for_ms", int(cell.window * 1000))
             self.rule_ids.append(self.cluster.proxy.rule(**spec))
@@ -489,9 +496,17 @@ def add_arguments(parser) -> None:
                         help="also write every figure per cell as JSON to PATH")
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(args) -> int:
     out = sys.stdout
     started = time.monotonic()
+    # SIGTERM, and SIGINT even when started in the background (where it is
+    # ignored), stop the run through the cleanup: every process it started ends
+    signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGINT, _interrupted)
     if args.coordinator is not None and not args.coordinator.startswith("etcd://"):
         print(f"kvproto chaos: --coordinator {args.coordinator!r}: give an etcd://host:port/prefix "
               "URL (the default is an embedded file:// coordinator)", file=sys.stderr)
