@@ -379,32 +379,59 @@ class _CellRun:
     #: already judged are removed (far below the master's eviction watermark)
     ROOM = 0.25
 
+    def _final(self, c, prefix: str) -> Optional[dict]:
+        """Every key of the cell read back and verified: key -> generation
+        (or ``"wrong: ..."``); None if a master switch came in between (its
+        misses would look like losses)."""
+        before = self.cluster.master_stats(self.cluster.open_leader())
+        switch_misses = c.failover_counters["switch_misses"]
+        final: dict[str, object] = {}
+        keys = c.keys(prefix=prefix)
+        for at in range(0, len(keys), 256):
+            chunk = keys[at:at + 256]
+            for key, data in zip(chunk, c.get_many(chunk)):
+                if data is not None:
+                    gen, why = verify(key, data)
+                    final[key.decode()] = gen if gen is not None else f"wrong: {why}"
+        after = self.cluster.master_stats(self.cluster.open_leader())
+        if before is None or after is None or c.failover_counters["switch_misses"] != switch_misses \
+                or before["failover"]["term"] != after["failover"]["term"]:
+            return None
+        return final
+
     def read_back(self) -> None:
         """Read every key of the cell and judge; make room if the store fills."""
         from kvproto.errors import KvError
-        final: dict[str, object] = {}
         history = History.load(str(self.folder), self.cell.duplicates)
         prefix = self.tag + "/"
         with self.client() as c:
-            keys = c.keys(prefix=prefix)
-            for at in range(0, len(keys), 256):
-                chunk = keys[at:at + 256]
-                for key, data in zip(chunk, c.get_many(chunk)):
-                    if data is None:
-                        continue
-                    gen, why = verify(key, data)
-                    final[key.decode()] = gen if gen is not None else f"wrong: {why}"
+            final: Optional[dict] = None
+            deadline = time.monotonic() + 60
+            while final is None and time.monotonic() < deadline:
+                try:
+                    final = self._final(c, prefix)
+                except KvError:
+                    final = None
+                if final is None:
+                    time.sleep(0.2)
+            if final is None:
+                self.report.settled = False
+                self.report.note("the cell's keys could not be read back under one open master")
             placements = {k.decode(errors="replace"): v for k, v in
                           self.cluster.proxy.call("placements")["placements"].items()
                           if k.startswith(prefix.encode())}
             stats = self.cluster.master_stats() or {}
             live = {seg for seg, s in stats.get("segments", {}).items() if s.get("live")}
-            judge(self.report, history, final, placements, live, prefix)
+            judge(self.report, history, final, placements, live, prefix, self.cell.kills_nodes)
             used, capacity = (sum(s.get(f, 0) for s in stats.get("segments", {}).values() if s.get("live"))
                               for f in ("used", "capacity"))
             if used > self.ROOM * capacity:
                 # every key was judged: make room for the next cells
-                for key in c.keys():
+                try:
+                    keys = c.keys()
+                except KvError:
+                    keys = []
+                for key in keys:
                     try:
                         c.remove(key, force=True)
                     except KvError:

@@ -25,9 +25,11 @@ What counts against the store:
 
 Leaks: after the cell, the master and the storage nodes must agree region by
 region (see :mod:`kvproto.checking.chaos.matrix`), and a loader's buffer pool
-must hold no buffer quarantined or loading; buffers *written off* (their
-load's node died, so neither its bytes nor a cancel acknowledgement will come)
-are counted apart: the Timeout protocol keeps them on a bounded leak ledger.
+must hold no buffer quarantined or loading. Buffers *written off* (their
+load's node died, so neither its bytes nor a cancel acknowledgement will
+come) are counted apart: the Timeout protocol keeps them on a bounded leak
+ledger, and once that is full, quarantined. In a cell that kills storage
+nodes, quarantined buffers are counted with them.
 
 An acknowledged put that is absent at the end is *lost with its nodes*, not
 counted against the store, when every storage segment its replicas were
@@ -172,12 +174,14 @@ class History:
         return states
 
 
-def judge(report: Report, history: History, final: dict[str, Any],
-          placements: dict[str, list], live: set[str], prefix: str) -> Report:
+def judge(report: Report, history: History, final: Optional[dict[str, Any]],
+          placements: dict[str, list], live: set[str], prefix: str,
+          nodes_died: bool = False) -> Report:
     """Fill ``report`` from the cell's ``history`` and ``final``: key -> the
     generation read back at the end (or a ``"wrong: ..."`` string); keys not in
-    it are absent. ``placements``: key -> segments of its last acknowledged put;
-    ``live``: the segments live at the end."""
+    it are absent (None: no read-back, only the run is judged). ``placements``: key -> segments of its last acknowledged put;
+    ``live``: the segments live at the end; ``nodes_died``: storage node
+    processes were killed (a loader's buffers stranded by them are written off)."""
     started: dict[tuple[str, int], float] = {}
     removed_at: dict[tuple[str, int], float] = {}
     for key, ops in history.ops.items():
@@ -195,8 +199,8 @@ def judge(report: Report, history: History, final: dict[str, Any],
     for e in history.engines:
         counts = e["counts"]
         held = counts.get("quarantined", 0) + counts.get("loading", 0)
-        report.buffers_written_off += counts.get("leaked", 0)
-        if held:
+        report.buffers_written_off += counts.get("leaked", 0) + (held if nodes_died else 0)
+        if held and not nodes_died:
             report.leaks["buffers quarantined or loading at the end"] = \
                 report.leaks.get("buffers quarantined or loading at the end", 0) + held
             report.leaked += held
@@ -227,6 +231,9 @@ def judge(report: Report, history: History, final: dict[str, Any],
                     report.stale_reads += 1
                     report.note(f"read of {key} at {g['t0']:.3f} returned generation {res}, "
                                 f"whose remove was acknowledged at {gone:.3f}")
+    if final is None:
+        report.acked_lost = report.stale_reads
+        return report
     for key, value in final.items():
         if isinstance(value, str):
             report.wrong_bytes += 1
