@@ -43,10 +43,10 @@ def test_valid_bodies_pass_the_wire_and_each_wrong_field_is_refused(table):
 
 
 def test_a_seeded_run_of_every_kind_at_both_cores():
-    report = fuzz.fuzz(6000, seed=SEED)
+    report = fuzz.fuzz(4000, seed=SEED)
     assert report.failures == 0, report.summary()
-    assert all(n > 900 for n in report.by_kind.values()), report.by_kind
-    assert report.accepted > 500, report.summary()
+    assert all(n > 600 for n in report.by_kind.values()), report.by_kind
+    assert report.accepted > 300, report.summary()
     # the frames reach the protocol machines, not only the decoder
     for refusal in ("MalformedFrame", "InvalidArgument", "UnknownMessage", "UnsupportedVersion",
                     "FrameTooLarge", "SegmentUnavailable", "StaleTerm"):
@@ -54,7 +54,7 @@ def test_a_seeded_run_of_every_kind_at_both_cores():
 
 
 @pytest.mark.parametrize("name", list(fuzz.TARGETS))
-@settings(max_examples=200, derandomize=True, deadline=None)
+@settings(max_examples=150, derandomize=True, deadline=None)
 @given(data=st.data())
 def test_hypothesis_frames(name, data):
     target = fuzz.TARGETS[name]()      # a fresh core: the same pools for the same draws
@@ -68,9 +68,9 @@ def test_hypothesis_frames(name, data):
 
 @pytest.mark.runtime
 def test_real_servers_over_their_sockets():
-    report = fuzz.fuzz_servers(200, seed=SEED)
+    report = fuzz.fuzz_servers(150, seed=SEED)
     assert report.failures == 0, report.summary()
-    assert report.accepted > 0 and sum(report.rejected.values()) > 100, report.summary()
+    assert report.accepted > 0 and sum(report.rejected.values()) > 75, report.summary()
 
 
 # ---------------------------------------------------------------- the checks can fail
