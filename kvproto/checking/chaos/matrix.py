@@ -422,7 +422,7 @@ class _CellRun:
                           if k.startswith(prefix.encode())}
             stats = self.cluster.master_stats() or {}
             live = {seg for seg, s in stats.get("segments", {}).items() if s.get("live")}
-            judge(self.report, history, final, placements, live, prefix, self.cell.kills_nodes)
+            judge(self.report, history, final, placements, live, prefix, self.cell.loses_loads)
             used, capacity = (sum(s.get(f, 0) for s in stats.get("segments", {}).values() if s.get("live"))
                               for f in ("used", "capacity"))
             if used > self.ROOM * capacity:

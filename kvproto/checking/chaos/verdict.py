@@ -29,7 +29,7 @@ must hold no buffer quarantined or loading. Buffers *written off* (their
 load's node died, so neither its bytes nor a cancel acknowledgement will
 come) are counted apart: the Timeout protocol keeps them on a bounded leak
 ledger, and once that is full, quarantined. In a cell that kills storage
-nodes, quarantined buffers are counted with them.
+nodes or drops frames, quarantined buffers are counted with them.
 
 An acknowledged put that is absent at the end is *lost with its nodes*, not
 counted against the store, when every storage segment its replicas were
@@ -176,12 +176,13 @@ class History:
 
 def judge(report: Report, history: History, final: Optional[dict[str, Any]],
           placements: dict[str, list], live: set[str], prefix: str,
-          nodes_died: bool = False) -> Report:
+          loads_lost: bool = False) -> Report:
     """Fill ``report`` from the cell's ``history`` and ``final``: key -> the
-    generation read back at the end (or a ``"wrong: ..."`` string); keys not in
-    it are absent (None: no read-back, only the run is judged). ``placements``: key -> segments of its last acknowledged put;
-    ``live``: the segments live at the end; ``nodes_died``: storage node
-    processes were killed (a loader's buffers stranded by them are written off)."""
+    generation read back at the end (or a ``"wrong: ..."`` string); keys not
+    in it are absent (None: no read-back, only the run is judged).
+    ``placements``: key -> segments of its last acknowledged put; ``live``: the
+    segments live at the end; ``loads_lost``: a load's reply and cancels could
+    be lost for good (a loader's buffers stranded so are written off)."""
     started: dict[tuple[str, int], float] = {}
     removed_at: dict[tuple[str, int], float] = {}
     for key, ops in history.ops.items():
@@ -199,8 +200,8 @@ def judge(report: Report, history: History, final: Optional[dict[str, Any]],
     for e in history.engines:
         counts = e["counts"]
         held = counts.get("quarantined", 0) + counts.get("loading", 0)
-        report.buffers_written_off += counts.get("leaked", 0) + (held if nodes_died else 0)
-        if held and not nodes_died:
+        report.buffers_written_off += counts.get("leaked", 0) + (held if loads_lost else 0)
+        if held and not loads_lost:
             report.leaks["buffers quarantined or loading at the end"] = \
                 report.leaks.get("buffers quarantined or loading at the end", 0) + held
             report.leaked += held
