@@ -52,7 +52,7 @@ def remove_behind_the_writers(ctx):
 CHECKS = {c.name: c for c in [
     Cell("check-corrupt", "bytes flipped in read replies", corrupt_network_reads, once=True),
     Cell("check-lost", "acknowledged objects removed from outside", remove_behind_the_writers,
-         first_after=0.0, period=0.0),
+         first_after=0.0, period=0.0, injects=False),
 ]}
 
 

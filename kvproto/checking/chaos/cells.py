@@ -53,7 +53,7 @@ class Cell:
     def __init__(self, name: str, about: str, rules: Callable[[Context], list],
                  period: float = 1.0, whole: bool = False, once: bool = False,
                  window: float = 4.0, duplicates: bool = False, first_after: float = 0.5,
-                 loses_loads: bool = False) -> None:
+                 loses_loads: bool = False, injects: bool = True) -> None:
         self.name = name
         self.about = about
         self.rules = rules
@@ -69,6 +69,8 @@ class Cell:
         #: the leak budget, quarantined; counted apart, not as a leak (see
         #: tests/faults/test_found.py for why a healed network does not help)
         self.loses_loads = loses_loads
+        #: whether it injects faults through the proxy (a run goes on until one fired)
+        self.injects = injects
         #: seconds of traffic before the first fault (so something is stored)
         self.first_after = 0.0 if once else first_after
 
@@ -244,7 +246,7 @@ def net_partition(ctx: Context) -> list:
 
 
 CELLS: dict[str, Cell] = {c.name: c for c in [
-    Cell("none", "no faults: the control cell", lambda ctx: [], once=True),
+    Cell("none", "no faults: the control cell", lambda ctx: [], once=True, injects=False),
     Cell("writer-kill-before-write", "kill -9 of a writer between put_start and its write "
          "(as its write reaches a node, or as its grant comes back)",
          writer_kill_before_write),

@@ -193,6 +193,7 @@ class _CellRun:
         self.rng = random.Random(matrix.rng.randrange(1 << 30))
         self.ctx = Context(self.cluster, self.rng, str(folder))
         self.rule_ids: list[int] = []
+        self._any_fired = False
         self.armed_at = -1e9
         self.began = time.monotonic()
         self._mark = time.monotonic()
@@ -222,7 +223,9 @@ class _CellRun:
         (self.folder / "go").touch()
         end = time.monotonic() + seconds
         next_look = 0.0
-        while time.monotonic() < end:
+        # a cell that has not injected a fault yet runs on (up to EXTRA_S more)
+        while time.monotonic() < end or (self.cell.injects and not self._fired()
+                                          and time.monotonic() < end + self.EXTRA_S):
             now = time.monotonic()
             if now >= next_look:
                 next_look = now + 0.2
@@ -232,6 +235,16 @@ class _CellRun:
                     self.m.say(f"  {self.tag}: replaced {', '.join(replaced)}")
                 self.arm(now)
             time.sleep(0.05)
+
+    #: how long a cell may run past its time while none of its faults fired
+    EXTRA_S = 8.0
+
+    def _fired(self) -> bool:
+        if self._any_fired or not self.rule_ids:
+            return self._any_fired
+        mine = [r for r in self.cluster.proxy.call("stats")["rules"] if r["id"] in self.rule_ids]
+        self._any_fired = any(r["fired"] for r in mine)
+        return self._any_fired
 
     def arm(self, now: float) -> None:
         cell = self.cell
