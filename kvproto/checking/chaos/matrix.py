@@ -38,6 +38,18 @@ from kvproto.checking.chaos.verdict import History, Report, judge
 from kvproto.checking.chaos.workers import read_journal, verify
 
 
+def tidy_writer_locks() -> int:
+    """Remove the lock files of dead direct writers (a writer killed before any
+    node asked about it leaves its file in /dev/shm): what a node does when it
+    finds one (:func:`~kvproto.runtime.shm.writer_alive`). Returns how many."""
+    from kvproto.runtime.shm import SHM_DIR, WRITER_PREFIX, writer_alive
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(WRITER_PREFIX)]
+    except OSError:
+        return 0
+    return sum(1 for n in names if not writer_alive(n))
+
+
 class Matrix:
     #: worker processes: (role, how many); they serve cell after cell. Writer
     #: 0 and reader 0 use this host's shared memory (direct writes, local
@@ -82,6 +94,7 @@ class Matrix:
         for proc in self.workers.values():
             proc.stop(grace=2.0)
         self.cluster.stop()
+        tidy_writer_locks()
         if self._own_dir and not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
