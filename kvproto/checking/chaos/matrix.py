@@ -546,7 +546,7 @@ def add_arguments(parser) -> None:
                              "unless --keep or a cell fails)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write every figure per cell as JSON to PATH")
+                        help="also write every figure per cell as JSON to PATH (default: none)")
 
 
 def _interrupted(signum, frame):
