@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -164,6 +165,25 @@ class LoadResult:
         return chunks[self.usable - 1].end if self.usable else 0
 
 
+def lookup(client, namespace: Namespace, chunks: Sequence[Chunk]) -> int:
+    """How many chunks from the start have every object (all ranks, all layer
+    groups) in the store: one ``exists_many``."""
+    keys = [k for c in chunks for k in namespace.object_keys(c)]
+    if not keys:
+        return 0
+    present = {k for k, hit in zip(keys, client.exists_many(keys)) if hit}
+    return usable_chunks(namespace, chunks, present)
+
+
+def readonly_tensor(payload: memoryview, dtype):
+    """A torch tensor of ``dtype`` over read-only bytes (copy it before they go)."""
+    import warnings
+    import torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)   # "the given buffer is not writable"
+        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+
+
 _WORST = (Outcome.LOADED, Outcome.IN_FLIGHT, Outcome.MISSING, Outcome.FAILED, Outcome.TIMED_OUT)
 
 Sink = Callable[[int, int, memoryview], None]
@@ -193,17 +213,14 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ keys and lookup
 
-    def key(self, chunk: Chunk, rank: int = 0, group: int = 0) -> str:
-        return self.namespace.object_key(chunk, rank, group)
+    def key(self, chunk: Chunk, rank: int = 0, group: int = 0,
+            namespace: Optional[Namespace] = None) -> str:
+        return (namespace or self.namespace).object_key(chunk, rank, group)
 
-    def lookup(self, chunks: Sequence[Chunk]) -> int:
-        """How many chunks from the start have every object (all ranks, all
-        layer groups) in the store: one ``exists_many``."""
-        keys = [k for c in chunks for k in self.namespace.object_keys(c)]
-        if not keys:
-            return 0
-        present = {k for k, hit in zip(keys, self.client.exists_many(keys)) if hit}
-        return usable_chunks(self.namespace, chunks, present)
+    def lookup(self, chunks: Sequence[Chunk], namespace: Optional[Namespace] = None) -> int:
+        """:func:`lookup` in this store's namespace (or ``namespace``, e.g. the
+        same one under a request's cache salt)."""
+        return lookup(self.client, namespace or self.namespace, chunks)
 
     # ------------------------------------------------------------------ save
 
@@ -214,10 +231,11 @@ class ChunkStore:
             raise errors.InvalidArgument(f"a payload has 1..{self.payload_bytes} bytes, not {n}")
         return ChunkObject(self.layout, n)
 
-    def save(self, parts: Sequence[tuple[Chunk, int, int, ChunkObject]]) -> list[Optional[errors.KvError]]:
+    def save(self, parts: Sequence[tuple[Chunk, int, int, ChunkObject]],
+             namespace: Optional[Namespace] = None) -> list[Optional[errors.KvError]]:
         """Seal and store ``(chunk, rank, group, object)`` parts with one
         ``put_many``; per part ``None`` (stored, or already stored) or the error."""
-        items = [(self.key(c, r, g), obj.seal(c)) for c, r, g, obj in parts]
+        items = [(self.key(c, r, g, namespace), obj.seal(c)) for c, r, g, obj in parts]
         if not items:
             return []
         out = self.client.put_many(items, replicas=self.replicas, timeout=self.timeout)
@@ -227,11 +245,16 @@ class ChunkStore:
 
     def load(self, chunks: Sequence[Chunk], sink: Sink, *, rank: int = 0,
              groups: Optional[Sequence[int]] = None,
-             group_done: Optional[Callable[[int], None]] = None) -> LoadResult:
+             group_done: Optional[Callable[[int], None]] = None,
+             namespace: Optional[Namespace] = None) -> LoadResult:
         """Load ``rank``'s objects of ``chunks`` (layer group by layer group, in
         chunk order), verify each and call ``sink(chunk_index, group, payload)``
         with its payload (valid only during the call); ``group_done(g)`` after
-        the last object of group ``g`` was handled. See :class:`LoadResult`."""
+        the last object of group ``g`` was handled. See :class:`LoadResult`.
+
+        An object that fails its check (corrupt, another chunk, another
+        layout) is removed afterwards, so that the chunk can be stored again."""
+        namespace = namespace or self.namespace
         groups = list(range(self.namespace.layer_groups) if groups is None else groups)
         n = len(chunks)
         loads: list[dict] = [{} for _ in range(n)]
@@ -281,7 +304,8 @@ class ChunkStore:
                             req.release(buf)
                         break
                     try:
-                        transfer = req.load(self.key(chunks[i], rank, g), buf, timeout=self.timeout)
+                        transfer = req.load(self.key(chunks[i], rank, g, namespace), buf,
+                                            timeout=self.timeout)
                     except errors.KvError as e:
                         req.release(buf)
                         errs[(i, g)] = e
@@ -302,6 +326,10 @@ class ChunkStore:
                 req.cancel()        # abandoned loads stay quarantined until they drain
             else:
                 req.finish()
+        bad = [self.key(chunks[i], rank, g, namespace) for (i, g), e in errs.items()
+               if isinstance(e, (errors.ChecksumMismatch, errors.LayoutMismatch))]
+        if bad:
+            self._drop(bad)
         by_group = [{gi: loads[i].get(g, RankLoad(Outcome.MISSING)) for gi, g in enumerate(groups)}
                     for i in range(n)]
         plan = plan_reuse(by_group, ranks=len(groups))
@@ -309,6 +337,22 @@ class ChunkStore:
                          Outcome.MISSING for c in by_group)
         return LoadResult(plan.usable, outcomes, errs,
                           frozenset(k for k, e in errs.items() if isinstance(e, errors.TransferTimeout)))
+
+    def _drop(self, keys: list, within: float = 0.5) -> None:
+        """Remove objects that failed their check (best effort: the read that
+        found them may still be ending at the master)."""
+        deadline = time.monotonic() + within
+        for key in keys:
+            while True:
+                try:
+                    self.client.remove(key)
+                    break
+                except (errors.ObjectBusy, errors.ObjectLeased):
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+                except errors.KvError:
+                    break
 
     def close(self) -> None:
         self.engine.close()

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import attrs
 
-from kvproto.engines.chunks import ChunkStore, LoadResult, group_layers
+from kvproto.engines.chunks import ChunkStore, LoadResult, group_layers, readonly_tensor
 from kvproto.engines.prefix import Chunk, Namespace
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -138,15 +138,6 @@ class PrefixCache:
 
     def close(self) -> None:
         self.store.close()
-
-
-def readonly_tensor(payload: memoryview, dtype):
-    """A tensor of ``dtype`` over read-only bytes (to be copied at once)."""
-    import warnings
-    import torch
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)   # "the buffer is not writable"
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
 
 
 def _itemsize(dtype) -> int:
