@@ -248,6 +248,11 @@ class HandoffUnavailable(KvError):
     code = 81
 
 
+class HandoffRetained(KvError):
+    """The hand-off is neither acknowledged by the decode side nor past its TTL; it is kept."""
+    code = 82
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 
