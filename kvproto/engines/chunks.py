@@ -246,14 +246,15 @@ class ChunkStore:
     def load(self, chunks: Sequence[Chunk], sink: Sink, *, rank: int = 0,
              groups: Optional[Sequence[int]] = None,
              group_done: Optional[Callable[[int], None]] = None,
-             namespace: Optional[Namespace] = None) -> LoadResult:
+             namespace: Optional[Namespace] = None, drop_bad: bool = True) -> LoadResult:
         """Load ``rank``'s objects of ``chunks`` (layer group by layer group, in
         chunk order), verify each and call ``sink(chunk_index, group, payload)``
         with its payload (valid only during the call); ``group_done(g)`` after
         the last object of group ``g`` was handled. See :class:`LoadResult`.
 
-        An object that fails its check (corrupt, another chunk, another
-        layout) is removed afterwards, so that the chunk can be stored again."""
+        With ``drop_bad``, an object that fails its check (corrupt, another
+        chunk, another layout) is removed afterwards, so that the chunk can be
+        stored again (right where keys name content, as a namespace's do)."""
         namespace = namespace or self.namespace
         groups = list(range(self.namespace.layer_groups) if groups is None else groups)
         n = len(chunks)
@@ -328,7 +329,7 @@ class ChunkStore:
                 req.finish()
         bad = [self.key(chunks[i], rank, g, namespace) for (i, g), e in errs.items()
                if isinstance(e, (errors.ChecksumMismatch, errors.LayoutMismatch))]
-        if bad:
+        if bad and drop_bad:
             self._drop(bad)
         by_group = [{gi: loads[i].get(g, RankLoad(Outcome.MISSING)) for gi, g in enumerate(groups)}
                     for i in range(n)]

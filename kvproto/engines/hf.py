@@ -87,16 +87,14 @@ class PrefixCache:
         return self.namespace.chunks(list(tokens)[:max(len(tokens) - 1, 0)], self.chunk_size,
                                      partial=False)
 
-    # ------------------------------------------------------------------ save
+    # ------------------------------------------------------------------ packing
 
-    def save(self, tokens: Sequence[int], cache, *, skip: int = 0) -> list:
-        """Store the chunks of ``tokens`` whose KV ``cache`` holds (chunk ``skip``
-        on); returns per object ``None`` or its error."""
+    def pack(self, chunks: Sequence[Chunk], cache) -> list:
+        """The ``(chunk, rank, group, object)`` parts of ``chunks`` from ``cache``'s
+        KV (one copy per layer into each object's payload)."""
         import torch
         parts = []
-        for chunk in self.chunks(tokens)[skip:]:
-            if chunk.end > cache.get_seq_length():
-                break
+        for chunk in chunks:
             for g, layers in enumerate(self.groups):
                 obj = self.store.new_object(len(layers) * self._token_bytes * chunk.tokens)
                 dst = torch.from_numpy(obj.payload).view(self.dtype).view(
@@ -105,36 +103,52 @@ class PrefixCache:
                     dst[j, 0].copy_(cache.layers[layer].keys[0, :, chunk.start:chunk.end])
                     dst[j, 1].copy_(cache.layers[layer].values[0, :, chunk.start:chunk.end])
                 parts.append((chunk, 0, g, obj))
-        return self.store.save(parts)
+        return parts
 
-    # ------------------------------------------------------------------ restore
+    def unpacker(self, chunks: Sequence[Chunk]):
+        """``(sink, build)``: ``sink`` for :meth:`ChunkStore.load` keeps each
+        verified object's KV; ``build(n)`` is a fresh ``DynamicCache`` of the
+        first ``n`` chunks."""
+        import torch
+        from transformers import DynamicCache
+        pieces: dict = {}
+
+        def sink(i: int, g: int, payload: memoryview) -> None:
+            t = readonly_tensor(payload, self.dtype)
+            pieces[i, g] = t.view(len(self.groups[g]), 2, self.heads, chunks[i].tokens,
+                                  self.head_dim).clone()
+
+        def build(n: int):
+            cache = DynamicCache(config=self.config)
+            for g, layers in enumerate(self.groups):
+                kv = torch.cat([pieces[i, g] for i in range(n)], dim=3)
+                for j, layer in enumerate(layers):
+                    cache.update(kv[j, 0].unsqueeze(0).contiguous(), kv[j, 1].unsqueeze(0).contiguous(),
+                                 layer)
+            return cache
+        return sink, build
+
+    # ------------------------------------------------------------------ save and restore
+
+    def save(self, tokens: Sequence[int], cache, *, skip: int = 0) -> list:
+        """Store the chunks of ``tokens`` whose KV ``cache`` holds (chunk ``skip``
+        on); returns per object ``None`` or its error."""
+        chunks = [c for c in self.chunks(tokens)[skip:] if c.end <= cache.get_seq_length()]
+        return self.store.save(self.pack(chunks, cache))
 
     def restore(self, tokens: Sequence[int], *, lookup: bool = True) -> Restored:
         """A fresh ``DynamicCache`` holding the longest prefix of ``tokens`` that
         loaded and verified completely. ``lookup=False`` skips the
         ``exists_many`` (every chunk is tried)."""
-        import torch
-        from transformers import DynamicCache
         chunks = self.chunks(tokens)
         hit = self.store.lookup(chunks) if lookup else len(chunks)
         if not hit:
             return Restored(None, 0, 0, None)
-        pieces: dict = {}
-
-        def sink(i: int, g: int, payload: memoryview) -> None:
-            layers = self.groups[g]
-            t = readonly_tensor(payload, self.dtype)
-            pieces[i, g] = t.view(len(layers), 2, self.heads, chunks[i].tokens, self.head_dim).clone()
-
+        sink, build = self.unpacker(chunks)
         result = self.store.load(chunks[:hit], sink)
         if not result.usable:
             return Restored(None, 0, hit, result)
-        cache = DynamicCache(config=self.config)
-        for g, layers in enumerate(self.groups):
-            kv = torch.cat([pieces[i, g] for i in range(result.usable)], dim=3)
-            for j, layer in enumerate(layers):
-                cache.update(kv[j, 0].unsqueeze(0).contiguous(), kv[j, 1].unsqueeze(0).contiguous(), layer)
-        return Restored(cache, result.tokens(chunks), hit, result)
+        return Restored(build(result.usable), result.tokens(chunks), hit, result)
 
     def close(self) -> None:
         self.store.close()

@@ -244,3 +244,34 @@ def test_a_storage_node_killed_during_the_restore_gives_a_shorter_prefix(model):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+# --------------------------------------------------------------------------- hand-off
+
+
+def test_a_prefill_hands_its_kv_to_a_decode_side_bit_exactly(cluster, model):
+    """Prefill -> decode: the whole prompt's KV (the partial last chunk too)
+    through a hand-off; the decode side's next-token logits equal the ones
+    computed with the prefill's own cache. The leading full chunks are also
+    published into the long-term cache, where a later request finds them."""
+    from kvproto.engines.handoff import HandoffReceiver, HandoffSender
+    tokens = prompt(7)
+    prefill = PrefixCache(cluster.client(), f"{model.config.model_type}/handoff", model.config, model.dtype,
+                          chunk_size=CHUNK)
+    decode = PrefixCache(cluster.client(), f"{model.config.model_type}/handoff", model.config, model.dtype,
+                         chunk_size=CHUNK)
+    chunks = prefill.namespace.chunks(tokens, CHUNK)             # 7 chunks, the last of 4 tokens
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        first = int(out.logits[0, -1].argmax())
+        expected = model(torch.tensor([[first]]), cache=out.cache).logits
+        descriptor = HandoffSender(prefill.store).offer(
+            "r1", len(tokens), prefill.pack(chunks, out.cache), publish_chunks=len(prefill.chunks(tokens)))
+        sink, build = decode.unpacker(chunks)
+        taken = HandoffReceiver(decode.store).take(descriptor, chunks, sink)
+        assert taken.taken
+        cache = build(len(chunks))
+        assert cache.get_seq_length() == PROMPT
+        assert torch.equal(model(torch.tensor([[first]]), cache=cache).logits, expected)
+    assert decode.restore(tokens).tokens == 96        # published: a later request reuses the prefix
