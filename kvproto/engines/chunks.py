@@ -175,13 +175,11 @@ def lookup(client, namespace: Namespace, chunks: Sequence[Chunk]) -> int:
     return usable_chunks(namespace, chunks, present)
 
 
-def readonly_tensor(payload: memoryview, dtype):
-    """A torch tensor of ``dtype`` over read-only bytes (copy it before they go)."""
-    import warnings
+def tensor_copy(payload: memoryview, dtype):
+    """A torch tensor of ``dtype`` holding a copy of ``payload`` (one memcpy;
+    much faster than ``clone()`` of a tensor over read-only bytes)."""
     import torch
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)   # "the given buffer is not writable"
-        return torch.frombuffer(payload, dtype=torch.uint8).view(dtype)
+    return torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).view(dtype)
 
 
 _WORST = (Outcome.LOADED, Outcome.IN_FLIGHT, Outcome.MISSING, Outcome.FAILED, Outcome.TIMED_OUT)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import attrs
 
-from kvproto.engines.chunks import ChunkStore, LoadResult, group_layers, readonly_tensor
+from kvproto.engines.chunks import ChunkStore, LoadResult, group_layers, tensor_copy
 from kvproto.engines.prefix import Chunk, Namespace
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -114,9 +114,9 @@ class PrefixCache:
         pieces: dict = {}
 
         def sink(i: int, g: int, payload: memoryview) -> None:
-            t = readonly_tensor(payload, self.dtype)
+            t = tensor_copy(payload, self.dtype)
             pieces[i, g] = t.view(len(self.groups[g]), 2, self.heads, chunks[i].tokens,
-                                  self.head_dim).clone()
+                                  self.head_dim)
 
         def build(n: int):
             cache = DynamicCache(config=self.config)

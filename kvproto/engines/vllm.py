@@ -64,7 +64,7 @@ from typing import Any, Optional
 import attrs
 
 from kvproto import errors
-from kvproto.engines.chunks import ChunkStore, group_layers, lookup, readonly_tensor
+from kvproto.engines.chunks import ChunkStore, group_layers, lookup, tensor_copy
 from kvproto.engines.prefix import Chunk, Namespace
 
 log = logging.getLogger("kvproto.engines.vllm")
@@ -428,8 +428,8 @@ class KvprotoConnector(KVConnectorBase_V1):
     def _keep(self, state: "_StepLoads", r: int, i: int, g: int, payload: memoryview) -> None:
         """Keep a verified object's bytes until its layers are scattered."""
         layers = len(self.groups[g])
-        t = readonly_tensor(payload, self._dtype).view(layers, self.blocks_per_chunk, *self._page)
-        state.kept[r, i, g] = t.clone()
+        t = tensor_copy(payload, self._dtype).view(layers, self.blocks_per_chunk, *self._page)
+        state.kept[r, i, g] = t
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         state = self._load_state

@@ -8,14 +8,20 @@ stored chunk is detected, a chunk of another layout is refused, a missing
 middle chunk shrinks the reused prefix to the chunks before it, and a storage
 node killed during the restore gives a shorter prefix, never wrong logits.
 
-"Recompute" is checked two ways: the same split computed locally (prefix
-prefill, then the continuation: bit-exact by construction when the restored
-bytes are the computed ones), and the whole prompt in one forward pass
-(fp32: within 1e-5, bf16: within 2e-2 absolute; on CPU both are exact).
+Exactness is checked three ways: against the continuation on the saved KV
+itself (cropped to the reused prefix): bit-exact, torch.equal; against the
+same split recomputed from scratch, and against the whole prompt in one
+forward pass: within 1e-5 in fp32 and 2e-2 in bf16 (absolute, on logits of
+magnitude ~1). A recompute from scratch need not be bit-identical: the KV of
+a prefix computed inside a longer forward pass may differ in its last bits
+from the same prefix computed alone (matrix products of other shapes); at
+these sizes on a CPU the difference is 0, in `kvproto demo --engine`
+(1,025 tokens) up to 7e-7.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import signal
 import subprocess
@@ -89,14 +95,22 @@ def saved(cluster, model, tokens, name: str, **kw) -> PrefixCache:
     with torch.no_grad():
         out = model(torch.tensor([tokens]), use_cache=True)
     assert pc.save(tokens, out.cache) == [None] * (6 * len(pc.groups))
+    pc.saved_cache = out.cache          # the KV that was saved, for the bit-exact comparison
     return pc
 
 
-def assert_exact(model, tokens, restored):
+def assert_exact(model, tokens, restored, pc):
+    """Bit-exact against the continuation on the saved KV itself (cropped to
+    the reused prefix); within rounding of a recompute from scratch."""
     got = continue_from(model, tokens, restored)
-    assert torch.equal(got, recompute(model, tokens, restored.tokens))
-    one_shot = recompute(model, tokens, 0)[:, restored.tokens:]
-    assert (got.float() - one_shot.float()).abs().max().item() <= ONE_SHOT_TOLERANCE[model.dtype]
+    if restored.tokens:
+        own = copy.deepcopy(pc.saved_cache)
+        own.crop(restored.tokens - own.get_seq_length())    # a negative crop drops the tail
+        with torch.no_grad():
+            assert torch.equal(got, model(torch.tensor([tokens[restored.tokens:]]), cache=own).logits)
+    tolerance = ONE_SHOT_TOLERANCE[model.dtype]
+    for reference in (recompute(model, tokens, restored.tokens), recompute(model, tokens, 0)[:, restored.tokens:]):
+        assert (got.float() - reference.float()).abs().max().item() <= tolerance
 
 
 def corrupt(cluster, client, key: str, at: int) -> None:
@@ -118,7 +132,7 @@ def test_restored_prefix_gives_the_recomputed_logits_exactly(cluster, model, gro
     restored = pc.restore(tokens)
     assert (restored.hit, restored.tokens) == (6, 96)
     assert restored.cache.get_seq_length() == 96
-    assert_exact(model, tokens, restored)
+    assert_exact(model, tokens, restored, pc)
     # a prompt that differs in one early token shares no chunk
     other = list(tokens)
     other[3] = (other[3] + 1) % VOCAB
@@ -131,7 +145,7 @@ def test_bf16_restore_is_exact_and_within_tolerance_of_one_pass(cluster):
     pc = saved(cluster, model, tokens, "bf16")
     restored = pc.restore(tokens)
     assert restored.tokens == 96
-    assert_exact(model, tokens, restored)
+    assert_exact(model, tokens, restored, pc)
     # the fp32 namespace of the same model is another namespace: no hit
     assert PrefixCache(cluster.client(), "llama/bf16", model.config, torch.float32,
                        chunk_size=CHUNK).restore(tokens).tokens == 0
@@ -150,7 +164,7 @@ def test_a_corrupted_chunk_is_detected_and_the_prefix_ends_before_it(cluster, mo
     assert restored.tokens == 2 * CHUNK
     assert isinstance(restored.result.errors[(2, 0)], errors.ChecksumMismatch)
     assert restored.result.outcomes[2] is Outcome.FAILED
-    assert_exact(model, tokens, restored)
+    assert_exact(model, tokens, restored, pc)
     corrupt(cluster, pc.store.client, pc.store.key(chunks[0]), at=10)       # a header byte
     restored = pc.restore(tokens)
     assert restored.tokens == 0 and restored.cache is None
@@ -170,7 +184,7 @@ def test_a_chunk_of_another_layout_is_refused(cluster, model):
     restored = pc.restore(tokens)
     assert restored.tokens == CHUNK
     assert isinstance(restored.result.errors[(1, 0)], errors.LayoutMismatch)
-    assert_exact(model, tokens, restored)
+    assert_exact(model, tokens, restored, pc)
 
 
 def test_a_missing_middle_chunk_shrinks_the_prefix(cluster, model):
@@ -180,7 +194,7 @@ def test_a_missing_middle_chunk_shrinks_the_prefix(cluster, model):
     pc.store.client.remove(pc.store.key(chunks[3]))
     restored = pc.restore(tokens)
     assert (restored.hit, restored.tokens) == (3, 3 * CHUNK)     # the lookup stops at the gap
-    assert_exact(model, tokens, restored)
+    assert_exact(model, tokens, restored, pc)
     # without the lookup every chunk is tried: the gap is a miss, and chunks
     # after it are not loaded at all
     restored = pc.restore(tokens, lookup=False)
@@ -188,7 +202,7 @@ def test_a_missing_middle_chunk_shrinks_the_prefix(cluster, model):
     assert restored.result.outcomes[3:] == (Outcome.MISSING,) * 3
     assert isinstance(restored.result.errors[(3, 0)], errors.KeyNotFound)
     assert set(restored.result.errors) == {(3, 0)}
-    assert_exact(model, tokens, restored)
+    assert_exact(model, tokens, restored, pc)
 
 
 # --------------------------------------------------------------------------- a node dies
@@ -239,7 +253,7 @@ def test_a_storage_node_killed_during_the_restore_gives_a_shorter_prefix(model):
             failed = restored.result.errors[(expected, 0)]
             assert isinstance(failed, (errors.TransferTimeout, errors.SegmentUnavailable,
                                        errors.KeyNotFound))
-            assert_exact(model, tokens, restored)
+            assert_exact(model, tokens, restored, pc)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -275,3 +289,12 @@ def test_a_prefill_hands_its_kv_to_a_decode_side_bit_exactly(cluster, model):
         assert cache.get_seq_length() == PROMPT
         assert torch.equal(model(torch.tensor([[first]]), cache=cache).logits, expected)
     assert decode.restore(tokens).tokens == 96        # published: a later request reuses the prefix
+
+
+@pytest.mark.runtime
+def test_the_engine_demo_passes(capsys):
+    from kvproto import demo
+    assert demo.engine(prompt_tokens=161, chunk=32, layers=2, hidden=64) == 0
+    out = capsys.readouterr().out
+    for figure in ("prefix hit:", "tokens skipped:", "time saved:", "logits check:", "demo passed"):
+        assert figure in out
