@@ -160,6 +160,11 @@ Next ==
     \/ \E r \in Requests : Expire(r) \/ Reclaim(r) \/ Lose(r)
     \/ \E r \in Requests : Recompute(r) \/ Refuse(r)
 
+\* Someone reclaims what may be reclaimed: the acknowledged take-over
+\* itself, and a sweep of expired hand-offs.
+SweepFairness(r) == WF_vars(Reclaim(r))
+WeakNoSweep(r) == TRUE
+
 (* Time passes, reads end, and the decode side and the sweeps act. The     *)
 (* prefill need not ever publish.                                          *)
 Fairness ==
@@ -168,7 +173,7 @@ Fairness ==
         /\ WF_vars(ReadFails(r) \/ ReadDone(r))
         /\ WF_vars(Ack(r))
         /\ WF_vars(Expire(r))
-        /\ WF_vars(Reclaim(r))
+        /\ SweepFairness(r)
         /\ WF_vars(Recompute(r) \/ Refuse(r))
 
 Spec == Init /\ [][Next]_vars /\ Fairness

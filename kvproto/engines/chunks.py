@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -207,7 +206,6 @@ class ChunkStore:
         self.timeout = float(timeout)
         self.engine = client.transfer_engine(buffers, header_size(self.layout) + payload_bytes,
                                              max_cancels=max_cancels, max_leaked=max_leaked)
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys and lookup
 

@@ -46,7 +46,7 @@ import immutables
 from kvproto import errors
 from kvproto.checking.conformance import SpecBinding, emit
 from kvproto.checking.tla import Fn, ModelValue, model_names
-from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
+from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse  # noqa: F401 (re-exported)
 
 # --------------------------------------------------------------------------
 # Values

@@ -168,7 +168,7 @@ def test_a_corrupt_object_is_recomputed_then_stored_again(cluster, engines):
 def test_a_missing_middle_chunk_and_a_foreign_layout(cluster, engines):
     tokens = prompt(7)
     a = engines()
-    ra = a.run("a", tokens)
+    a.run("a", tokens)
     client = cluster.client()
     client.remove(keys_of(a, tokens, 1)[0])
     b = engines()

@@ -209,7 +209,7 @@ _ENGINE = textwrap.dedent(r"""
     import kvproto
     from kvproto.engines.chunks import ChunkStore
     from kvproto.engines.handoff import HandoffReceiver, HandoffSender
-    from test_handoff import CHUNK, TOKEN_BYTES, NS, parts_of, payload, tokens
+    from test_handoff_runtime import CHUNK, TOKEN_BYTES, NS, parts_of, payload, tokens
     from kvproto.engines.prefix import Namespace
     role, master = sys.argv[1], sys.argv[2]
     ns = Namespace(NS.model, NS.revision, NS.layout, layer_groups=2)
