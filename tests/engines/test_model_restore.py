@@ -65,6 +65,11 @@ def model(request):
     return tiny(request.param)
 
 
+@pytest.fixture(scope="module")
+def llama():
+    return tiny("llama")
+
+
 def prompt(seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (PROMPT,), generator=g).tolist()
@@ -154,7 +159,8 @@ def test_bf16_restore_is_exact_and_within_tolerance_of_one_pass(cluster):
 # --------------------------------------------------------------------------- failures
 
 
-def test_a_corrupted_chunk_is_detected_and_the_prefix_ends_before_it(cluster, model):
+def test_a_corrupted_chunk_is_detected_and_the_prefix_ends_before_it(cluster, llama):
+    model = llama
     tokens = prompt(3)
     pc = saved(cluster, model, tokens, "corrupt")
     chunks = pc.chunks(tokens)
@@ -171,7 +177,8 @@ def test_a_corrupted_chunk_is_detected_and_the_prefix_ends_before_it(cluster, mo
     assert isinstance(restored.result.errors[(0, 0)], errors.ChecksumMismatch)
 
 
-def test_a_chunk_of_another_layout_is_refused(cluster, model):
+def test_a_chunk_of_another_layout_is_refused(cluster, llama):
+    model = llama
     tokens = prompt(4)
     pc = saved(cluster, model, tokens, "layout")
     chunks = pc.chunks(tokens)
@@ -187,7 +194,8 @@ def test_a_chunk_of_another_layout_is_refused(cluster, model):
     assert_exact(model, tokens, restored, pc)
 
 
-def test_a_missing_middle_chunk_shrinks_the_prefix(cluster, model):
+def test_a_missing_middle_chunk_shrinks_the_prefix(cluster, llama):
+    model = llama
     tokens = prompt(5)
     pc = saved(cluster, model, tokens, "missing")
     chunks = pc.chunks(tokens)
@@ -220,7 +228,8 @@ def start_storage(master: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.runtime
-def test_a_storage_node_killed_during_the_restore_gives_a_shorter_prefix(model):
+def test_a_storage_node_killed_during_the_restore_gives_a_shorter_prefix(llama):
+    model = llama
     tokens = prompt(6)
     with kvproto.embedded(storage_nodes=1, segment_size="16MiB") as cluster:
         proc, victim = start_storage(cluster.master_address)
