@@ -495,10 +495,28 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replicas of each object (there are 2 storage nodes)")
     parser.add_argument("--segment-size", type=_size, default="384MiB",
                         help="shared memory of each of the 2 storage nodes")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: a real model (tiny, random, from a config) reuses its prefix through "
+                             "kvproto and hands it from prefill to decode; prints the prefix hit, the tokens "
+                             "skipped, the time saved and the logits check (needs torch and transformers)")
+    parser.add_argument("--model", choices=("llama", "qwen2"), default="llama",
+                        help="with --engine: the model architecture")
+    parser.add_argument("--prompt-tokens", type=_count, default=1025,
+                        help="with --engine: tokens of the prompt")
 
 
 def demo(args: argparse.Namespace) -> int:
     from . import demo as demo_module
+    if args.engine:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            return _fail("demo", f"--engine needs torch and transformers (pip install 'kvproto[model]'): {e}")
+        if args.prompt_tokens <= 4 * 128:
+            return _fail("demo", f"--prompt-tokens {args.prompt_tokens}: the engine demo needs more than "
+                                 "512 (4 chunks of 128 tokens)")
+        return demo_module.engine(kind=args.model, prompt_tokens=args.prompt_tokens)
     return demo_module.main(writers=args.writers, killed=args.killed, objects=args.objects,
                             replicas=args.replicas, segment_size=args.segment_size)
 

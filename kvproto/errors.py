@@ -236,6 +236,23 @@ class MasterUnreachable(ServerUnavailable):
     code = 76
 
 
+# --- 80..89: engines: chunk objects and prefill -> decode hand-off -----------
+
+class LayoutMismatch(KvError):
+    """The stored KV was written under another layout than the reader's; it is refused."""
+    code = 80
+
+
+class HandoffUnavailable(KvError):
+    """The decode side could not take over a prefill's hand-off (gone, incomplete or refused)."""
+    code = 81
+
+
+class HandoffRetained(KvError):
+    """The hand-off is neither acknowledged by the decode side nor past its TTL; it is kept."""
+    code = 82
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 
