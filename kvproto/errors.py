@@ -236,6 +236,33 @@ class MasterUnreachable(ServerUnavailable):
     code = 76
 
 
+# --- 80..89: tenants, namespaces and quotas (spec/Tenancy.tla) -----------------
+
+class Unauthorized(KvError):
+    """The request carries no credential, or one that authenticates no tenant."""
+    code = 80
+
+
+class AccessDenied(KvError):
+    """The tenant may not do this: it does not own the namespace and holds no grant on it."""
+    code = 81
+
+
+class QuotaExceeded(KvError):
+    """The request would take the tenant over one of its quotas (stored bytes, write bandwidth, bytes in flight)."""
+    code = 82
+
+
+class NamespaceClosed(KvError):
+    """The namespace takes no writes now (it is retiring, or held for inspection after a route back)."""
+    code = 83
+
+
+class UnknownNamespace(KvError):
+    """No namespace of this name exists (or it is not in a phase that allows this step)."""
+    code = 84
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 
