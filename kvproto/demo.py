@@ -91,6 +91,7 @@ def half_put(client, key: bytes, data, replicas: int) -> None:
     """The first half of ``client.put``: the master allocates the space
     (``put_start``) and one replica is written, but the put is not ended:
     what a writer that dies in the middle of a put leaves behind."""
+    from kvproto.runtime import datapath
     view = memoryview(data).cast("B")
     reply = client._call_master("put_start", {"client": client.client_id, "replicas": replicas,
                                               "items": [[key, view.nbytes]]}, time.monotonic() + 30)
@@ -98,7 +99,8 @@ def half_put(client, key: bytes, data, replicas: int) -> None:
     if status:
         raise RuntimeError(f"put_start of {key!r} refused: {grant}")
     one = {0: (key, view, grant["token"], grant["replicas"][:1])}
-    failed = client._write_all(one, reply.body["segments"], time.monotonic() + 30, reply.body["term"])
+    failed = datapath.write_all(client, one, reply.body["segments"], time.monotonic() + 30,
+                                reply.body["term"])
     if failed:
         raise failed[0]
 

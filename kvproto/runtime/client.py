@@ -92,7 +92,8 @@ import zmq
 from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.endpoints import check_master, coordinator_url
-from kvproto.runtime.shm import LocalSegment, host_id, shm_exists
+from kvproto.runtime import datapath
+from kvproto.runtime.shm import host_id
 from kvproto.statemachines import lease as lm
 from kvproto.statemachines.failover import RecomputeLimiter
 
@@ -135,8 +136,11 @@ def _as_view(data: Any) -> memoryview:
 def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
     """The heartbeat thread: while the client has a put or read in flight, tell
     the master it is alive every ``heartbeat`` seconds (the master says how
-    often: a quarter of its writer timeout). Holds the client only weakly, so a
-    client dropped without ``close()`` still goes away, and so does the thread."""
+    often: a quarter of its writer timeout); and while no call runs, release
+    the leases the client held back (so a read's protection ends within a
+    tick of its last get even if the client goes quiet). Holds the client only
+    weakly, so a client dropped without ``close()`` still goes away, and so
+    does the thread."""
     client = ref()
     if client is None:
         return
@@ -151,6 +155,13 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
                 return
             active, interval, master = client._active, client._hb_interval, client.master
             tokens = client._in_flight
+            leases: list = []
+            if client._unreleased and client._lock.acquire(blocking=False):
+                try:
+                    leases, client._unreleased = client._unreleased, []
+                    client.lease_counters["releases"] += len(leases)
+                finally:
+                    client._lock.release()
             if master != address:
                 if sock is not None:
                     sock.close(linger=0)
@@ -159,6 +170,14 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             del client
             if sock is None:
                 continue
+            if leases:
+                rid += 1
+                try:
+                    sock.send(wire.encode_request("release", rid, {"client": client_id,
+                                                                   "leases": leases}),
+                              flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
             now = time.monotonic()
             if active and now - last_sent >= interval:
                 rid += 1
@@ -287,8 +306,12 @@ class Client:
         self._rid = 0
         self._master_sock: Optional[zmq.Socket] = None
         self._data: dict[str, zmq.Socket] = {}
-        self._local: dict[str, Optional[LocalSegment]] = {}
-        self._host = host_id()
+        self._pollers: dict[frozenset, zmq.Poller] = {}
+        #: this host's storage segments, mapped for same-host reads
+        self._local = datapath.LocalSegments(host_id(), local_reads)
+        #: ids of leases this client is done with, released with its next
+        #: master request (a lease that outlives its read only protects longer)
+        self._unreleased: list[int] = []
         self._closed = False
         # tracked writes (Timeout protocol): generation per write, cancelled on timeout
         self._put_owner = f"{self.client_id}/put"
@@ -310,6 +333,7 @@ class Client:
         with self._lock:
             if self._closed:
                 return
+            self._release_now()
             self._closed = True
             for engine in self._engines:
                 engine.close()
@@ -323,10 +347,7 @@ class Client:
             for sock in self._data.values():
                 sock.close(linger=0)
             self._data.clear()
-            for seg in self._local.values():
-                if seg is not None:
-                    seg.close()
-            self._local.clear()
+            self._local.close()
             if self._coordinator is not None:
                 self._coordinator.close()
 
@@ -355,6 +376,7 @@ class Client:
 
     def _reset_master(self) -> None:
         if self._master_sock is not None:
+            self._pollers.clear()
             self._master_sock.close(linger=0)
             self._master_sock = None
 
@@ -367,6 +389,7 @@ class Client:
     def _reset_data(self, endpoint: str) -> None:
         sock = self._data.pop(endpoint, None)
         if sock is not None:
+            self._pollers.clear()
             sock.close(linger=0)
 
     def _send(self, sock: zmq.Socket, op: str, body: dict, payloads: Sequence = ()) -> int:
@@ -381,24 +404,52 @@ class Client:
         return rid
 
     def _gather(self, pending: dict[int, zmq.Socket], deadline: float) -> dict[int, wire.Reply]:
-        """Replies to the request ids in ``pending`` that arrive before ``deadline``."""
+        """Replies to the request ids in ``pending`` that arrive before ``deadline``.
+        One socket (the common case) is read with blocking receives bounded by
+        the deadline; several are polled with a poller kept per socket set."""
         got: dict[int, wire.Reply] = {}
-        poller = zmq.Poller()
-        for sock in set(pending.values()):
-            poller.register(sock, zmq.POLLIN)
+        socks = set(pending.values())
+        one = next(iter(socks)) if len(socks) == 1 else None
+        poller = None if one is not None else self._poller(socks)
         while len(got) < len(pending):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            if one is not None:
+                one.rcvtimeo = max(1, int(remaining * 1000))
+                try:
+                    frames = one.recv_multipart(copy=False)
+                except zmq.Again:
+                    break
+                self._take(frames, one, pending, got)
+                for frames in wire.waiting(one):
+                    self._take(frames, one, pending, got)
+                continue
             for sock, _ in poller.poll(max(1, int(remaining * 1000))):
                 for frames in wire.waiting(sock):
-                    try:
-                        reply = wire.decode_reply(frames)
-                    except errors.KvError:
-                        continue
-                    if reply.request_id in pending and pending[reply.request_id] is sock:
-                        got[reply.request_id] = reply
+                    self._take(frames, sock, pending, got)
         return got
+
+    @staticmethod
+    def _take(frames: list, sock: zmq.Socket, pending: dict, got: dict) -> None:
+        try:
+            reply = wire.decode_reply(frames)
+        except errors.KvError:
+            return
+        if pending.get(reply.request_id) is sock:
+            got[reply.request_id] = reply
+
+    def _poller(self, socks: set) -> zmq.Poller:
+        """A poller over ``socks``, kept while the same set is asked for again."""
+        key = frozenset(socks)
+        cached = self._pollers.get(key)
+        if cached is None:
+            if len(self._pollers) > 16:
+                self._pollers.clear()
+            cached = self._pollers[key] = zmq.Poller()
+            for sock in socks:
+                cached.register(sock, zmq.POLLIN)
+        return cached
 
     def _call_master(self, op: str, body: dict, deadline: float,
                      started: Optional[float] = None) -> wire.Reply:
@@ -413,6 +464,8 @@ class Client:
         started = time.monotonic() if started is None else started
         if self._coordinator is not None and started - self._leader_checked > self.LEADER_RECHECK:
             self._find_master()
+        if self._unreleased and op != "read_begin":
+            self._release_now()         # ordered before this request on the connection
         try:
             reply = self._ask_master(op, body, deadline, started)
         except (*SWITCHING, errors.CoordinatorUnavailable) as err:
@@ -640,7 +693,8 @@ class Client:
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
             try:
-                failed = self._write_all(grants, reply.body.get("segments", {}), deadline, term)
+                failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
+                                            deadline, term)
                 for i, err in failed.items():
                     results[i] = err
                 ok = [i for i in grants if i not in failed]
@@ -659,52 +713,6 @@ class Client:
             finally:
                 self._in_flight = ()
                 self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
-
-    #: how long a put whose writes timed out waits for the nodes' cancel acks
-    CANCEL_GRACE = 0.2
-
-    def _write_all(self, grants: dict, segments: dict, deadline: float,
-                   term: int) -> dict[int, errors.KvError]:
-        """Send every replica write at once; wait for the acks. Returns failures.
-
-        Every write is a tracked transfer (``owner``/``xfer``): a write unacked
-        by the deadline fails with ``TransferTimeout`` and is cancelled at its
-        node (which discards it if it has not run yet); the caller then revokes
-        the attempt at the master, so even a write that ran is never published."""
-        pending: dict[int, zmq.Socket] = {}
-        whose: dict[int, tuple[int, str, int]] = {}
-        failed: dict[int, errors.KvError] = {}
-        for i, (key, view, token, replicas) in grants.items():
-            for seg, offset, length in replicas:
-                info = segments.get(seg)
-                if not isinstance(info, list) or not info or length != view.nbytes:
-                    failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
-                    break
-                sock = self._data_sock(info[0])
-                self._put_gen += 1
-                rid = self._send(sock, "write", {"segment": seg, "offset": offset, "token": token,
-                                                 "term": term, "owner": self._put_owner,
-                                                 "xfer": self._put_gen},
-                                 [view])
-                pending[rid] = sock
-                whose[rid] = (i, info[0], self._put_gen)
-        replies = self._gather(pending, deadline)
-        cancels: dict[int, zmq.Socket] = {}
-        timed_out: set[str] = set()
-        for rid, (i, endpoint, gen) in whose.items():
-            reply = replies.get(rid)
-            if reply is None:
-                failed.setdefault(i, errors.TransferTimeout(f"storage node {endpoint} did not ack a write"))
-                sock = pending[rid]
-                cancels[self._send(sock, "cancel", {"owner": self._put_owner, "xfer": gen})] = sock
-                timed_out.add(endpoint)
-            elif reply.status:
-                failed.setdefault(i, reply.error())
-        if cancels:
-            self._gather(cancels, time.monotonic() + self.CANCEL_GRACE)
-            for endpoint in timed_out:
-                self._reset_data(endpoint)
-        return failed
 
     def _revoke(self, attempts: list[tuple[bytes, int]], wait: float = 2.0) -> None:
         """Best effort: give up ``attempts`` (the master reclaims them anyway when
@@ -744,22 +752,67 @@ class Client:
                                        max(deadline - time.monotonic(), 0.0), raise_miss=False))
         return out
 
+    def get_into(self, key: Key, buffer, *, timeout: Optional[float] = None):
+        """Read ``key`` into ``buffer`` and return the number of bytes read.
+
+        ``buffer`` is the caller's memory (``bytearray``, a writable
+        ``memoryview``, a NumPy array, a CPU tensor; pinned or not) at least as
+        large as the object: a same-host replica is copied into it with one
+        memcpy, a remote one with one copy out of the received frame. A miss
+        raises ``KeyNotFound``; a read whose lease may have expired in flight
+        raises ``LeaseExpired`` (the buffer's contents are then undefined).
+
+        A :class:`~kvproto.runtime.transfers.PoolBuffer` of this client's
+        transfer engine is loaded through the engine instead (its timeout
+        quarantines the buffer until the load drains), and returned."""
+        engine = getattr(buffer, "engine", None)
+        if engine is not None:
+            if engine not in self._engines:
+                raise errors.InvalidArgument(f"buffer {buffer!r} is not from a transfer engine of this client")
+            from kvproto.runtime.transfers import EngineRequest
+            return EngineRequest(engine, buffer.request).get_into(key, buffer, timeout=timeout)
+        return self._get_batch([key], timeout, raise_miss=True,
+                               into=[datapath.writable_view(buffer)])[0]
+
+    def get_many_into(self, keys: Iterable[Key], buffers: Iterable, *,
+                      timeout: Optional[float] = None) -> list[Optional[int]]:
+        """:meth:`get_into` for several keys, one buffer each: per key the
+        number of bytes read, or ``None`` for a miss (other failures raise)."""
+        keys, views = list(keys), [datapath.writable_view(b) for b in buffers]
+        if len(keys) != len(views):
+            raise errors.InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
+        deadline = self._deadline(timeout)
+        out: list[Optional[int]] = []
+        for at in range(0, len(keys), self.BATCH):
+            out.extend(self._get_batch(keys[at:at + self.BATCH],
+                                       max(deadline - time.monotonic(), 0.0), raise_miss=False,
+                                       into=views[at:at + self.BATCH]))
+        return out
+
+    #: lease ids held back before they are released on their own
+    RELEASE_BATCH = 1024
+
     def _get_batch(self, keys: list, timeout: Optional[float], raise_miss: bool,
-                   relookup: bool = True) -> list:
-        """One lookup and read of ``keys``. A lookup the master cannot answer
-        (it is switching: not open, silent past ``lookup_timeout``) is a miss
-        for every key; a replica that refuses a descriptor's stale term is
-        looked up again once (at the new master), then missed."""
+                   relookup: bool = True, into: Optional[list] = None) -> list:
+        """One lookup and read of ``keys`` (into ``into``'s buffers if given). A
+        lookup the master cannot answer (it is switching: not open, silent past
+        ``lookup_timeout``) is a miss for every key; a replica that refuses a
+        descriptor's stale term is looked up again once (at the new master),
+        then missed. The leases it took are released with the client's next
+        lookup (or :meth:`_release_now`)."""
         deadline = self._deadline(timeout)
         if not keys:
             return []
         ks = [_as_key(k) for k in keys]
-        results: list[Optional[memoryview]] = [None] * len(ks)
+        results: list = [None] * len(ks)
         leased = self.leases
         with self._lock, self._activity():
             body = {"client": self.client_id, "keys": ks}
             if leased:
                 body["lease"] = True
+            if self._unreleased:
+                body["release"], self._unreleased = self._unreleased, []
+                self.lease_counters["releases"] += len(body["release"])
             sent = time.monotonic()            # the lease deadline runs from here
             reply = self._lookup("read_begin", body, len(ks), deadline)
             if reply is None:
@@ -783,19 +836,21 @@ class Client:
             try:
                 started = time.monotonic()
                 done_at: dict[int, float] = {}
-                errs = self._read_all(ks, granted, segments, deadline, results, done_at, term)
+                errs = datapath.read_all(self, ks, granted, segments, deadline, results, done_at,
+                                         term, into)
                 stale = [i for i in sorted(errs) if isinstance(errs[i], errors.StaleTerm)]
                 if stale:
                     # the descriptor's master was replaced: look up again (once)
                     self.failover_counters["stale_term_relookups"] += len(stale)
                     self._find_master()
-                    again = self._get_batch([ks[i] for i in stale],
-                                            max(deadline - time.monotonic(), 0.0),
-                                            False, relookup=False) if relookup else [None] * len(stale)
-                    for i, view in zip(stale, again):
-                        results[i] = view
+                    again = self._get_batch(
+                        [ks[i] for i in stale], max(deadline - time.monotonic(), 0.0), False,
+                        relookup=False, into=None if into is None else [into[i] for i in stale]
+                    ) if relookup else [None] * len(stale)
+                    for i, got in zip(stale, again):
+                        results[i] = got
                         del errs[i]
-                        if view is None and raise_miss:
+                        if got is None and raise_miss:
                             first_error = first_error or errors.KeyNotFound(f"{ks[i]!r}")
                 for i in sorted(errs):
                     first_error = first_error or errs[i]
@@ -807,19 +862,30 @@ class Client:
                                                      results) or first_error
             finally:
                 pins = [[ks[i], g[0]] for i, g in granted.items() if i not in lease_of]
+                self._unreleased.extend(lease for lease, _ in lease_of.values())
                 try:  # fire-and-forget: the reply is dropped by a later _gather
                     if pins:
                         self._send(self._master(), "read_end", {
                             "client": self.client_id, "items": pins})
-                    if lease_of:
-                        self._send(self._master(), "release", {
-                            "client": self.client_id, "leases": [l for l, _ in lease_of.values()]})
-                        self.lease_counters["releases"] += len(lease_of)
+                    if len(self._unreleased) >= self.RELEASE_BATCH:
+                        self._release_now()
                 except (errors.KvError, zmq.ZMQError):
                     pass
             if first_error is not None:
                 raise first_error
         return results
+
+    def _release_now(self) -> None:
+        """Send the held-back lease releases (fire-and-forget, so they reach the
+        master before this client's next request on the same connection)."""
+        if not self._unreleased:
+            return
+        leases, self._unreleased = self._unreleased, []
+        self.lease_counters["releases"] += len(leases)
+        try:
+            self._send(self._master(), "release", {"client": self.client_id, "leases": leases})
+        except (errors.KvError, zmq.ZMQError):
+            pass
 
     def _budget(self, ttl: float) -> lm.LeaseBudget:
         if self.lease_budget is not None:
@@ -859,92 +925,6 @@ class Client:
                 f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
         return first
 
-    def _local_segment(self, seg: str, info: list) -> Optional[LocalSegment]:
-        if not self.local_reads or info[1] != self._host:
-            return None
-        name = info[2]
-        if name not in self._local:
-            self._prune_local()
-            try:
-                self._local[name] = LocalSegment(info[2], info[3], info[6], info[5])
-            except (OSError, ValueError):
-                self._local[name] = None
-        return self._local[name]
-
-    def _prune_local(self) -> None:
-        """Unmap segments whose storage node is gone (its name was unlinked), so a
-        long-lived client does not keep dead nodes' memory alive."""
-        for name, seg in list(self._local.items()):
-            if not shm_exists(name):
-                if seg is not None:
-                    seg.close()
-                del self._local[name]
-
-    def _read_all(self, keys: list, granted: dict, segments: dict, deadline: float,
-                  results: list, done_at: Optional[dict] = None,
-                  term: int = 0) -> dict[int, errors.KvError]:
-        """Fill ``results`` for granted keys; returns keys no replica could serve."""
-        need: dict[int, list] = {}
-        for i, (token, length, replicas) in granted.items():
-            usable = [r for r in replicas if isinstance(segments.get(r[0]), list)]
-            local = []
-            for r in usable:
-                seg = self._local_segment(r[0], segments[r[0]])
-                if seg is not None:
-                    local.append(r)
-                    view = seg.read(r[1], length, token, segments[r[0]][4])
-                    if view is not None:
-                        results[i] = view
-                        if done_at is not None:
-                            done_at[i] = time.monotonic()
-                        break
-            if results[i] is None:
-                # remote replicas first (spread by token), then the local ones over the network
-                remote = [r for r in usable if r not in local]
-                if remote:
-                    k = token % len(remote)
-                    remote = remote[k:] + remote[:k]
-                need[i] = remote + local
-        failed: dict[int, errors.KvError] = {}
-        for i in [i for i, left in need.items() if not left]:
-            failed[i] = errors.SegmentUnavailable(f"no replica of {keys[i]!r} is reachable")
-            del need[i]
-        while need:
-            rounds_left = max(len(left) for left in need.values())
-            round_deadline = time.monotonic() + max(deadline - time.monotonic(), 0) / rounds_left
-            pending: dict[int, zmq.Socket] = {}
-            whose: dict[int, tuple[int, str]] = {}
-            for i, left in need.items():
-                seg, offset, length = left.pop(0)
-                endpoint = segments[seg][0]
-                sock = self._data_sock(endpoint)
-                rid = self._send(sock, "read", {"segment": seg, "offset": offset, "term": term,
-                                                "token": granted[i][0], "length": length})
-                pending[rid] = sock
-                whose[rid] = (i, endpoint)
-            replies = self._gather(pending, round_deadline)
-            arrived = time.monotonic()   # at or after each reply's last byte
-            for rid, (i, endpoint) in whose.items():
-                reply = replies.get(rid)
-                if reply is None:
-                    err: Optional[errors.KvError] = errors.TransferTimeout(
-                        f"storage node {endpoint} did not answer a read")
-                    self._reset_data(endpoint)
-                elif reply.status:
-                    err = reply.error()
-                elif len(reply.payloads) != 1 or reply.payloads[0].nbytes != granted[i][1]:
-                    err = errors.MalformedFrame(f"read reply from {endpoint} has the wrong size")
-                else:
-                    results[i] = reply.payloads[0]
-                    if done_at is not None:
-                        done_at[i] = arrived
-                    need.pop(i)
-                    continue
-                if not need[i]:
-                    failed[i] = err
-                    del need[i]
-        return failed
-
     # ------------------------------------------------------------------ transfer engine
 
     def transfer_engine(self, buffers: int = 16, buffer_size: int = 64 << 10, **kwargs: Any):
@@ -958,17 +938,6 @@ class Client:
         engine = TransferEngine(self, buffers, buffer_size, **kwargs)
         self._engines.append(engine)
         return engine
-
-    def get_into(self, key: Key, buffer, *, timeout: Optional[float] = None):
-        """Load ``key`` into the pool ``buffer`` (a
-        :class:`~kvproto.runtime.transfers.PoolBuffer` its request holds) and
-        wait; raises :class:`~kvproto.errors.TransferTimeout` past ``timeout``
-        (the buffer is then quarantined until the load drains)."""
-        engine = getattr(buffer, "engine", None)
-        if engine is None or engine not in self._engines:
-            raise errors.InvalidArgument(f"buffer {buffer!r} is not from a transfer engine of this client")
-        from kvproto.runtime.transfers import EngineRequest
-        return EngineRequest(engine, buffer.request).get_into(key, buffer, timeout=timeout)
 
     # ------------------------------------------------------------------ the rest
 

@@ -126,14 +126,17 @@ class ClientSession:
 
 
 class Parked:
-    """A reply waiting for storage nodes: a ``put_start`` for their ``assign``
-    acks, a ``put_end`` for their ``publish`` acks, a ``remove`` for their
-    ``free`` acks."""
+    """A reply waiting for storage nodes: a ``put_end`` for their ``publish``
+    acks, a ``remove`` for their ``free`` acks (what it acknowledges must be
+    recorded at the nodes first). A ``put_start`` does not wait for its
+    ``assign`` acks: the assigns leave before the grant does, on the one
+    connection to each node, and a node holds a write that arrives before its
+    region's assign until the assign is applied (``StorageServer``)."""
 
     __slots__ = ("reply_to", "request_id", "items", "waiting", "op")
 
     #: the request -> the storage command whose acks its reply waits for
-    WAITS_FOR = {"put_start": "assign", "put_end": "publish", "remove": "free"}
+    WAITS_FOR = {"put_start": None, "put_end": "publish", "remove": "free"}
 
     def __init__(self, reply_to: ReplyTo, request_id: int, items: list, op: str = "put_start") -> None:
         self.reply_to = reply_to
@@ -230,7 +233,6 @@ class MasterCore:
         self.segments: dict[str, SegmentInfo] = {}
         self.sessions: dict[str, ClientSession] = {}
         self._owner: dict[int, str] = {}                  # pending token -> client
-        self._parked_tokens: dict[int, tuple[Parked, int]] = {}
         self._commands: dict[int, Command] = {}
         self._next_cmd = 1
         self._queue: list[tuple[str, str, list]] = []     # (segment, op, region) in effect order
@@ -259,19 +261,17 @@ class MasterCore:
 
     # ------------------------------------------------------------------ stepping
 
-    def _step(self, event: MasterEvent, why: Optional[errors.KvError] = None
-              ) -> tuple[Optional[errors.KvError], tuple]:
-        """Feed one event; carry out its effects. Refused -> (error, effects), no change.
-        ``why`` is what a parked writer whose grant this event revokes is told."""
+    def _step(self, event: MasterEvent) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed one event; carry out its effects. Refused -> (error, effects), no change."""
         new, effects = master_step(self.directory, event)
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
         self.directory = new
-        self._carry_out(effects, why or errors.StaleToken("the put was revoked"))
+        self._carry_out(effects)
         return None, effects
 
-    def _carry_out(self, effects: tuple, why: errors.KvError) -> None:
+    def _carry_out(self, effects: tuple) -> None:
         for e in effects:
             if isinstance(e, AssignRegion):
                 self._queue.append((e.segment, "assign", [e.offset, e.length, e.key, e.token]))
@@ -288,10 +288,6 @@ class MasterCore:
                     self._queue.append((r.segment, "publish", [r.offset, e.key, e.token]))
             elif isinstance(e, Revoked):
                 self._forget_pending(e.token)
-                parked = self._parked_tokens.pop(e.token, None)
-                if parked is not None:
-                    p, i = parked
-                    p.items[i] = wire.error_item(why)
             elif isinstance(e, Removed):
                 self.counters["evictions" if self._evicting else "removes"] += 1
                 self._lease_drop(e.key)
@@ -541,7 +537,6 @@ class MasterCore:
             self.counters["puts_started"] += 1
             session.tokens[grant.token] = [key, self.clock()]
             self._owner[grant.token] = client
-            self._parked_tokens[grant.token] = (parked, i)
             items[i] = wire.ok_item({"token": grant.token,
                                      "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]})
         if session.empty():
@@ -557,7 +552,6 @@ class MasterCore:
         segments: dict[str, list] = {}
         for item in parked.items:
             if item[0] == 0:
-                self._parked_tokens.pop(item[1]["token"], None)
                 for seg, _, _ in item[1]["replicas"]:
                     info = self.segments.get(seg)
                     if info is not None:
@@ -622,6 +616,8 @@ class MasterCore:
         ``Remove`` and eviction respect and the reader checks after the transfer."""
         client = body["client"]
         leased = body.get("lease", False)
+        if body.get("release"):
+            self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
         session = self._session(client, create=True)
         items, segments = [], {}
         for key in body["keys"]:
@@ -828,8 +824,9 @@ class MasterCore:
                     # would not recover it (the node's index lacks the publish)
                     self.counters["publish_mark_refusals"] += 1
                 if cmd.op == "assign":
-                    self._step(PutRevoke(region[2], region[3]), errors.RegionMismatch(
-                        f"segment {segment!r} refused the region: {err.message}"))
+                    # the writer's write to that node is refused too (its region
+                    # was never assigned), and its put_end is StaleToken
+                    self._step(PutRevoke(region[2], region[3]))
         finally:
             self._settle(cmd)
             self._flush()
@@ -1003,8 +1000,7 @@ class MasterCore:
     # ------------------------------------------------------------------ time
 
     def segment_lost(self, segment: str, why: str = "silent") -> None:
-        err, _ = self._step(SegmentLost(segment),
-                            errors.SegmentUnavailable(f"segment {segment!r} was lost"))
+        err, _ = self._step(SegmentLost(segment))
         if err is None:
             self.counters["segments_lost"] += 1
             log.log(logging.INFO if why == "deregistered" else logging.WARNING,
@@ -1312,7 +1308,9 @@ class MasterServer:
         if observe is not None:
             observe(req.op, time.perf_counter() - started)
         if result is not None:
-            self._reply(identity, req.request_id, *result)
+            # sent by _send_out after the commands this request queued: a grant
+            # leaves after the assigns its writer's writes need
+            self.core.ready.append((identity, req.request_id, *result))
 
     def _reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
         """Answer, but only while the term is provably held: otherwise step down

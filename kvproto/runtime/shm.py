@@ -271,6 +271,20 @@ class LocalSegment:
             return None
         return memoryview(out)
 
+    def read_into(self, offset: int, length: int, token: int, nonce: int, dest: memoryview) -> bool:
+        """:meth:`read` into ``dest`` (the caller's memory, at least ``length``
+        bytes): True if the region was complete and stayed so during the copy;
+        on False ``dest``'s first ``length`` bytes are undefined."""
+        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
+            return False
+        gens = self._gens
+        idx = HEADER_WORDS + offset // self.page_size
+        want = gen_word(token, True)
+        if int(gens[1]) != nonce or int(gens[idx]) != want:
+            return False
+        np.frombuffer(dest, dtype=np.uint8, count=length)[:] = self._data[offset:offset + length]
+        return int(gens[idx]) == want and int(gens[1]) == nonce
+
     def close(self) -> None:
         self._data = None
         self._gens = None

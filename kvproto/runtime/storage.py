@@ -184,8 +184,9 @@ class StorageCore:
 
     @staticmethod
     def tracked(op: str, body: dict) -> bool:
-        """Whether the request is a tracked transfer of the Timeout protocol."""
-        return op == "load" or (op == "write" and "xfer" in body)
+        """Whether the request is a tracked transfer of the Timeout protocol
+        (``writes`` carries one per region)."""
+        return op in ("load", "writes") or (op == "write" and "xfer" in body)
 
     def _xfer_step(self, owner: str, event):
         """``node_step`` on ``owner``'s table without committing: ``(table, effects)``."""
@@ -209,20 +210,27 @@ class StorageCore:
         if op == "write" and "owner" not in body:
             raise errors.MalformedFrame("write: xfer without owner")
         owner = body["owner"]
-        buffer = body["buffer"] if op == "load" else f"{body['segment']}@{body['offset']}"
-        table, effects = self._xfer_step(owner, Start(body["xfer"], buffer))
-        if effects and isinstance(effects[0], XferRefused):
-            raise effects[0].error
+        if op == "writes":
+            started = [(xfer, f"{body['segment']}@{offset}") for offset, _, xfer in body["regions"]]
+        else:
+            started = [(body["xfer"], body["buffer"] if op == "load"
+                        else f"{body['segment']}@{body['offset']}")]
+        table = self.xfers.get(owner, NodeTransfers())
+        for xfer, buffer in started:           # all or none
+            table, effects = node_step(table, Start(xfer, buffer))
+            if effects and isinstance(effects[0], XferRefused):
+                raise effects[0].error
         self._xfer_commit(owner, table)
 
-    def _land(self, body: dict) -> bool:
+    def _land(self, owner: str, xfer: int) -> bool:
         """``Land`` of a tracked transfer about to run: it is finished and
         forgotten (whether its checks then pass or not, it writes nothing after
         this step). False when a cancel stopped it (it must not write)."""
-        table, effects = self._xfer_step(body["owner"], Land(body["xfer"]))
+        table, effects = self._xfer_step(owner, Land(xfer))
         if effects and isinstance(effects[0], XferRefused):
+            self.counters["discarded"] += 1
             return False
-        self._xfer_commit(body["owner"], table)
+        self._xfer_commit(owner, table)
         return True
 
     def _op_cancel(self, body, payloads):
@@ -244,8 +252,9 @@ class StorageCore:
             return self.stats(), []
         if op == "cancel":
             return self._op_cancel(body, payloads)
-        if self.tracked(op, body) and not self._land(body):
-            self.counters["discarded"] += 1
+        if op == "writes":
+            return self._op_writes(body, payloads)
+        if self.tracked(op, body) and not self._land(body["owner"], body["xfer"]):
             if op == "load":
                 return None
             raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
@@ -353,12 +362,50 @@ class StorageCore:
         self.counters["bytes_purged"] += purged.freed
         return {"purged": len(purged.keys), "freed": purged.freed}, []
 
+    def awaits_assign(self, body: dict) -> bool:
+        """A write whose region is not (yet) assigned to its token, for a token
+        above every one this node has been assigned, under a term it accepts:
+        its ``assign`` may still be on its way (the master does not wait for
+        the node before granting; it sends the assign first, on its own
+        connection). Any other write is judged at once by ``storage_step``."""
+        if not fm.node_accepts(self.fence, body["term"]):
+            return False
+        regions = self.table.regions
+        for offset, token in (((r[0], r[1]) for r in body["regions"]) if "regions" in body
+                              else ((body["offset"], body["token"]),)):
+            if token > self.tokens_seen:
+                region = regions.get(offset)
+                if region is None or region.token != token:
+                    return True
+        return False
+
+    def _op_writes(self, body, payloads):
+        """Several ``WriteReplica`` in one message (a batch's writes to this
+        node), each a tracked transfer of its own: ``{"results": [item per
+        region]}``; a region's refusal does not stop the others."""
+        owner, results = body["owner"], []
+        landed = [self._land(owner, xfer) for _, _, xfer in body["regions"]]
+        self._check_segment(body)
+        self._check_term(body)
+        for (offset, token, xfer), ran, payload in zip(body["regions"], landed, payloads):
+            try:
+                if not ran:
+                    raise errors.StaleGeneration(f"write transfer {xfer} was cancelled; discarded")
+                self._write_region(offset, token, payload)
+                results.append(wire.ok_item())
+            except errors.KvError as err:
+                results.append(wire.error_item(err))
+        return {"results": results}, []
+
     def _op_write(self, body, payloads):
-        offset, token = body["offset"], body["token"]
+        self._write_region(body["offset"], body["token"], payloads[0])
+        return {}, []
+
+    def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
+        """``WriteReplica``, then the one memcpy from the received frame."""
         table, err = self._step(WriteReplica(self.segment, offset, token))
         if err is not None:
             raise err
-        payload = payloads[0]
         region = self.table.regions[offset]
         if len(payload) != region.length:
             raise errors.InvalidArgument(f"write of {len(payload)} bytes to a region of {region.length}")
@@ -369,7 +416,6 @@ class StorageCore:
         self.table = table
         self.counters["writes"] += 1
         self.counters["bytes_written"] += region.length
-        return {}, []
 
     def _op_read(self, body, payloads):
         offset, token = body["offset"], body["token"]
@@ -419,6 +465,11 @@ class StorageServer:
     """
 
     BURST = 64
+    #: how long a write waits for its region's ``assign`` (StorageCore.awaits_assign)
+    #: before it is judged (and refused, if the assign never came), and how
+    #: many may wait at once
+    ASSIGN_WAIT = 2.0
+    MAX_AWAITING = 4096
     FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms",
               "read_delay_ms")
 
@@ -491,6 +542,7 @@ class StorageServer:
         self.faults = dict.fromkeys(self.FAULTS, 0)
         self._held: list = []      # (due, seq, identity, request): delayed data-path requests
         self._outq: list = []      # (due, seq, frames): delayed data replies
+        self._awaiting: list = []  # (due, identity, request): writes before their assign
         self._seq = itertools.count()
         self._freezer = collector.Freezer()
         #: ``observe(op, seconds)`` after each request is served (metrics; None: off)
@@ -637,14 +689,16 @@ class StorageServer:
             self._register()
             while not self._stopping:
                 wait = poll_ms
-                if self._held or self._outq:
-                    due = min(q[0][0] for q in (self._held, self._outq) if q)
+                if self._held or self._outq or self._awaiting:
+                    due = min(q[0][0] for q in (self._held, self._outq, self._awaiting) if q)
                     wait = max(0, min(poll_ms, int((due - time.monotonic()) * 1000) + 1))
                 events = dict(self.poller.poll(wait))
                 if self._held or self._outq:
                     self._due()
                 if events.get(self.router):
                     self._drain_router()
+                if self._awaiting:
+                    self._serve_assigned()
                 if self.dealer is not None and events.get(self.dealer):
                     for frames in wire.waiting(self.dealer, self.BURST):
                         self._on_master_reply(frames)
@@ -697,7 +751,22 @@ class StorageServer:
                 heapq.heappush(self._held, (time.monotonic() + self.faults["delay_ms"] / 1000,
                                             next(self._seq), identity, req))
                 return
+        if req.op in ("write", "writes") and len(self._awaiting) < self.MAX_AWAITING \
+                and self.core.awaits_assign(req.body):
+            self._awaiting.append((time.monotonic() + self.ASSIGN_WAIT, identity, req))
+            return
         self._serve(identity, req)
+
+    def _serve_assigned(self) -> None:
+        """Serve the waiting writes whose assign has arrived, and those that
+        waited ``ASSIGN_WAIT`` (judged now: refused if still unassigned)."""
+        now, waiting = time.monotonic(), self._awaiting
+        self._awaiting = []
+        for due, identity, req in waiting:
+            if due > now and self.core.awaits_assign(req.body):
+                self._awaiting.append((due, identity, req))
+            else:
+                self._serve(identity, req)
 
     def _serve(self, identity: bytes, req: wire.Request) -> None:
         rid = req.request_id

@@ -58,7 +58,12 @@ REPLY_MAX_HEADER = 64 << 20
 
 # --------------------------------------------------------------------------
 # Schema: tiny validators. Each is ``check(value, path)`` and returns the value
-# (possibly normalised) or raises MalformedFrame / InvalidArgument.
+# (possibly normalised: an array of fixed shape becomes a tuple) or raises
+# MalformedFrame / InvalidArgument naming the path of the first bad value.
+# Each also carries ``check.ok(value)``, the same test without paths or
+# messages: a whole request is first judged with these (one pass, no string
+# built per field or key), and only a request that fails is checked again,
+# slowly, to say where.
 # --------------------------------------------------------------------------
 
 Check = Callable[[Any, str], Any]
@@ -68,7 +73,17 @@ def _malformed(path: str, what: str) -> errors.MalformedFrame:
     return errors.MalformedFrame(f"{path}: {what}")
 
 
+def _with(ok: Callable[[Any], bool], norm: Optional[Callable[[Any], Any]] = None):
+    """Attach the fast test ``ok`` (and the normaliser ``norm``) to a checker."""
+    def attach(check):
+        check.ok = ok
+        check.norm = norm
+        return check
+    return attach
+
+
 def uint(max_value: int = _UINT63, min_value: int = 0) -> Check:
+    @_with(lambda v: type(v) is int and min_value <= v <= max_value)
     def check(v, path):
         if type(v) is not int:
             raise _malformed(path, f"expected int, got {type(v).__name__}")
@@ -79,6 +94,7 @@ def uint(max_value: int = _UINT63, min_value: int = 0) -> Check:
 
 
 def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
+    @_with(lambda v: type(v) is bytes and min_len <= len(v) <= max_len)
     def check(v, path):
         if type(v) is not bytes:
             raise _malformed(path, f"expected bytes, got {type(v).__name__}")
@@ -89,6 +105,7 @@ def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
 
 
 def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
+    @_with(lambda v: type(v) is str and min_len <= len(v) <= max_len)
     def check(v, path):
         if type(v) is not str:
             raise _malformed(path, f"expected str, got {type(v).__name__}")
@@ -99,6 +116,11 @@ def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
 
 
 def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Check:
+    item_ok, item_norm = item.ok, item.norm
+
+    @_with(lambda v: type(v) is list and min_items <= len(v) <= max_items
+           and all(map(item_ok, v)),
+           None if item_norm is None else (lambda v: [item_norm(x) for x in v]))
     def check(v, path):
         if type(v) is not list:
             raise _malformed(path, f"expected array, got {type(v).__name__}")
@@ -109,6 +131,7 @@ def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Chec
 
 
 def boolean() -> Check:
+    @_with(lambda v: type(v) is bool)
     def check(v, path):
         if type(v) is not bool:
             raise _malformed(path, f"expected bool, got {type(v).__name__}")
@@ -117,6 +140,11 @@ def boolean() -> Check:
 
 
 def tuple_of(*items: Check) -> Check:
+    oks = tuple(c.ok for c in items)
+    n = len(items)
+
+    @_with(lambda v: type(v) is list and len(v) == n and all(ok(x) for ok, x in zip(oks, v)),
+           tuple)
     def check(v, path):
         if type(v) is not list:
             raise _malformed(path, f"expected array, got {type(v).__name__}")
@@ -128,7 +156,7 @@ def tuple_of(*items: Check) -> Check:
 
 class OpSchema:
     """Required body fields of one op, optional ones (checked when present), and
-    how many payload frames it carries."""
+    how many payload frames it carries (-1: one per entry of its ``regions``)."""
 
     __slots__ = ("fields", "optional", "payloads")
 
@@ -164,7 +192,9 @@ MASTER_OPS: dict[str, OpSchema] = {
     # revoke this client's own pending attempts on ``keys``, whose tokens it never received
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
     # ``lease: true`` asks for a read lease per key (lease id + TTL) instead of a pin
-    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS}, optional={"lease": boolean()}),
+    # ``release``: leases this client is done with, ended before the lookup
+    "read_begin": OpSchema({"client": CLIENT, "keys": KEYS},
+                           optional={"lease": boolean(), "release": list_of(uint(_UINT63, 1))}),
     "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
@@ -205,6 +235,11 @@ STORAGE_OPS: dict[str, OpSchema] = {
     # and ``xfer`` is a tracked transfer that a ``cancel`` can stop (both or neither).
     "write": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM},
                       payloads=1, optional={"owner": OWNER, "xfer": XFER}),
+    # several writes to this node in one message, one payload frame each, in
+    # region order: [offset, token, xfer] (each a tracked transfer of ``owner``)
+    "writes": OpSchema({"segment": SEGMENT, "term": TERM, "owner": OWNER,
+                        "regions": list_of(tuple_of(uint(), TOKEN, XFER), min_items=1)},
+                       payloads=-1),
     "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM,
                       "length": uint(min_value=1)}),
     # a tracked read into the client's destination ``buffer``: answered with the
@@ -355,7 +390,7 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_byt
         raise _fail(errors.MalformedFrame("request_id must be a uint64"))
     if type(body) is not dict:
         raise _fail(errors.MalformedFrame("body must be a map"), rid)
-    if len(payloads) != schema.payloads:
+    if schema.payloads >= 0 and len(payloads) != schema.payloads:
         raise _fail(errors.MalformedFrame(
             f"{op} takes {schema.payloads} payload frame(s), got {len(payloads)}"), rid)
     checked = {}
@@ -363,12 +398,24 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_byt
         for name, check in schema.fields.items():
             if name not in body:
                 raise errors.MalformedFrame(f"{op}: missing field {name!r}")
-            checked[name] = check(body[name], f"{op}.{name}")
+            value = body[name]
+            if check.ok(value):
+                checked[name] = value if check.norm is None else check.norm(value)
+            else:
+                checked[name] = check(value, f"{op}.{name}")
         for name, check in schema.optional.items():
             if name in body:
-                checked[name] = check(body[name], f"{op}.{name}")
+                value = body[name]
+                if check.ok(value):
+                    checked[name] = value if check.norm is None else check.norm(value)
+                else:
+                    checked[name] = check(value, f"{op}.{name}")
     except errors.KvError as err:
         raise _fail(err, rid) from None
+    if schema.payloads < 0 and len(payloads) != len(checked["regions"]):
+        raise _fail(errors.MalformedFrame(
+            f"{op} names {len(checked['regions'])} region(s) but carries {len(payloads)} "
+            "payload frame(s)"), rid)
     return Request(op, request_id, checked, payloads)
 
 
@@ -410,9 +457,12 @@ def items_of(reply: Reply, expected: int) -> list:
 
 def waiting(sock: "zmq.Socket", limit: Optional[int] = None):
     """The multipart messages already waiting on ``sock`` (at most ``limit``),
-    received without blocking and without copying their frames."""
+    received without blocking and without copying their frames. The socket's
+    ``EVENTS`` says whether one waits, so an empty socket costs no exception."""
     n = 0
     while limit is None or n < limit:
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return
         try:
             yield sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

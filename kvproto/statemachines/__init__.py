@@ -4,7 +4,7 @@
 conformance test and the docs checker use.
 """
 
-from kvproto.statemachines import failover, lease, publish, tenancy_system, timeout
+from kvproto.statemachines import directwrite, failover, lease, publish, tenancy_system, timeout
 
 BINDINGS = {b.module: b for b in (publish.BINDING, timeout.BINDING, lease.BINDING,
-                                  failover.BINDING, tenancy_system.BINDING)}
+                                  failover.BINDING, directwrite.BINDING, tenancy_system.BINDING)}

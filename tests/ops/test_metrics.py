@@ -140,7 +140,7 @@ def test_scraping_a_master_and_a_storage_process(procs):
     assert moved(s1, s0, series("kvproto_storage_served_total", op="read")) == 5
     assert moved(s1, s0, series("kvproto_storage_bytes_total", direction="written")) == 5 * 64 * KiB
     assert moved(s1, s0, series("kvproto_storage_regions_total", event="freed")) == 1
-    assert moved(s1, s0, series("kvproto_storage_request_seconds_count", op="write")) == 5
+    assert moved(s1, s0, series("kvproto_storage_request_seconds_count", op="writes")) == 5
     assert moved(s1, s0, series("kvproto_storage_request_seconds_count", op="read")) == 5
     assert s1["kvproto_storage_regions"] == 4 and s1["kvproto_storage_term"] == 1
     assert s1["kvproto_storage_capacity_bytes"] == 8 << 20

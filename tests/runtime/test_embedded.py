@@ -314,3 +314,40 @@ def test_run_master_and_run_storage_stop_on_event():
         for t in threads:
             t.join(10)
     assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "numpy", "memoryview", "torch"])
+def test_get_into_caller_memory(cluster, client, remote, kind):
+    """``get_into`` reads into the caller's own memory: from a same-host
+    replica with one memcpy, from a remote one with one copy out of the frame;
+    ``get_many_into`` gives the byte count per key and None for a miss."""
+    size = 3 * 4096 + 17
+    key = f"into/{kind}".encode()
+    data = make("bytes", size, 7)
+    client.put(key, data)
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        bufs = [torch.empty(size + 5, dtype=torch.uint8) for _ in range(2)]
+        as_b = lambda b: bytes(b.numpy()[:size])                      # noqa: E731
+    elif kind == "numpy":
+        bufs = [np.zeros(size + 5, dtype=np.uint8) for _ in range(2)]
+        as_b = lambda b: b[:size].tobytes()                           # noqa: E731
+    elif kind == "memoryview":
+        bufs = [memoryview(bytearray(size + 5)) for _ in range(2)]
+        as_b = lambda b: bytes(b[:size])                              # noqa: E731
+    else:
+        bufs = [bytearray(size + 5) for _ in range(2)]
+        as_b = lambda b: bytes(b[:size])                              # noqa: E731
+    before = storage_reads(cluster)
+    assert client.get_into(key, bufs[0]) == size
+    assert as_b(bufs[0]) == data and storage_reads(cluster) == before     # same host: no network read
+    assert remote.get_into(key, bufs[1]) == size
+    assert as_b(bufs[1]) == data and storage_reads(cluster) == before + 1
+    assert client.get_many_into([key, b"into/missing"], [bufs[0], bytearray(10)]) == [size, None]
+    with pytest.raises(errors.KeyNotFound):
+        client.get_into(b"into/missing", bufs[0])
+    with pytest.raises(errors.InvalidArgument):
+        client.get_into(key, bytearray(size - 1))                     # too small: nothing read
+    with pytest.raises(errors.InvalidArgument):
+        client.get_into(key, b"read-only" * 10000)
+    remove_when_unpinned(client, key)

@@ -107,3 +107,30 @@ def test_eviction_spares_leased_objects_and_takes_them_after_release():
         assert counters(c)[0]["evictions"] >= 3
         stats = c.stats()
         assert stats["leases"]["used"] <= 0.90 * stats["leases"]["capacity"]
+
+
+def test_a_gets_lease_is_released_with_the_next_request_or_when_the_client_goes_quiet():
+    """A get's lease is not released by a message of its own: the release
+    rides on the client's next lookup, goes before any other request of that
+    client (so its own remove is never refused), and is sent by the heartbeat
+    thread once no call runs (so another client's remove soon succeeds)."""
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=30.0) as cluster:
+        a, b = cluster.client(), cluster.client()
+        for k in (b"x", b"y", b"z"):
+            a.put(k, b"v" * 1000)
+        a.get(b"x")
+        assert a._unreleased                                # held back
+        a.get(b"y")                                         # x's release rides on this lookup
+        m, _ = counters(b)
+        assert m["lease_releases"] >= 1 and len(a._unreleased) == 1
+        a.remove(b"y")                                      # y's release goes first: not ObjectLeased
+        a.get(b"z")
+        deadline = time.monotonic() + 2.0                   # far below the 30 s TTL
+        while True:
+            try:
+                b.remove(b"z")                              # another client's remove
+                break
+            except errors.ObjectLeased:
+                assert time.monotonic() < deadline, "the quiet client never released its lease"
+                time.sleep(0.02)
+        assert not a._unreleased

@@ -62,6 +62,7 @@ def store(children):
 WRITER = """
     import sys, time
     from kvproto.runtime.client import Client
+    from kvproto.runtime import datapath
     c = Client({address!r}, timeout=10.0)
     data = b"W" * {size}
     with c._activity():                       # heartbeats run, as in a real put
@@ -73,7 +74,7 @@ WRITER = """
         assert code == 0, grant
         c._in_flight = (grant["token"],)      # the heartbeats name the attempt, as in a real put
         grants = {{0: (b"victim", memoryview(data), grant["token"], grant["replicas"])}}
-        assert not c._write_all(grants, rep.body["segments"], deadline, rep.body["term"])
+        assert not datapath.write_all(c, grants, rep.body["segments"], deadline, rep.body["term"])
         print(grant["token"], flush=True)      # every replica written; put_end never comes
         time.sleep(120)
 """
@@ -157,40 +158,40 @@ def test_servers_exit_cleanly_on_repeated_signals(children):
 
 
 def test_a_put_that_timed_out_does_not_block_its_retry(children):
-    """A put whose ``put_start`` timed out at the master (its storage node was
-    stopped while the region was being assigned) never learned its token. The
-    client abandons the attempt (``put_abandon``), so a retry succeeds at once;
-    and an attempt its client never names again lapses on its own deadline
-    even while that client keeps working (the deadline is per attempt, not
-    per client session)."""
+    """A put whose ``put_start`` timed out (the master was stopped while the
+    request waited in its socket) never learned its token, yet the master
+    grants the attempt when it wakes. The client abandons such an attempt
+    (``put_abandon``), so a retry succeeds at once; and an attempt its client
+    never names again lapses on its own deadline even while that client keeps
+    working (the deadline is per attempt, not per client session)."""
     m = children("""
         from kvproto.runtime.embedded import run_master
         run_master("tcp://127.0.0.1:*", writer_timeout=1.0, storage_timeout=8.0)
     """)
     address = m.readline().rsplit(" ", 1)[1]
-    node = start_storage(children, address)
+    start_storage(children, address)
     client = kvproto.Client(master=address, timeout=10.0)
     wait_for(lambda: len(live_segments(client)) == 1, what="the storage node")
     data = b"v" * 5000
 
-    node.proc.send_signal(signal.SIGSTOP)
+    m.proc.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(errors.RequestTimeout):
             client.put(b"a", data, timeout=0.5)
     finally:
-        node.proc.send_signal(signal.SIGCONT)
-    assert client.stats()["counters"]["abandoned"] == 1
+        m.proc.send_signal(signal.SIGCONT)
     client.put(b"a", data)                                   # at once, not KeyExists
     assert bytes(client.get(b"a")) == data
+    assert client.stats()["counters"]["abandoned"] == 1
 
     # an attempt whose token its client never received, and never abandoned
-    node.proc.send_signal(signal.SIGSTOP)
+    m.proc.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(errors.RequestTimeout):
             client._call_master("put_start", {"client": client.client_id, "replicas": 1,
                                               "items": [[b"b", len(data)]]}, time.monotonic() + 0.5)
     finally:
-        node.proc.send_signal(signal.SIGCONT)
+        m.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: client.stats()["pending"] == 1, what="the orphan attempt granted")
     started = time.monotonic()
     refusals = 0

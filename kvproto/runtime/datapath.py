@@ -1,0 +1,233 @@
+"""The client's data path: object bytes between the caller's memory and the
+storage nodes, never through the master.
+
+Reads (:func:`read_all`). A replica on a storage node of this host (same host
+id) is read straight out of the node's shared memory: one memcpy, guarded by
+the region's generation word (:mod:`kvproto.runtime.shm`), into a fresh
+buffer or into the caller's own (``into``). Otherwise, or when that check
+fails, one ``read`` per key goes to a node, all in flight at once, and the
+reply's payload frame is handed on without a copy (or copied once into the
+caller's buffer); the next replica is tried when one fails.
+
+Writes (:func:`write_all`). The writes of a batch are sent as one ``writes``
+message per storage node, one zero-copy payload frame per region taken from
+the caller's buffer. Each region is a tracked transfer of the Timeout
+protocol (``spec/Timeout.tla``): a message unacknowledged by the deadline is
+cancelled at its node, which discards what has not run.
+
+:class:`LocalSegments` keeps the read-only mappings of this host's segments.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+import zmq
+
+from kvproto import errors
+from kvproto.runtime import wire
+from kvproto.runtime.shm import LocalSegment, shm_exists
+
+#: how long a write batch whose messages timed out waits for the nodes' cancel acks
+CANCEL_GRACE = 0.2
+
+
+def writable_view(buffer) -> memoryview:
+    """A flat, writable byte view of caller-owned memory without copying:
+    ``bytearray``, a writable ``memoryview``, a NumPy array, a CPU tensor (by
+    its ``numpy()``). Anything else (read-only, not contiguous, a device
+    tensor) is ``InvalidArgument``."""
+    if not isinstance(buffer, (bytearray, memoryview, np.ndarray)) and hasattr(buffer, "numpy"):
+        try:
+            buffer = buffer.numpy()
+        except (RuntimeError, TypeError) as e:
+            raise errors.InvalidArgument(f"cannot read into {type(buffer).__name__}: {e}") from None
+    try:
+        mv = memoryview(buffer)
+    except TypeError:
+        raise errors.InvalidArgument(f"{type(buffer).__name__} is not a buffer") from None
+    if mv.readonly or not mv.c_contiguous:
+        raise errors.InvalidArgument("the destination must be writable and contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+class LocalSegments:
+    """The same-host storage segments a client has mapped (read-only), by name."""
+
+    def __init__(self, host: str, enabled: bool = True) -> None:
+        self.host = host
+        self.enabled = enabled
+        self._maps: dict[str, Optional[LocalSegment]] = {}
+
+    def get(self, info: list) -> Optional[LocalSegment]:
+        """The mapping of the segment a master described (``SegmentInfo.wire()``),
+        or ``None`` when it is on another host or cannot be mapped."""
+        if not self.enabled or info[1] != self.host:
+            return None
+        name = info[2]
+        if name not in self._maps:
+            self._prune()
+            try:
+                self._maps[name] = LocalSegment(info[2], info[3], info[6], info[5])
+            except (OSError, ValueError):
+                self._maps[name] = None
+        return self._maps[name]
+
+    def _prune(self) -> None:
+        """Unmap segments whose storage node is gone (its name was unlinked), so a
+        long-lived client does not keep dead nodes' memory alive."""
+        for name, seg in list(self._maps.items()):
+            if not shm_exists(name):
+                if seg is not None:
+                    seg.close()
+                del self._maps[name]
+
+    def close(self) -> None:
+        for seg in self._maps.values():
+            if seg is not None:
+                seg.close()
+        self._maps.clear()
+
+
+def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
+             results: list, done_at: dict, term: int,
+             into: Optional[list] = None) -> dict[int, errors.KvError]:
+    """Fill ``results[i]`` for each granted key ``i`` (``granted[i] = (token,
+    length, replicas)``): the bytes, or with ``into`` the number of bytes read
+    into ``into[i]``; ``done_at[i]`` is when its last byte was read. Returns the
+    keys no replica could serve, with the reason."""
+    need: dict[int, list] = {}
+    failed: dict[int, errors.KvError] = {}
+    for i, (token, length, replicas) in granted.items():
+        dest = into[i] if into is not None else None
+        if dest is not None and dest.nbytes < length:
+            failed[i] = errors.InvalidArgument(
+                f"{keys[i]!r} has {length} bytes; the buffer holds {dest.nbytes}")
+            continue
+        usable = [r for r in replicas if isinstance(segments.get(r[0]), list)]
+        local = []
+        for r in usable:
+            seg = client._local.get(segments[r[0]])
+            if seg is None:
+                continue
+            local.append(r)
+            nonce = segments[r[0]][4]
+            if dest is not None:
+                got = length if seg.read_into(r[1], length, token, nonce, dest) else None
+            else:
+                got = seg.read(r[1], length, token, nonce)
+            if got is not None:
+                results[i] = got
+                done_at[i] = time.monotonic()
+                break
+        if results[i] is None:
+            # remote replicas first (spread by token), then the local ones over the network
+            remote = [r for r in usable if r not in local]
+            if remote:
+                k = token % len(remote)
+                remote = remote[k:] + remote[:k]
+            need[i] = remote + local
+    for i in [i for i, left in need.items() if not left]:
+        failed[i] = errors.SegmentUnavailable(f"no replica of {keys[i]!r} is reachable")
+        del need[i]
+    while need:
+        rounds_left = max(len(left) for left in need.values())
+        round_deadline = time.monotonic() + max(deadline - time.monotonic(), 0) / rounds_left
+        pending: dict[int, zmq.Socket] = {}
+        whose: dict[int, tuple[int, str]] = {}
+        for i, left in need.items():
+            seg, offset, length = left.pop(0)
+            endpoint = segments[seg][0]
+            sock = client._data_sock(endpoint)
+            rid = client._send(sock, "read", {"segment": seg, "offset": offset, "term": term,
+                                              "token": granted[i][0], "length": length})
+            pending[rid] = sock
+            whose[rid] = (i, endpoint)
+        replies = client._gather(pending, round_deadline)
+        arrived = time.monotonic()   # at or after each reply's last byte
+        for rid, (i, endpoint) in whose.items():
+            reply = replies.get(rid)
+            if reply is None:
+                err: Optional[errors.KvError] = errors.TransferTimeout(
+                    f"storage node {endpoint} did not answer a read")
+                client._reset_data(endpoint)
+            elif reply.status:
+                err = reply.error()
+            elif len(reply.payloads) != 1 or reply.payloads[0].nbytes != granted[i][1]:
+                err = errors.MalformedFrame(f"read reply from {endpoint} has the wrong size")
+            else:
+                payload = reply.payloads[0]
+                if into is not None:
+                    into[i][:payload.nbytes] = payload
+                    results[i] = payload.nbytes
+                else:
+                    results[i] = payload
+                done_at[i] = arrived
+                need.pop(i)
+                continue
+            if not need[i]:
+                failed[i] = err
+                del need[i]
+    return failed
+
+
+def write_all(client, grants: dict, segments: dict, deadline: float,
+              term: int) -> dict[int, errors.KvError]:
+    """Write every replica of every grant (``grants[i] = (key, view, token,
+    replicas)``): one ``writes`` message per storage node, all in flight at
+    once; wait for the acks. Returns the failures by ``i``.
+
+    A message unacked by the deadline fails its regions with
+    ``TransferTimeout`` and is cancelled at its node (each region's transfer,
+    which the node discards if it has not run); the caller then revokes the
+    attempts at the master, so even a write that ran is never published."""
+    failed: dict[int, errors.KvError] = {}
+    per_node: dict[str, tuple[str, list, list, list]] = {}   # endpoint -> (segment, regions, frames, whose)
+    for i, (key, view, token, replicas) in grants.items():
+        for seg, offset, length in replicas:
+            info = segments.get(seg)
+            if not isinstance(info, list) or not info or length != view.nbytes:
+                failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
+                break
+            client._put_gen += 1
+            batch = per_node.setdefault(info[0], (seg, [], [], []))
+            batch[1].append([offset, token, client._put_gen])
+            batch[2].append(view)
+            batch[3].append(i)
+    pending: dict[int, zmq.Socket] = {}
+    sent: dict[int, tuple[str, list, list]] = {}
+    for endpoint, (seg, regions, frames, whose) in per_node.items():
+        sock = client._data_sock(endpoint)
+        rid = client._send(sock, "writes", {"segment": seg, "term": term, "owner": client._put_owner,
+                                            "regions": regions}, frames)
+        pending[rid] = sock
+        sent[rid] = (endpoint, regions, whose)
+    replies = client._gather(pending, deadline)
+    cancels: dict[int, zmq.Socket] = {}
+    timed_out: set[str] = set()
+    for rid, (endpoint, regions, whose) in sent.items():
+        reply = replies.get(rid)
+        if reply is None:
+            for i in whose:
+                failed.setdefault(i, errors.TransferTimeout(f"storage node {endpoint} did not ack a write"))
+            sock = pending[rid]
+            for _, _, gen in regions:
+                cancels[client._send(sock, "cancel", {"owner": client._put_owner, "xfer": gen})] = sock
+            timed_out.add(endpoint)
+            continue
+        results = reply.body.get("results") if reply.status == 0 else None
+        if type(results) is not list or len(results) != len(whose):
+            err = reply.error() if reply.status else errors.MalformedFrame(
+                f"writes reply from {endpoint} has the wrong number of results")
+            results = [list(err.to_wire())] * len(whose)
+        for i, item in zip(whose, results):
+            err, _ = wire.item_result(item)
+            if err is not None and i not in failed:
+                failed[i] = err
+    if cancels:
+        client._gather(cancels, time.monotonic() + CANCEL_GRACE)
+        for endpoint in timed_out:
+            client._reset_data(endpoint)
+    return failed
