@@ -79,15 +79,39 @@ class Quota:
 
 
 @attrs.frozen
+class Bucket:
+    """A token bucket fed time as an argument: ``tokens`` at time ``at``,
+    ``rate`` more per unit of time, never more than ``burst``. Over any
+    window of length ``w`` it lets through at most ``burst + rate * w``."""
+
+    rate: float
+    burst: float
+    tokens: float
+    at: float = 0
+
+    def level(self, now: float) -> float:
+        """The tokens at ``now`` (not before ``at``)."""
+        return min(self.burst, self.tokens + self.rate * (now - self.at))
+
+    def take(self, now: float, n: float) -> Optional["Bucket"]:
+        """The bucket after ``n`` tokens are spent at ``now``, or ``None`` if
+        it holds fewer."""
+        level = self.level(now)
+        return None if level < n else Bucket(self.rate, self.burst, level - n, now)
+
+    def settled(self, now: float) -> "Bucket":
+        """The same bucket, counted up to ``now``."""
+        return self if self.at == now else Bucket(self.rate, self.burst, self.level(now), now)
+
+
+@attrs.frozen
 class TenantState:
-    """A tenant's quota and usage. ``tokens`` is the bucket's content at time
-    ``refilled``; :func:`tokens_at` adds what time brought since."""
+    """A tenant's quota, usage and write-bandwidth bucket."""
 
     quota: Quota
+    bucket: Bucket
     held: int = 0
     in_flight: int = 0
-    tokens: float = 0
-    refilled: float = 0
 
 
 @attrs.frozen
@@ -340,22 +364,15 @@ _DONE = (Done(),)
 # --------------------------------------------------------------------------
 
 
-def tokens_at(tenant: TenantState, now: float) -> float:
-    """The tenant's write tokens at ``now`` (a token bucket: ``write_rate`` per
-    unit of time since it was last touched, never more than ``write_burst``)."""
-    q = tenant.quota
-    return min(q.write_burst, tenant.tokens + q.write_rate * (now - tenant.refilled))
-
-
 def settle(table: Tenancy) -> Tenancy:
-    """The same state with every bucket's tokens counted up to ``now`` (what
-    :func:`tokens_at` says; nothing a step can observe changes)."""
-    stale = [(n, t) for n, t in table.tenants.items() if t.refilled != table.now]
+    """The same state with every bucket counted up to ``now`` (nothing a step
+    can observe changes)."""
+    stale = [(n, t) for n, t in table.tenants.items() if t.bucket.at != table.now]
     if not stale:
         return table
     with table.tenants.mutate() as tenants:
         for name, t in stale:
-            tenants[name] = attrs.evolve(t, tokens=tokens_at(t, table.now), refilled=table.now)
+            tenants[name] = attrs.evolve(t, bucket=t.bucket.settled(table.now))
         return attrs.evolve(table, tenants=tenants.finish())
 
 
@@ -385,7 +402,7 @@ def admit_write(table: Tenancy, tenant: str, size: int) -> Optional[errors.KvErr
     if t.held + size > q.stored:
         return errors.QuotaExceeded(
             f"tenant {tenant!r} holds {t.held} of its {q.stored} bytes; {size} more do not fit")
-    if tokens_at(t, table.now) < size:
+    if t.bucket.level(table.now) < size:
         return errors.QuotaExceeded(
             f"tenant {tenant!r} is over its write bandwidth ({q.write_rate:g} bytes per second, "
             f"bursts of {q.write_burst:g})")
@@ -496,7 +513,7 @@ def add_tenant(table: Tenancy, ev: AddTenant):
         return _refuse(table, errors.InvalidArgument(f"tenant {ev.tenant!r} exists"))
     if min(q.stored, q.write_rate, q.write_burst, q.in_flight, q.reserve) < 0:
         return _refuse(table, errors.InvalidArgument("quotas must not be negative"))
-    state = TenantState(q, tokens=q.write_burst, refilled=table.now)
+    state = TenantState(q, Bucket(q.write_rate, q.write_burst, q.write_burst, table.now))
     return attrs.evolve(table, tenants=table.tenants.set(ev.tenant, state)), _DONE
 
 
@@ -636,7 +653,7 @@ def write_start(table: Tenancy, ev: WriteStart):
         (ev.ns, ev.key), ObjectState(ev.tenant, ev.size, Status.PENDING)),
         used=table.used + ev.size)
     table = _set_tenant(table, ev.tenant, held=t.held + ev.size, in_flight=t.in_flight + ev.size,
-                        tokens=tokens_at(t, table.now) - ev.size, refilled=table.now)
+                        bucket=t.bucket.take(table.now, ev.size))
     return table, _DONE
 
 

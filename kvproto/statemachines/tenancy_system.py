@@ -22,7 +22,7 @@ from kvproto.statemachines.tenancy import (
     AddNamespace, AddTenant, AgeOut, Begin, Create, Drop, Event, Evict, Fetch, GrantRead,
     Phase, PreWarm, Quota, Release, Remove, Renew, RevokeRead, RouteBack, Status, Switch,
     Tenancy, Tick, WriteAbort, WriteEnd, WriteStart, add_namespace, add_tenant,
-    fair_eviction, may_read, new_tenancy, settle, step, tokens_at)
+    fair_eviction, may_read, new_tenancy, settle, step)
 
 # --------------------------------------------------------------------------
 # The closed system of the spec: one read per tenant, named after it
@@ -148,7 +148,7 @@ def revoked_grants_end_reads(sys: System) -> bool:
 def quotas_never_exceeded(sys: System) -> bool:
     """Spec ``QuotasNeverExceeded``."""
     t = sys.table
-    return all(ten.held <= ten.quota.stored and tokens_at(ten, t.now) >= 0
+    return all(ten.held <= ten.quota.stored and ten.bucket.level(t.now) >= 0
                and ten.in_flight <= ten.quota.in_flight for ten in t.tenants.values())
 
 
@@ -286,7 +286,7 @@ def to_tla(sys: System, c: Constants) -> Fn:
     model values of the same name; a namespace not created is in phase
     ``"none"``; an absent object is ``"none"``; a tenant's read is the read
     held under its own name (``None`` when it has none), its ``auth`` the
-    read's ``authorized``; the bucket's tokens are :func:`tokens_at` now.
+    read's ``authorized``; the bucket's tokens are its level now.
     """
     t = sys.table
 
@@ -312,7 +312,7 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "phase": ns_field(lambda r: "none" if r is None else r.phase.value),
         "grants": ns_field(lambda r: frozenset() if r is None
                            else frozenset(ModelValue(g) for g in r.grants)),
-        "tokens": Fn.of({ModelValue(n): tokens_at(ten, t.now) for n, ten in t.tenants.items()}),
+        "tokens": Fn.of({ModelValue(n): ten.bucket.level(t.now) for n, ten in t.tenants.items()}),
         "read": Fn.of({ModelValue(n): read(n) for n in c.tenants}),
         "kept": ns_field(lambda r: frozenset() if r is None
                          else frozenset(ModelValue(k) for k in r.kept)),

@@ -76,8 +76,8 @@ class TenancySystem(RuleBasedStateMachine):
         before = self.table
         self.step(T.Tick(before.now + dt))
         for name, t in self.table.tenants.items():
-            assert T.tokens_at(t, self.table.now) <= t.quota.write_burst
-            assert T.tokens_at(t, self.table.now) >= T.tokens_at(before.tenants[name], before.now)
+            assert t.bucket.level(self.table.now) <= t.quota.write_burst
+            assert t.bucket.level(self.table.now) >= before.tenants[name].bucket.level(before.now)
 
     @rule()
     def clock_never_goes_back(self):
@@ -253,7 +253,7 @@ class TenancySystem(RuleBasedStateMachine):
                 self.sys = S.sys_evict(self.sys, tenant, *victim, size=size)
                 assert self.sys is not None
         t, used = self.table.tenants[tenant], self.table.used
-        tokens, present = T.tokens_at(t, self.table.now), (ns, key) in self.table.objects
+        tokens, present = t.bucket.level(self.table.now), (ns, key) in self.table.objects
         effects, refused = self.step(T.WriteStart(tenant, ns, key, size))
         if tenant != rec.owner:
             assert refused and isinstance(effects[0].error, errors.AccessDenied)
