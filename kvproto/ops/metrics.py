@@ -106,6 +106,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_storage_published_objects": _m(G, (), "Published objects in the index (kvproto stats only)."),
     "kvproto_storage_transfers_in_progress": _m(G, (), "Tracked transfers arrived and not yet run (scrapes only)."),
     "kvproto_storage_served_total": _m(C, ("op",), "Data requests served: write, read, load."),
+    "kvproto_storage_direct_regions_total": _m(C, ("event",), "Regions of direct writers (spec/DirectWrite.tla): granted, published (after the writer's report), draining (freed while the writer may still write), drained."),
     "kvproto_storage_bytes_total": _m(C, ("direction",), "Payload bytes written into and read out of the segment."),
     "kvproto_storage_regions_total": _m(C, ("event",), "Regions assigned and freed at the master's command."),
     "kvproto_storage_refusals_total": _m(C, (), "Requests the region table or the fence refused (typed errors)."),
@@ -128,6 +129,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_client_read_phase_seconds_total": _m(C, ("phase",), "Time leased reads spent queued, transferring and verifying."),
     "kvproto_client_masters_found_total": _m(C, (), "Times the client found a new master through the coordinator."),
     "kvproto_client_switch_misses_total": _m(C, (), "Keys missed because the master was switching."),
+    "kvproto_client_transfers_total": _m(C, ("path",), "Replica bytes moved, by path: direct_write (into a same-host segment by the client), network_write, local_read (out of a same-host segment), network_read."),
     "kvproto_client_master_unreachable_total": _m(C, (), "Calls refused with MasterUnreachable: no master served past the switch window."),
     "kvproto_client_stale_term_relookups_total": _m(C, (), "Keys looked up again after a node refused a stale term."),
     "kvproto_client_recomputes_total": _m(C, ("decision",), "Fall-backs to recomputation: allowed or refused by the rate limit."),
@@ -191,6 +193,10 @@ STORAGE_COUNTERS: dict[str, tuple[str, dict]] = {
     "dropped": ("kvproto_storage_injected_faults_total", {"fault": "dropped"}),
     "duplicated": ("kvproto_storage_injected_faults_total", {"fault": "duplicated"}),
     "reads_delayed": ("kvproto_storage_injected_faults_total", {"fault": "read_delayed"}),
+    "direct_granted": ("kvproto_storage_direct_regions_total", {"event": "granted"}),
+    "direct_published": ("kvproto_storage_direct_regions_total", {"event": "published"}),
+    "draining": ("kvproto_storage_direct_regions_total", {"event": "draining"}),
+    "drained": ("kvproto_storage_direct_regions_total", {"event": "drained"}),
 }
 
 #: Client.lease_counters / failover_counters -> (metric, labels)
@@ -212,6 +218,10 @@ CLIENT_COUNTERS: dict[str, tuple[str, dict]] = {
     "stale_term_relookups": ("kvproto_client_stale_term_relookups_total", {}),
     "recomputes_allowed": ("kvproto_client_recomputes_total", {"decision": "allowed"}),
     "recomputes_refused": ("kvproto_client_recomputes_total", {"decision": "refused"}),
+    "direct_writes": ("kvproto_client_transfers_total", {"path": "direct_write"}),
+    "network_writes": ("kvproto_client_transfers_total", {"path": "network_write"}),
+    "local_reads": ("kvproto_client_transfers_total", {"path": "local_read"}),
+    "network_reads": ("kvproto_client_transfers_total", {"path": "network_read"}),
 }
 #: lease counters that are sums of others (not exported twice)
 CLIENT_DERIVED = ("lease_reads",)
@@ -403,7 +413,8 @@ class ClientCollector:
             clients, pools = list(self.clients), dict(self.pools)
         total: dict[str, float] = {}
         for client in clients:
-            for d in (_read(lambda: dict(client.lease_counters)), _read(lambda: dict(client.failover_counters))):
+            for d in (_read(lambda: dict(client.lease_counters)), _read(lambda: dict(client.failover_counters)),
+                      _read(lambda: dict(client.transfer_counters))):
                 for key, value in d.items():
                     total[key] = total.get(key, 0) + value
         return total, {name: pool.counts() for name, pool in pools.items()}

@@ -93,7 +93,7 @@ from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.endpoints import check_master, coordinator_url
 from kvproto.runtime import datapath
-from kvproto.runtime.shm import host_id
+from kvproto.runtime.shm import WriterLock, host_id
 from kvproto.statemachines import lease as lm
 from kvproto.statemachines.failover import RecomputeLimiter
 
@@ -249,6 +249,7 @@ class Client:
     LEADER_RECHECK = 0.5
 
     def __init__(self, master: str, *, timeout: float = 30.0, local_reads: bool = True,
+                 local_writes: bool = True,
                  context: Optional[zmq.Context] = None, leases: bool = True,
                  max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None,
                  lookup_timeout: float = 2.0, switch_window: float = 10.0,
@@ -293,6 +294,11 @@ class Client:
         #: master's TTL split between queueing and transfer, see ``_budget``)
         self.lease_budget = lease_budget
         self.lease_counters: dict[str, float] = dict.fromkeys(LEASE_COUNTERS, 0)
+        #: how each replica's bytes moved: written into a same-host segment by
+        #: this client itself or sent to the node; read out of a same-host
+        #: segment or over the network
+        self.transfer_counters = dict.fromkeys(
+            ("direct_writes", "network_writes", "local_reads", "network_reads"), 0)
         #: phases of the last leased read (queued, transferring, verifying), seconds
         self.last_read: Optional[lm.ReadPhases] = None
         #: ``observe(op, seconds)`` after each round trip to a master (metrics; None: off)
@@ -307,8 +313,11 @@ class Client:
         self._master_sock: Optional[zmq.Socket] = None
         self._data: dict[str, zmq.Socket] = {}
         self._pollers: dict[frozenset, zmq.Poller] = {}
-        #: this host's storage segments, mapped for same-host reads
+        #: this host's storage segments, mapped for same-host reads, and for
+        #: direct writes (spec/DirectWrite.tla) under this client's writer lock
         self._local = datapath.LocalSegments(host_id(), local_reads)
+        self._writable = datapath.LocalSegments(host_id(), local_writes, writable=True)
+        self._writer: Optional[WriterLock] = None
         #: ids of leases this client is done with, released with its next
         #: master request (a lease that outlives its read only protects longer)
         self._unreleased: list[int] = []
@@ -348,6 +357,9 @@ class Client:
                 sock.close(linger=0)
             self._data.clear()
             self._local.close()
+            self._writable.close()
+            if self._writer is not None:
+                self._writer.close()
             if self._coordinator is not None:
                 self._coordinator.close()
 
@@ -670,26 +682,39 @@ class Client:
                     results[i] = results[i] or err
         return results
 
+    def _writer_lock(self) -> Optional[WriterLock]:
+        """This client's direct-writer lock (made at its first put), or None
+        when it does not write directly."""
+        if self._writer is None and self._writable.enabled:
+            try:
+                self._writer = WriterLock()
+            except OSError:
+                self._writable.enabled = False
+        return self._writer
+
     def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list) -> None:
         with self._lock, self._activity():
+            body = {"client": self.client_id, "replicas": replicas,
+                    "items": [[k, v.nbytes] for _, k, v in todo]}
+            writer = self._writer_lock()
+            if writer is not None:
+                body["writer"], body["host"] = writer.name, self._writable.host
             try:
-                reply = self._call_master("put_start", {
-                    "client": self.client_id, "replicas": replicas,
-                    "items": [[k, v.nbytes] for _, k, v in todo]}, deadline)
+                reply = self._call_master("put_start", body, deadline)
             except errors.RequestTimeout:
                 # the master may have granted attempts whose tokens never
                 # reached us: end them now, so that a retry is not KeyExists
                 self._abandon([k for _, k, _ in todo])
                 raise
             self._note_interval(reply)
-            grants: dict[int, tuple[bytes, memoryview, int, list]] = {}
+            grants: dict[int, tuple] = {}     # i -> (key, view, token, replicas, direct)
             term = reply.body.get("term", 0)
             for (i, k, v), item in zip(todo, wire.items_of(reply, len(todo))):
                 err, grant = wire.item_result(item)
                 if err is not None:
                     results[i] = err
                 else:
-                    grants[i] = (k, v, grant["token"], grant["replicas"])
+                    grants[i] = (k, v, grant["token"], grant["replicas"], grant.get("direct", ()))
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
             try:

@@ -9,13 +9,19 @@ fails, one ``read`` per key goes to a node, all in flight at once, and the
 reply's payload frame is handed on without a copy (or copied once into the
 caller's buffer); the next replica is tried when one fails.
 
-Writes (:func:`write_all`). The writes of a batch are sent as one ``writes``
-message per storage node, one zero-copy payload frame per region taken from
-the caller's buffer. Each region is a tracked transfer of the Timeout
-protocol (``spec/Timeout.tla``): a message unacknowledged by the deadline is
-cancelled at its node, which discards what has not run.
+Writes (:func:`write_all`). A replica the master granted to this client as a
+direct writer (a segment on this host; ``spec/DirectWrite.tla``) is written
+straight into the segment: the client waits until the region's generation
+word shows its assign, copies the caller's bytes in with one memcpy, and
+reports the write finished by setting the word. The other writes of a batch
+are sent as one ``writes`` message per storage node, one zero-copy payload
+frame per region taken from the caller's buffer; so is a direct write whose
+assign did not show in time. Each region sent is a tracked transfer of the
+Timeout protocol (``spec/Timeout.tla``): a message unacknowledged by the
+deadline is cancelled at its node, which discards what has not run.
 
-:class:`LocalSegments` keeps the read-only mappings of this host's segments.
+:class:`LocalSegments` keeps the mappings of this host's segments (read-only
+for reads, writable for direct writes).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from kvproto.runtime.shm import LocalSegment, shm_exists
 
 #: how long a write batch whose messages timed out waits for the nodes' cancel acks
 CANCEL_GRACE = 0.2
+#: how long a direct writer waits for its region's assign to show before it
+#: sends the bytes over the network instead
+ASSIGN_WAIT = 0.5
 
 
 def writable_view(buffer) -> memoryview:
@@ -54,11 +63,13 @@ def writable_view(buffer) -> memoryview:
 
 
 class LocalSegments:
-    """The same-host storage segments a client has mapped (read-only), by name."""
+    """The same-host storage segments a client has mapped, by name (read-only,
+    or ``writable`` for a direct writer)."""
 
-    def __init__(self, host: str, enabled: bool = True) -> None:
+    def __init__(self, host: str, enabled: bool = True, writable: bool = False) -> None:
         self.host = host
         self.enabled = enabled
+        self.writable = writable
         self._maps: dict[str, Optional[LocalSegment]] = {}
 
     def get(self, info: list) -> Optional[LocalSegment]:
@@ -70,7 +81,8 @@ class LocalSegments:
         if name not in self._maps:
             self._prune()
             try:
-                self._maps[name] = LocalSegment(info[2], info[3], info[6], info[5])
+                self._maps[name] = LocalSegment(info[2], info[3], info[6], info[5],
+                                                writable=self.writable)
             except (OSError, ValueError):
                 self._maps[name] = None
         return self._maps[name]
@@ -121,6 +133,7 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
             if got is not None:
                 results[i] = got
                 done_at[i] = time.monotonic()
+                client.transfer_counters["local_reads"] += 1
                 break
         if results[i] is None:
             # remote replicas first (spread by token), then the local ones over the network
@@ -165,6 +178,7 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
                 else:
                     results[i] = payload
                 done_at[i] = arrived
+                client.transfer_counters["network_reads"] += 1
                 need.pop(i)
                 continue
             if not need[i]:
@@ -173,11 +187,33 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
     return failed
 
 
+def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view: memoryview,
+                 deadline: float) -> bool:
+    """One direct write (``spec/DirectWrite.tla`` ``Write``): wait until the
+    region shows its assign to ``token``, copy ``view`` in, report it. False
+    (nothing written) if the assign did not show by ``deadline``."""
+    spins = 0
+    while not seg.assigned(offset, token, nonce):
+        if time.monotonic() >= deadline:
+            return False
+        spins += 1
+        if spins > 64:
+            time.sleep(0.0002)
+    dst = seg.region(offset, view.nbytes)
+    if dst is None:
+        return False
+    dst[:] = np.frombuffer(view, dtype=np.uint8)
+    seg.report_written(offset, token)
+    return True
+
+
 def write_all(client, grants: dict, segments: dict, deadline: float,
               term: int) -> dict[int, errors.KvError]:
     """Write every replica of every grant (``grants[i] = (key, view, token,
-    replicas)``): one ``writes`` message per storage node, all in flight at
-    once; wait for the acks. Returns the failures by ``i``.
+    replicas, direct)``, ``direct`` the segments granted to this client as a
+    direct writer): those straight into the segment, the others as one
+    ``writes`` message per storage node, all in flight at once; wait for the
+    acks. Returns the failures by ``i``.
 
     A message unacked by the deadline fails its regions with
     ``TransferTimeout`` and is cancelled at its node (each region's transfer,
@@ -185,12 +221,20 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     attempts at the master, so even a write that ran is never published."""
     failed: dict[int, errors.KvError] = {}
     per_node: dict[str, tuple[str, list, list, list]] = {}   # endpoint -> (segment, regions, frames, whose)
-    for i, (key, view, token, replicas) in grants.items():
+    assign_by = min(deadline, time.monotonic() + ASSIGN_WAIT)
+    for i, (key, view, token, replicas, *rest) in grants.items():
+        direct = rest[0] if rest else ()
         for seg, offset, length in replicas:
             info = segments.get(seg)
             if not isinstance(info, list) or not info or length != view.nbytes:
                 failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
                 break
+            if seg in direct:
+                mapped = client._writable.get(info)
+                if mapped is not None and write_direct(mapped, offset, token, info[4], view, assign_by):
+                    client.transfer_counters["direct_writes"] += 1
+                    continue
+            client.transfer_counters["network_writes"] += 1
             client._put_gen += 1
             batch = per_node.setdefault(info[0], (seg, [], [], []))
             batch[1].append([offset, token, client._put_gen])

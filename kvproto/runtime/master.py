@@ -133,7 +133,7 @@ class Parked:
     connection to each node, and a node holds a write that arrives before its
     region's assign until the assign is applied (``StorageServer``)."""
 
-    __slots__ = ("reply_to", "request_id", "items", "waiting", "op")
+    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "keys")
 
     #: the request -> the storage command whose acks its reply waits for
     WAITS_FOR = {"put_start": None, "put_end": "publish", "remove": "free"}
@@ -144,6 +144,7 @@ class Parked:
         self.items = items
         self.waiting: set[int] = set()
         self.op = op
+        self.keys: Optional[list] = None   # put_end: the key of each item
 
 
 class FenceRound:
@@ -236,6 +237,13 @@ class MasterCore:
         self._commands: dict[int, Command] = {}
         self._next_cmd = 1
         self._queue: list[tuple[str, str, list]] = []     # (segment, op, region) in effect order
+        #: (segment, offset) -> token of the regions granted to direct writers
+        #: (spec/DirectWrite.tla): freed only when their node says so
+        self._direct: dict[tuple[str, int], int] = {}
+        #: segment -> offset -> length: regions draining for a direct writer
+        #: that may still write them; not free until the node reports them drained
+        self.draining: dict[str, dict[int, int]] = defaultdict(dict)
+        self._writing: Optional[tuple[str, str]] = None   # (writer, host) of the put being granted
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         #: the failover phase machine (spec/Failover.tla), replaced only by
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
@@ -274,9 +282,17 @@ class MasterCore:
     def _carry_out(self, effects: tuple) -> None:
         for e in effects:
             if isinstance(e, AssignRegion):
-                self._queue.append((e.segment, "assign", [e.offset, e.length, e.key, e.token]))
+                region = [e.offset, e.length, e.key, e.token]
+                writing = self._writing
+                if writing is not None and self._same_host(e.segment, writing[1]):
+                    # its writer writes it itself (spec/DirectWrite.tla Grant)
+                    region.append(writing[0])
+                    self._direct[(e.segment, e.offset)] = e.token
+                self._queue.append((e.segment, "assign", region))
             elif isinstance(e, FreeRegion):
-                self.placer.release([Replica(e.segment, e.offset, e.length)])
+                if self._direct.get((e.segment, e.offset)) != e.token:
+                    self.placer.release([Replica(e.segment, e.offset, e.length)])
+                # else: free once the node says so; it may drain for its writer first
                 self._queue.append((e.segment, "free", [e.offset, e.token, e.length]))
             elif isinstance(e, Published):
                 self._forget_pending(e.token)
@@ -328,11 +344,14 @@ class MasterCore:
                 cmd_id = self._next_cmd
                 self._next_cmd += 1
                 owner = parked if parked is not None and Parked.WAITS_FOR[parked.op] == op else None
+                body = {"segment": segment, "regions": regions, "term": self.failover.term}
+                if op == "assign" and any(len(r) > 4 for r in regions):
+                    body["direct"] = [[r[0], r[4]] for r in regions if len(r) > 4]
+                    body["regions"] = regions = [r[:4] for r in regions]
                 self._commands[cmd_id] = Command(cmd_id, segment, op, regions, owner, now)
                 if owner is not None:
                     owner.waiting.add(cmd_id)
-                self.outbox.append((segment, op, cmd_id, {"segment": segment, "regions": regions,
-                                                          "term": self.failover.term}))
+                self.outbox.append((segment, op, cmd_id, body))
 
     def _session(self, client: str, create: bool = False) -> Optional[ClientSession]:
         session = self.sessions.get(client)
@@ -484,6 +503,16 @@ class MasterCore:
         info.last_seen = self.clock()
         return 0, {}
 
+    def _op_storage_drained(self, body, reply_to, request_id):
+        """Regions that drained for their direct writer (spec/DirectWrite.tla
+        ``Drain``): free again."""
+        draining = self.draining.get(body["segment"], {})
+        for offset in body["offsets"]:
+            length = draining.pop(offset, None)
+            if length is not None and body["segment"] in self.segments:
+                self.placer.release([Replica(body["segment"], offset, length)])
+        return 0, {}
+
     def _op_deregister(self, body, reply_to, request_id):
         if body["segment"] not in self.segments:
             raise errors.SegmentUnavailable(f"segment {body['segment']!r} is not live")
@@ -505,11 +534,31 @@ class MasterCore:
             if attempt is not None:
                 attempt[1] = now
 
+    def _same_host(self, segment: str, host: str) -> bool:
+        info = self.segments.get(segment)
+        return info is not None and info.host == host
+
     def _op_put_start(self, body, reply_to, request_id):
+        """``PutStart`` per item. With ``writer`` and ``host``, a replica on a
+        segment of the client's host is granted to it as a direct writer
+        (spec/DirectWrite.tla): the grant lists those segments in ``direct``."""
         client, replicas = body["client"], body["replicas"]
         items: list = [None] * len(body["items"])
         parked = Parked(reply_to, request_id, items)
         session = self._session(client, create=True)
+        self._writing = (body["writer"], body["host"]) if "writer" in body and "host" in body else None
+        try:
+            self._put_start_items(body, client, replicas, items, session)
+        finally:
+            self._writing = None
+        if session.empty():
+            del self.sessions[client]
+        self._flush(parked)
+        if parked.waiting:
+            return None
+        return self._complete(parked)
+
+    def _put_start_items(self, body, client, replicas, items, session) -> None:
         for i, (key, length) in enumerate(body["items"]):
             placement = self.placer.place(length, replicas)
             if placement is None:
@@ -537,14 +586,13 @@ class MasterCore:
             self.counters["puts_started"] += 1
             session.tokens[grant.token] = [key, self.clock()]
             self._owner[grant.token] = client
-            items[i] = wire.ok_item({"token": grant.token,
-                                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]})
-        if session.empty():
-            del self.sessions[client]
-        self._flush(parked)
-        if parked.waiting:
-            return None
-        return self._complete(parked)
+            item = {"token": grant.token,
+                    "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
+            direct = [r.segment for r in grant.replicas
+                      if self._direct.get((r.segment, r.offset)) == grant.token]
+            if direct:
+                item["direct"] = direct
+            items[i] = wire.ok_item(item)
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
         if parked.op != "put_start":
@@ -577,6 +625,7 @@ class MasterCore:
         a failover."""
         _, ended = self._end_or_revoke(body, PutEnd)
         parked = Parked(reply_to, request_id, ended["items"], "put_end")
+        parked.keys = [key for key, _ in body["items"]]
         self._flush(parked)
         self.evict()
         if parked.waiting:
@@ -770,6 +819,8 @@ class MasterCore:
                 "used": ledger.capacity - ledger.free if ledger.live else 0,
                 "allocator_free": alloc.free_bytes if alloc else 0,
                 "free_extent_bytes": alloc.free_extent_bytes if alloc else 0,
+                # freed, but held for a direct writer that may still write them
+                "draining": sum(self.draining.get(seg, {}).values()),
                 "endpoint": info.endpoint if info else None,
             }
         used, capacity = self._ledger_usage()
@@ -812,7 +863,14 @@ class MasterCore:
             if type(results) is not list or len(results) != len(cmd.regions):
                 results = [[reply.status or errors.MalformedFrame.code, "bad reply"]] * len(cmd.regions)
             for region, result in zip(cmd.regions, results):
-                err, _ = wire.item_result(result)
+                err, value = wire.item_result(result)
+                if cmd.op == "free" and self._direct.get((segment, region[0])) == region[1]:
+                    # a direct writer's region: free, or draining until it reports
+                    del self._direct[(segment, region[0])]
+                    if err is None and value == "draining":
+                        self.draining[segment][region[0]] = region[2]
+                    else:
+                        self.placer.release([Replica(segment, region[0], region[2])])
                 if err is None:
                     if cmd.op == "publish":
                         self.counters["publish_marks"] += 1
@@ -820,9 +878,10 @@ class MasterCore:
                 self.counters["storage_refusals"] += 1
                 log.error("segment %s refused %s %r: %s", segment, cmd.op, region, err)
                 if cmd.op == "publish":
-                    # the object stays published here, but a new master
-                    # would not recover it (the node's index lacks the publish)
+                    # not recorded at the node: a new master would not recover
+                    # it, so it is not acknowledged, and it is taken back
                     self.counters["publish_mark_refusals"] += 1
+                    self._unpublish(cmd.parked, region[1], err)
                 if cmd.op == "assign":
                     # the writer's write to that node is refused too (its region
                     # was never assigned), and its put_end is StaleToken
@@ -830,6 +889,14 @@ class MasterCore:
         finally:
             self._settle(cmd)
             self._flush()
+
+    def _unpublish(self, parked: Optional[Parked], key: bytes, err: errors.KvError) -> None:
+        """A publish a node refused (e.g. a direct write never reported): the
+        writer is told (its item becomes the error) and the object is removed
+        again, so that no master lists what no node recorded."""
+        if parked is not None and parked.keys is not None and key in parked.keys:
+            parked.items[parked.keys.index(key)] = wire.error_item(err)
+        self._step(Remove(key))
 
     def _settle(self, cmd: Command) -> None:
         parked = cmd.parked
@@ -884,6 +951,11 @@ class MasterCore:
                 raise reply.error()
             info = {k: reply.body[k] for k in ("segment", "capacity", "endpoint", "host", "shm",
                                                "gen_shm", "nonce", "page_size", "next_token")}
+            draining = reply.body.get("draining", [])
+            if type(draining) is not list or not all(
+                    type(d) is list and len(d) == 2 and all(type(x) is int for x in d) for d in draining):
+                raise errors.MalformedFrame("fence reply: draining regions are not [offset, length] pairs")
+            info["draining"] = draining
             if info["segment"] != segment or len(reply.payloads) != 1 \
                     or type(info["next_token"]) is not int or info["next_token"] < 1:
                 raise errors.MalformedFrame("fence reply for another segment, without its index "
@@ -943,6 +1015,12 @@ class MasterCore:
         for _, _, length, replicas in objects:
             for r in replicas:
                 used[r.segment].append((r.offset, length))
+        # regions still draining for a direct writer of an older term are not free
+        self.draining = defaultdict(dict)
+        for s in live:
+            for offset, length in rnd.infos[s].get("draining", ()):
+                used[s].append((offset, length))
+                self.draining[s][offset] = length
         self.placer = Placer()
         for s in live:
             info = rnd.infos[s]
@@ -1006,6 +1084,9 @@ class MasterCore:
             log.log(logging.INFO if why == "deregistered" else logging.WARNING,
                     "segment %s lost (%s)", segment, why)
         self.placer.drop(segment)
+        self.draining.pop(segment, None)
+        for where in [w for w in self._direct if w[0] == segment]:
+            del self._direct[where]
         if self.segments.pop(segment, None) is not None:
             self.closed.append(segment)
         for cmd_id, cmd in list(self._commands.items()):

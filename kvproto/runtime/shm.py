@@ -33,6 +33,16 @@ what makes the read safe and the check is best effort.
 Readers map the objects read-only with ``shm_open(O_RDONLY)`` + ``mmap`` and
 never register them with :mod:`multiprocessing.resource_tracker` (which would
 unlink the node's segment when the *reader* exits).
+
+Direct writers (``spec/DirectWrite.tla``). A client on the node's host may be
+granted a region to write itself: it maps the segment writable
+(:class:`LocalSegment` with ``writable=True``), waits until the region's word
+reads ``token << 1`` (the node applied the assign), copies its bytes in, and
+then sets the word to ``token << 1 | 1``: that store is its report that the
+write is finished. Each direct writer holds a :class:`WriterLock` (an
+exclusive ``flock`` on a small file beside the segments) for as long as its
+process lives; the kernel releases it when the process dies, which is how the
+node knows a writer that never reported is dead (:func:`writer_alive`).
 """
 
 from __future__ import annotations
@@ -224,11 +234,13 @@ def _close_quietly(shm: SharedMemory) -> None:
 class LocalSegment:
     """A reader's read-only mapping of a storage node's segment on this host."""
 
-    def __init__(self, shm: str, gen_shm: str, capacity: int, page_size: int) -> None:
+    def __init__(self, shm: str, gen_shm: str, capacity: int, page_size: int,
+                 writable: bool = False) -> None:
         if _posixshmem is None:
             raise OSError("POSIX shared memory is not available")
         self.capacity = capacity
         self.page_size = page_size
+        self.writable = writable
         pages = capacity // page_size
         self._maps: list[mmap.mmap] = []
         try:
@@ -245,11 +257,12 @@ class LocalSegment:
             raise OSError(f"{gen_shm!r} is not the generation table of this segment")
 
     def _map(self, name: str, size: int) -> mmap.mmap:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
+        flags = os.O_RDWR if self.writable else os.O_RDONLY
+        fd = _posixshmem.shm_open("/" + name, flags, mode=0o600)
         try:
             if os.fstat(fd).st_size < size:
                 raise OSError(f"shared memory {name!r} is smaller than {size} bytes")
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ)
         finally:
             os.close(fd)
         self._maps.append(mm)
@@ -270,6 +283,24 @@ class LocalSegment:
         if int(gens[idx]) != want or int(gens[1]) != nonce:
             return None
         return memoryview(out)
+
+    def region(self, offset: int, length: int) -> Optional[np.ndarray]:
+        """The region's bytes as a writable array (a direct writer's destination),
+        or ``None`` for a read-only mapping or a region outside the segment."""
+        if not self.writable or offset < 0 or offset % self.page_size \
+                or offset + length > self.capacity:
+            return None
+        return self._data[offset:offset + length]
+
+    def assigned(self, offset: int, token: int, nonce: int) -> bool:
+        """Whether the node has applied the region's assign to ``token`` (and
+        nobody reported a write yet): a direct writer may write it."""
+        idx = HEADER_WORDS + offset // self.page_size
+        return int(self._gens[1]) == nonce and int(self._gens[idx]) == gen_word(token, False)
+
+    def report_written(self, offset: int, token: int) -> None:
+        """A direct writer's report: its copy into the region is complete."""
+        self._gens[HEADER_WORDS + offset // self.page_size] = gen_word(token, True)
 
     def read_into(self, offset: int, length: int, token: int, nonce: int, dest: memoryview) -> bool:
         """:meth:`read` into ``dest`` (the caller's memory, at least ``length``
@@ -294,3 +325,56 @@ class LocalSegment:
             except BufferError:
                 pass
         self._maps = []
+
+
+WRITER_PREFIX = "kvpw_"
+
+
+class WriterLock:
+    """A direct writer's proof of life: an exclusive ``flock`` on a file in
+    ``/dev/shm`` named :attr:`name`, held until :meth:`close` or the process's
+    death (the kernel drops it either way)."""
+
+    def __init__(self) -> None:
+        import fcntl
+        self.name = f"{WRITER_PREFIX}{secrets.token_hex(8)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            os.close(self._fd)   # releases the lock
+            self._fd = -1
+
+
+def writer_alive(name: str) -> bool:
+    """Whether the direct writer named ``name`` (a :class:`WriterLock`) still
+    lives: its lock is held. A name that is not a writer lock's, or whose file
+    is gone, is a dead writer."""
+    import fcntl
+    if not name.startswith(WRITER_PREFIX) or "/" in name:
+        return False
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))   # its writer is gone: tidy up
+        except OSError:
+            pass
+        return False
+    finally:
+        os.close(fd)

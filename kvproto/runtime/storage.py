@@ -68,8 +68,9 @@ import zmq
 from kvproto import errors
 from kvproto.runtime import collector, wire
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
-from kvproto.runtime.shm import SegmentMemory, gen_word, host_id
+from kvproto.runtime.shm import SegmentMemory, gen_word, host_id, writer_alive
 from kvproto.runtime.units import parse_size
+from kvproto.statemachines import directwrite as dw
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.publish import (
     AssignRegion, FreeRegion, ReadReplica, Refused, RegionTable, WriteReplica, storage_step,
@@ -96,7 +97,7 @@ class StorageCore:
     COUNTERS = ("assigned", "freed", "writes", "reads", "refused", "rejected", "bytes_written",
                 "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
                 "stale_reads", "reads_delayed", "published", "fences", "stale_terms", "purged",
-                "bytes_purged")
+                "bytes_purged", "direct_granted", "direct_published", "draining", "drained")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
@@ -117,6 +118,12 @@ class StorageCore:
         #: an owner is one client transfer engine, whose generations are unique.
         #: Only transfers in progress are kept, and only owners that have some.
         self.xfers: dict[str, NodeTransfers] = {}
+        #: regions granted to direct writers (``spec/DirectWrite.tla``), replaced
+        #: only by ``directwrite.node_step``; a region freed while its writer may
+        #: still write it stays here, draining, until the writer reports or dies
+        self.direct = dw.DirectTable()
+        #: offset -> length of the draining regions (what the master must keep out)
+        self.draining: dict[int, int] = {}
 
     @property
     def segment(self) -> str:
@@ -128,6 +135,8 @@ class StorageCore:
         self.memory.reset()
         self.table = RegionTable(segment)
         self.fence = fm.StorageNode(self.fence.term)
+        self.direct = dw.DirectTable()
+        self.draining.clear()
 
     @property
     def term(self) -> int:
@@ -266,9 +275,28 @@ class StorageCore:
             return {"xfer": body["xfer"], "buffer": body["buffer"]}, result[1]
         return getattr(self, "_op_" + op)(body, payloads)
 
+    def _dstep(self, event):
+        """``directwrite.node_step`` without committing: ``(table, effects, error)``."""
+        table, effects = dw.node_step(self.direct, event)
+        if effects and isinstance(effects[0], dw.Refused):
+            return None, effects, effects[0].error
+        return table, effects, None
+
+    def _observe(self, offset: int, token: int) -> None:
+        """``WriteReported`` once a direct writer's report shows in the region's
+        generation word (it sets ``token << 1 | 1`` after its copy)."""
+        region = self.direct.regions.get(offset)
+        if region is not None and region.token == token and not region.wrote \
+                and self.memory.word(offset) == gen_word(token, True):
+            self.direct, _ = dw.node_step(self.direct, dw.WriteReported(offset, token))
+
     def _op_assign(self, body, payloads):
-        """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index), both or neither."""
+        """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index),
+        and ``GrantDirect`` for a region named in ``direct`` (its writer writes
+        it itself), all or none. A region still draining for an earlier direct
+        writer is refused."""
         mem, term = self.memory, body["term"]
+        direct = dict(body.get("direct", ()))
         results = []
         for offset, length, key, token in body["regions"]:
             if offset % mem.page_size or offset + length > mem.capacity:
@@ -278,38 +306,88 @@ class StorageCore:
             fence, _, err = self._fstep(fm.StampedAllocate(self.segment, key, term, offset, length, token))
             if err is None:
                 table, err = self._step(AssignRegion(self.segment, offset, length, key, token))
+            dtable = self.direct
+            if err is None and offset in direct:
+                dtable, _, err = self._dstep(dw.GrantDirect(offset, token, direct[offset]))
+            elif err is None and offset in dtable.regions:
+                err = errors.RegionMismatch(f"region {offset} is still draining for a direct writer")
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
             mem.set_word(offset, gen_word(token, False))
-            self.table, self.fence = table, fence
+            self.table, self.fence, self.direct = table, fence, dtable
+            self.counters["direct_granted"] += offset in direct
             self.tokens_seen = max(self.tokens_seen, token)
             self.counters["assigned"] += 1
             results.append(wire.ok_item())
         return {"results": results}, []
 
-    def _free_region(self, offset: int, token: int, length: int) -> Optional[errors.KvError]:
+    def _free_region(self, offset: int, token: int, length: int,
+                     keep_word: bool = False) -> Optional[errors.KvError]:
         table, err = self._step(FreeRegion(self.segment, offset, token, length))
         if err is not None:
             return err
         self.table = table
-        self.memory.set_word(offset, 0)
+        if not keep_word:
+            self.memory.set_word(offset, 0)
         self.counters["freed"] += 1
         return None
 
     def _op_free(self, body, payloads):
-        """``FreeRegion`` (publish); the index entry of that allocation goes with it (``StampedFree``)."""
+        """``FreeRegion`` (publish); the index entry of that allocation goes with
+        it (``StampedFree``). A direct writer's region whose writer may still
+        write it drains instead (``FreeDirect``): its item is ``[0, "draining"]``,
+        and the master keeps it out until this node reports it drained."""
         results = []
         for offset, token, length in body["regions"]:
             region = self.table.regions.get(offset)
             fence = None
             if region is not None and region.token == token:
                 fence, _, _ = self._fstep(fm.StampedFree(self.segment, region.key, body["term"], token))
-            err = self._free_region(offset, token, length)
+            err, draining = self._release(offset, token, length)
             if err is None and fence is not None:
                 self.fence = fence
-            results.append(wire.ok_item() if err is None else wire.error_item(err))
+            results.append(wire.error_item(err) if err is not None
+                           else wire.ok_item("draining" if draining else None))
         return {"results": results}, []
+
+    def _release(self, offset: int, token: int, length: int) -> tuple[Optional[errors.KvError], bool]:
+        """Free a region (``FreeRegion``), through ``FreeDirect`` when a direct
+        writer holds it: ``(error, draining)``. A draining region leaves the
+        region table (it holds no object) but keeps its generation word, where
+        its writer's report will show."""
+        region = self.direct.regions.get(offset)
+        draining = False
+        if region is not None and region.token == token:
+            self._observe(offset, token)
+            table, effects, err = self._dstep(dw.FreeDirect(offset, token, writer_alive(region.writer)))
+            if err is not None:
+                return err, False
+            draining = isinstance(effects[0], dw.Draining)
+        err = self._free_region(offset, token, length, keep_word=draining)
+        if err is None and region is not None and region.token == token:
+            self.direct = table
+            if draining:
+                self.draining[offset] = length
+                self.counters["draining"] += 1
+        return err, draining
+
+    def drain(self) -> list[int]:
+        """``Drain`` every draining region whose writer reported or died: they are
+        free now; returns their offsets (to report to the master)."""
+        done = []
+        for offset, region in list(self.direct.regions.items()):
+            if region.state is not dw.RegionState.DRAINING:
+                continue
+            self._observe(offset, region.token)
+            table, _, err = self._dstep(dw.Drain(offset, writer_alive(region.writer)))
+            if err is None:
+                self.direct = table
+                self.memory.set_word(offset, 0)
+                self.draining.pop(offset, None)
+                self.counters["drained"] += 1
+                done.append(offset)
+        return done
 
     def _op_publish(self, body, payloads):
         """``StampedPublish``: the master published the object; its region must
@@ -317,6 +395,20 @@ class StorageCore:
         results = []
         for offset, key, token in body["regions"]:
             region = self.table.regions.get(offset)
+            direct = self.direct.regions.get(offset)
+            dtable, table = self.direct, self.table
+            if direct is not None and direct.token == token and region is not None \
+                    and region.token == token and region.key == key:
+                # a direct write: published only once its writer reported it
+                self._observe(offset, token)
+                dtable, _, err = self._dstep(dw.PublishDirect(offset, token))
+                if err is None and not region.done:
+                    table, err = self._step(WriteReplica(self.segment, offset, token))
+                if err is not None:
+                    self.counters["refused"] += 1
+                    results.append(wire.error_item(err))
+                    continue
+                region = table.regions[offset]
             if region is None or region.token != token or region.key != key or not region.done:
                 self.counters["refused"] += 1
                 results.append(wire.error_item(errors.StaleToken(
@@ -326,8 +418,9 @@ class StorageCore:
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
-            self.fence = fence
+            self.fence, self.direct, self.table = fence, dtable, table
             self.counters["published"] += 1
+            self.counters["direct_published"] += direct is not None and direct.token == token
             results.append(wire.ok_item())
         return {"results": results}, []
 
@@ -344,7 +437,8 @@ class StorageCore:
             rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
             frame = wire.pack(rows)
         return {**self.registration(), "term": self.fence.term, "objects": len(rows),
-                "next_token": self.tokens_seen + 1}, [frame]
+                "next_token": self.tokens_seen + 1,
+                "draining": [[off, n] for off, n in sorted(self.draining.items())]}, [frame]
 
     def _op_purge(self, body, payloads):
         """``PurgeUnpublished``: drop unpublished allocations of older terms and
@@ -357,7 +451,7 @@ class StorageCore:
         self.fence = fence
         for key in purged.keys:
             e = before[key]
-            self._free_region(e.offset, e.token, e.length)
+            self._release(e.offset, e.token, e.length)
         self.counters["purged"] += len(purged.keys)
         self.counters["bytes_purged"] += purged.freed
         return {"purged": len(purged.keys), "freed": purged.freed}, []
@@ -414,6 +508,7 @@ class StorageCore:
         mem.data[offset:offset + region.length] = payload  # the one memcpy
         mem.set_word(offset, gen_word(token, True))
         self.table = table
+        self._observe(offset, token)   # a direct writer's region written over the network
         self.counters["writes"] += 1
         self.counters["bytes_written"] += region.length
 
@@ -653,6 +748,10 @@ class StorageServer:
         if self.refused is not None:
             return
         self._freezer.grown(len(self.core.fence.index))
+        if self.core.draining:
+            drained = self.core.drain()
+            if drained and self.registered.is_set():
+                self._to_master("storage_drained", {"segment": self.segment, "offsets": drained})
         self._follow()
         now = time.monotonic()
         if self.registered.is_set():

@@ -181,12 +181,16 @@ MASTER_OPS: dict[str, OpSchema] = {
         "page_size": uint(1 << 30, 1),
     }),
     "storage_heartbeat": OpSchema({"segment": SEGMENT}),
+    # regions that drained for their direct writer (spec/DirectWrite.tla Drain): free now
+    "storage_drained": OpSchema({"segment": SEGMENT, "offsets": list_of(uint(), min_items=1)}),
     "deregister": OpSchema({"segment": SEGMENT}),
     # writer / reader -> master
+    # ``writer``/``host``: the client may write replicas on its own host itself
+    # (its writer lock's name and its host id; spec/DirectWrite.tla)
     "put_start": OpSchema({
         "client": CLIENT, "replicas": uint(MAX_REPLICAS, 1),
         "items": list_of(tuple_of(KEY, uint(min_value=1)), min_items=1),
-    }),
+    }, optional={"writer": text(64, 1), "host": text(MAX_NAME, 1)}),
     "put_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     # revoke this client's own pending attempts on ``keys``, whose tokens it never received
@@ -219,8 +223,10 @@ TERM = uint()
 
 STORAGE_OPS: dict[str, OpSchema] = {
     # master -> storage node (control), each stamped with the master's term
+    # ``direct``: [offset, writer] of the regions whose writer writes them itself
     "assign": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
-        tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1)}),
+        tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1)},
+        optional={"direct": list_of(tuple_of(uint(), text(64, 1)))}),
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
     # mark written regions published (after the master's PutEnd): [offset, key, token]

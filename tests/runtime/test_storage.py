@@ -135,7 +135,7 @@ def test_one_writes_message_carries_a_batchs_regions(cluster):
     judged on its own: a region whose token does not own it is refused while
     the others are written."""
     from kvproto.runtime import datapath
-    client = cluster.client()
+    client = cluster.client(local_writes=False)          # over the network, not direct
     node = cluster.storage[0]
     before = node.core.counters["writes"]
     errs = client.put_many([(b"w/%d" % i, bytes([i]) * 5000) for i in range(6)])

@@ -37,7 +37,7 @@ def node(cluster):
 
 @pytest.fixture
 def client(cluster):
-    c = cluster.client()
+    c = cluster.client(local_writes=False)     # writes cross the network: they can time out
     yield c
     c.close()
 
