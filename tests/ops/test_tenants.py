@@ -223,3 +223,30 @@ def test_a_refused_step_raises_its_error_and_changes_nothing():
     assert reg.state is before
     reg.step(tm.WriteStart("alpha", ns, b"b", 4 << 10), 0.25)       # 4 KiB refilled by then
     assert reg.usage()["alpha"]["held"] == 34 << 10
+
+
+@given(beta=st.lists(st.tuples(st.sampled_from([0.0, 0.05, 0.3]), st.integers(1, 2048)), max_size=25),
+       alpha=st.lists(st.tuples(st.integers(0, 24), st.integers(1, 16 << 10)), max_size=60))
+def test_a_tenant_hammering_writes_never_changes_what_another_is_admitted(beta, alpha):
+    """Quotas isolate: beta's writes are admitted or refused exactly as they
+    would be with alpha idle, however hard alpha writes (memory has room)."""
+    def run(with_alpha: bool) -> list:
+        reg, now, answers = registry(), 0.0, []
+        a, b = reg.namespace("alpha", "default"), reg.namespace("beta", "default")
+        for i, (dt, size) in enumerate(beta):
+            now += dt
+            if with_alpha:
+                for j, (_, asize) in enumerate(x for x in alpha if x[0] == i):
+                    try:
+                        reg.step(tm.WriteStart("alpha", a, b"a%d.%d" % (i, j), asize), now)
+                        reg.step(tm.WriteEnd(a, b"a%d.%d" % (i, j)), now)
+                    except errors.QuotaExceeded:
+                        pass
+            try:
+                reg.step(tm.WriteStart("beta", b, b"b%d" % i, size), now)
+                reg.step(tm.WriteEnd(b, b"b%d" % i), now)
+                answers.append("ok")
+            except errors.KvError as err:
+                answers.append(type(err).__name__)
+        return answers
+    assert run(True) == run(False)
