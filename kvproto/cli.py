@@ -6,7 +6,8 @@ verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc
 ``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
 measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
-and traffic per machine (:mod:`kvproto.ops`); ``kvproto --version`` prints the
+and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
+tenant's token or checks a tenants file; ``kvproto --version`` prints the
 installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
@@ -551,6 +552,16 @@ def plan(args: argparse.Namespace) -> int:
     return plancli.main(args)
 
 
+def _tenant_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import tenants
+    tenants.add_arguments(parser)
+
+
+def tenant(args: argparse.Namespace) -> int:
+    from .ops import tenants
+    return tenants.main(args)
+
+
 # --- subcommands ----------------------------------------------------------------
 
 # name -> (help, add_arguments(parser), handler(args) -> exit code).
@@ -569,4 +580,6 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
              _plan_arguments, plan),
     "stats": ("print a running cluster's figures (the metrics' names), once or every few seconds",
               _stats_arguments, stats),
+    "tenant": ("make a tenant's secret token, or check a tenants file (quotas, namespaces, grants)",
+               _tenant_arguments, tenant),
 }
