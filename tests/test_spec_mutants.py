@@ -40,6 +40,16 @@ MUTANTS = [
         "OneAttemptPublishes",
         "THEN /\\ dir' = [dir EXCEPT ![k].status = \"published\"]",
         "THEN /\\ dir' = dir"),
+    SpecMutant(
+        "Lease: a release reclaims the object it protected", "Lease_Skew", "ReleaseIsNotDelete",
+        "    /\\ dir' = DirAfterRelease(r)\n"
+        "    /\\ lease' = [lease EXCEPT ![r] = None]\n"
+        "    /\\ reader' = [reader EXCEPT ![r] = None]\n"
+        "    /\\ UNCHANGED <<now, dropped, inherited, quietUntil, takeovers>>\n",
+        "    /\\ lease[r] # None /\\ Present(lease[r].key)\n"
+        "    /\\ Reclaim(lease[r].key)\n"
+        "    /\\ lease' = [lease EXCEPT ![r] = None]\n"
+        "    /\\ UNCHANGED <<now, dropped, quietUntil, takeovers>>\n"),
 ]
 
 

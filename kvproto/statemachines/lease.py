@@ -665,28 +665,33 @@ class System:
     table: LeaseTable
     slots: tuple                   # the storage regions, one object each
     readers: immutables.Map        # reader -> ReadState | None
-    dropped: frozenset             # history: keys not cached (never put, or removed/evicted)
+    dropped: frozenset             # history: keys never put, or removed/evicted since put
     max_skew: int = 0
     takeovers: int = 0             # how many times a new master took over
+    keys: frozenset = frozenset()  # the spec's Keys: every key a client may use
 
     @classmethod
     def initial(cls, keys: Sequence[Hashable], slots: Sequence[str], readers: Sequence[str],
                 ttl: int, max_skew: int) -> "System":
         return cls(new_table(ttl), tuple(slots), immutables.Map({r: None for r in readers}),
-                   frozenset(keys), max_skew)
+                   frozenset(keys), max_skew, keys=frozenset(keys))
 
     def _with(self, **changes) -> "System":
         return attrs.evolve(self, **changes)
 
     def master(self, event) -> tuple["System", Effects]:
-        """Step the master and deliver its effects to the readers."""
+        """Step the master and deliver its effects to the readers. An accepted
+        Remove or Evict is recorded in ``dropped`` (the request, not the
+        reclaim it causes: spec ``ReleaseIsNotDelete``)."""
         table, effects = master_step(self.table, event)
         if table is self.table:
             return self, effects
         new = self._with(table=table)
+        if isinstance(event, (Remove, Evict)):
+            new = new._with(dropped=new.dropped | {event.key})
         for eff in effects:
             if isinstance(eff, Reclaimed):
-                new = new._clobber(eff.region)._with(dropped=new.dropped | {eff.key})
+                new = new._clobber(eff.region)
             elif isinstance(eff, Cached):
                 new = new._with(dropped=new.dropped - {eff.key})
         return new, effects
@@ -870,10 +875,10 @@ def no_consume_of_reclaimed_bytes(sys: System) -> bool:
 
 
 def release_is_not_delete(sys: System) -> bool:
-    """Spec ``ReleaseIsNotDelete``: a key is uncached only if never put or
-    removed/evicted (tracked by ``dropped``)."""
+    """Spec ``ReleaseIsNotDelete``: a key is uncached exactly when it was never
+    put, or a Remove or an Evict took it since (tracked by ``dropped``)."""
     return all((k in sys.table.objects) != (k in sys.dropped)
-               for k in set(sys.table.objects) | sys.dropped)
+               for k in sys.keys | set(sys.table.objects) | sys.dropped)
 
 
 def leases_held_by_reads(sys: System) -> bool:
