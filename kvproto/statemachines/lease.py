@@ -93,7 +93,9 @@ class LeaseTable:
     bound on the earliest expiry (a :class:`Tick` before it does no work) and
     ``last_used`` is the eviction policy's recency (master time of the last grant
     or renewal); both are caches, not protocol state, and are excluded from
-    equality.
+    equality. No step's result depends on them as long as ``earliest`` is a
+    lower bound (None only with no lease), which every step keeps
+    (tests/stateful/test_caches.py).
     """
 
     ttl: int
@@ -848,6 +850,8 @@ def type_ok(sys: System) -> bool:
         actual.setdefault(lease.key, set()).add(h)
     if index != actual:
         return False
+    if t.earliest is None and t.leases:
+        return False
     if t.earliest is not None and any(l.expires < t.earliest for l in t.leases.values()):
         return False
     for read in sys.readers.values():
@@ -959,7 +963,7 @@ def to_tla(sys: System, c: Constants) -> Fn:
     Keys, slots (regions) and readers map to model values of the same name; an
     uncached key, an absent lease, an idle reader and a read's unknown region to
     the model value ``None``; a lease's holder is its reader. ``earliest`` and
-    ``last_used`` are caches and are not mapped.
+    ``last_used`` are caches that change no step's result, and are not mapped.
     """
     t = sys.table
 
