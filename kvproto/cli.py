@@ -6,7 +6,8 @@ verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc
 ``kvproto storage`` serve the runtime as separate processes; ``kvproto bench``
 measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
-and traffic per machine (:mod:`kvproto.ops`); ``kvproto chaos`` runs the fault
+and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
+tenant's token or checks a tenants file; ``kvproto chaos`` runs the fault
 matrix and ``kvproto fuzz`` fuzzes frames (:mod:`kvproto.checking`);
 ``kvproto --version`` prints the installed package's version.
 
@@ -496,10 +497,28 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replicas of each object (there are 2 storage nodes)")
     parser.add_argument("--segment-size", type=_size, default="384MiB",
                         help="shared memory of each of the 2 storage nodes")
+    parser.add_argument("--engine", action="store_true",
+                        help="instead: a real model (tiny, random, from a config) reuses its prefix through "
+                             "kvproto and hands it from prefill to decode; prints the prefix hit, the tokens "
+                             "skipped, the time saved and the logits check (needs torch and transformers)")
+    parser.add_argument("--model", choices=("llama", "qwen2"), default="llama",
+                        help="with --engine: the model architecture")
+    parser.add_argument("--prompt-tokens", type=_count, default=1025,
+                        help="with --engine: tokens of the prompt")
 
 
 def demo(args: argparse.Namespace) -> int:
     from . import demo as demo_module
+    if args.engine:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            return _fail("demo", f"--engine needs torch and transformers (pip install 'kvproto[model]'): {e}")
+        if args.prompt_tokens <= 4 * 128:
+            return _fail("demo", f"--prompt-tokens {args.prompt_tokens}: the engine demo needs more than "
+                                 "512 (4 chunks of 128 tokens)")
+        return demo_module.engine(kind=args.model, prompt_tokens=args.prompt_tokens)
     return demo_module.main(writers=args.writers, killed=args.killed, objects=args.objects,
                             replicas=args.replicas, segment_size=args.segment_size)
 
@@ -554,6 +573,16 @@ def plan(args: argparse.Namespace) -> int:
     return plancli.main(args)
 
 
+def _tenant_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import tenants
+    tenants.add_arguments(parser)
+
+
+def tenant(args: argparse.Namespace) -> int:
+    from .ops import tenants
+    return tenants.main(args)
+
+
 # --- subcommands ----------------------------------------------------------------
 
 # name -> (help, add_arguments(parser), handler(args) -> exit code).
@@ -572,6 +601,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
              _plan_arguments, plan),
     "stats": ("print a running cluster's figures (the metrics' names), once or every few seconds",
               _stats_arguments, stats),
+    "tenant": ("make a tenant's secret token, or check a tenants file (quotas, namespaces, grants)",
+               _tenant_arguments, tenant),
     "chaos": ("run the fault matrix: real processes, faults at chosen protocol phases, every "
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "

@@ -236,6 +236,50 @@ class MasterUnreachable(ServerUnavailable):
     code = 76
 
 
+# --- 80..89: tenants, namespaces and quotas (spec/Tenancy.tla) -----------------
+
+class Unauthorized(KvError):
+    """The request carries no credential, or one that authenticates no tenant."""
+    code = 80
+
+
+class AccessDenied(KvError):
+    """The tenant may not do this: it does not own the namespace and holds no grant on it."""
+    code = 81
+
+
+class QuotaExceeded(KvError):
+    """The request would take the tenant over one of its quotas (stored bytes, write bandwidth, bytes in flight)."""
+    code = 82
+
+
+class NamespaceClosed(KvError):
+    """The namespace takes no writes now (it is retiring, or held for inspection after a route back)."""
+    code = 83
+
+
+class UnknownNamespace(KvError):
+    """No namespace of this name exists (or it is not in a phase that allows this step)."""
+    code = 84
+
+
+# --- 90..99: engines: chunk objects and prefill -> decode hand-off -----------
+
+class LayoutMismatch(KvError):
+    """The stored KV was written under another layout than the reader's; it is refused."""
+    code = 90
+
+
+class HandoffUnavailable(KvError):
+    """The decode side could not take over a prefill's hand-off (gone, incomplete or refused)."""
+    code = 91
+
+
+class HandoffRetained(KvError):
+    """The hand-off is neither acknowledged by the decode side nor past its TTL; it is kept."""
+    code = 92
+
+
 _BY_CODE: dict[int, type[KvError]] = {}
 
 

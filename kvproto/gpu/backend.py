@@ -2,7 +2,10 @@
 
 A backend submits a list of ``(dst, src)`` tensor copies as one unit and
 returns a :class:`CopyHandle` whose completion is observed by polling
-(:meth:`CopyHandle.query`) or waiting (:meth:`CopyHandle.wait`).
+(:meth:`CopyHandle.query`) or waiting (:meth:`CopyHandle.wait`). ``src`` may
+also be a function ``src(dst)`` that moves the bytes itself, run in the
+unit's place (on the copy stream): a gather of blocks into ``dst``, or a
+scatter from it.
 
 * :class:`CudaBackend` — the copies are issued on a dedicated CUDA stream
   (``torch.cuda.Stream``) after it waits for the producing stream, and end in
@@ -139,8 +142,10 @@ class CpuBackend:
                 self._current = h
             self._gate.wait()
             for dst, src in h.pairs:
-                if dst == "sleep":
+                if isinstance(dst, str) and dst == "sleep":
                     time.sleep(src)
+                elif callable(src):
+                    src(dst)
                 else:
                     dst.copy_(src)
             with self._cv:
@@ -211,7 +216,10 @@ class CudaBackend:   # pragma: no cover - needs a CUDA device
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(producer)      # the KV the engine produced is complete
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+                if callable(src):
+                    src(dst)
+                else:
+                    dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         return _CudaHandle(event, list(pairs))
@@ -256,14 +264,18 @@ def _cudart():   # pragma: no cover - needs cuda-python
 class HostRegistration:   # pragma: no cover - needs cuda-python and a CUDA device
     """Page-lock existing host memory (e.g. the store's shared-memory segment,
     a numpy array over it) with ``cudaHostRegister`` so device copies read and
-    write it directly, with no staging copy. Unregisters on :meth:`close`."""
+    write it directly, with no staging copy. A read-only mapping is
+    registered read-only. Unregisters on :meth:`close`."""
 
     def __init__(self, array) -> None:
         cudart = _cudart()
         self._cudart = cudart
         self.ptr = int(array.__array_interface__["data"][0])
         self.nbytes = int(array.nbytes)
-        (err,) = cudart.cudaHostRegister(self.ptr, self.nbytes, cudart.cudaHostRegisterPortable)
+        flags = cudart.cudaHostRegisterPortable
+        if not array.flags.writeable:
+            flags |= cudart.cudaHostRegisterReadOnly
+        (err,) = cudart.cudaHostRegister(self.ptr, self.nbytes, flags)
         if err != cudart.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaHostRegister failed: {err}")
         self._array = array

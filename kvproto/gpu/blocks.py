@@ -39,8 +39,13 @@ from kvproto.statemachines import timeout as T
 
 
 class BlockPool(MachinePool):
-    """An engine's KV tensor (``layout.tensor_shape(n)``), registered once; block
-    ``i`` is machine buffer ``"blk{i}"``."""
+    """An engine's KV cache, registered once: one tensor
+    (``layout.tensor_shape(n)``), or for a layers-first layout one tensor per
+    layer; block ``i`` is machine buffer ``"blk{i}"``.
+
+    :meth:`gather` and :meth:`scatter` move a run of blocks between the cache
+    and one contiguous host buffer (the bytes of an object): on a GPU, one
+    gather on the device and one DMA, or one DMA and one scatter."""
 
     def __init__(self, kv: Any, layout: KVLayout, *, max_cancels: int = 3, max_leaked: int = 4) -> None:
         import torch
@@ -49,8 +54,9 @@ class BlockPool(MachinePool):
         self.kv = kv
         self.layout = layout
         self.num_blocks = n
-        self.device = kv.device
-        self._bytes = kv.view(torch.uint8).reshape(n, layout.block_bytes)
+        self.layers = list(kv) if layout.layers_major else None
+        self.device = (self.layers[0] if self.layers else kv).device
+        self._bytes = None if self.layers else kv.view(torch.uint8).reshape(n, layout.block_bytes)
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_blocks: int, device: Any = None, **kw) -> "BlockPool":
@@ -70,12 +76,70 @@ class BlockPool(MachinePool):
         return int(name[3:])
 
     def block_bytes(self, block: int):
-        """Block ``block`` as a 1-D uint8 tensor view (on the KV tensor's device)."""
-        return self._bytes[block]
+        """Block ``block`` as a 1-D uint8 tensor (a view of a blocks-first cache,
+        a copy of a layers-first one), on the cache's device."""
+        import torch
+        if self.layers is None:
+            return self._bytes[block]
+        return torch.cat([t[block].reshape(-1).view(torch.uint8) for t in self.layers])
 
     def block(self, block: int):
-        """Block ``block`` as a ``layout.block_shape`` tensor view."""
-        return self.kv[block]
+        """Block ``block`` as a ``layout.block_shape`` tensor (a view of a
+        blocks-first cache, a stacked copy of a layers-first one)."""
+        import torch
+        if self.layers is None:
+            return self.kv[block]
+        return torch.stack([t[block] for t in self.layers])
+
+    def _views(self, host, n: int) -> list:
+        """``host`` (a 1-D uint8 tensor of ``n`` blocks' bytes) as the tensors
+        it holds: one ``(n, *block_shape)`` for blocks first, one
+        ``(n, *layer_block_shape)`` per layer for layers first."""
+        lay = self.layout
+        typed = host.view(lay.torch_dtype())
+        if self.layers is None:
+            return [typed.view(n, *lay.block_shape)]
+        per = typed.numel() // lay.num_layers
+        return [typed[i * per:(i + 1) * per].view(n, *lay.layer_block_shape)
+                for i in range(lay.num_layers)]
+
+    def gather(self, blocks: Sequence[int]):
+        """A copy unit's function: ``gather(blocks)(dst)`` writes the blocks'
+        bytes into ``dst`` (a 1-D uint8 host tensor), on the copy stream: on the
+        CPU straight into ``dst``; on a GPU into one device buffer, then one DMA."""
+        import torch
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        sources = self.layers if self.layers is not None else [self.kv]
+
+        def op(dst) -> None:
+            n = len(idx)
+            if self.device.type == "cpu":
+                for src, out in zip(sources, self._views(dst, n)):
+                    torch.index_select(src, 0, idx, out=out)
+                return
+            staged = torch.empty(dst.numel(), dtype=torch.uint8, device=self.device)
+            for src, out in zip(sources, self._views(staged, n)):
+                torch.index_select(src, 0, idx, out=out)
+            dst.copy_(staged, non_blocking=True)
+        return op
+
+    def scatter(self, blocks: Sequence[int]):
+        """A copy unit's function: ``scatter(blocks)(src)`` writes the bytes in
+        ``src`` (a 1-D uint8 host tensor) into the blocks, on the copy stream:
+        on the CPU straight from ``src``; on a GPU one DMA, then a scatter."""
+        import torch
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        targets = self.layers if self.layers is not None else [self.kv]
+
+        def op(src) -> None:
+            n = len(idx)
+            if self.device.type != "cpu":
+                staged = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+                staged.copy_(src, non_blocking=True)
+                src = staged
+            for dst, part in zip(targets, self._views(src, n)):
+                dst.index_copy_(0, idx, part)
+        return op
 
     def state_of(self, block: int) -> T.BufState:
         return self.state.buffers[self.name(block)].state
@@ -109,7 +173,7 @@ class StagingBuffers:
 
 class _Copy:
     __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline",
-                 "done", "error", "next_cancel")
+                 "done", "error", "next_cancel", "on_settled")
 
     def __init__(self, pool, gen, buffer, request, handle, deadline) -> None:
         self.pool, self.gen, self.buffer, self.request = pool, gen, buffer, request
@@ -117,6 +181,7 @@ class _Copy:
         self.done = threading.Event()          # the copy's outcome is known to the caller
         self.error: Optional[errors.KvError] = None
         self.next_cancel: Optional[float] = None
+        self.on_settled: list = []             # called once it can no longer write
 
 
 class DeviceCopy:
@@ -166,20 +231,47 @@ class Copier:
         ``pool``) and submit it; ``sources`` are buffers of ``pool`` the copy
         reads: the machine keeps them from being released or loaded into while
         the copy is awaited."""
+        (copy,) = self.issue_into(pool, request, [buffer], pairs, timeout, sources=sources)
+        return copy
+
+    def issue_into(self, pool: MachinePool, request: str, buffers: Sequence[str],
+                   pairs: Sequence[tuple], timeout: float, *,
+                   sources: Iterable[str] = ()) -> list[DeviceCopy]:
+        """One copy unit that writes several ``buffers`` of ``pool`` (a scatter
+        into blocks): an ``Issue`` per buffer, all or none, one submission; each
+        buffer's generation completes with the unit."""
         with self.cv:
-            (issued,) = self.check(pool.step(T.Issue(request, buffer, frozenset(sources))))
+            issued = []
             try:
+                for buffer in buffers:
+                    (ev,) = self.check(pool.step(T.Issue(request, buffer, frozenset(sources))))
+                    issued.append(ev)
                 handle = self.backend.submit(pairs)
             except BaseException:
-                # never submitted: it cannot write. Abandon it through the machine.
-                self._apply(pool.step(T.Timeout(issued.gen)))
-                self._apply(pool.step(T.Cancel(issued.gen)))
-                self._apply(pool.step(T.CancelAck(issued.gen)))
+                # never submitted: none can write. Abandon them through the machine.
+                for ev in issued:
+                    self._apply(pool.step(T.Timeout(ev.gen)))
+                    self._apply(pool.step(T.Cancel(ev.gen)))
+                    self._apply(pool.step(T.CancelAck(ev.gen)))
                 raise
-            rec = _Copy(pool, issued.gen, buffer, request, handle, time.monotonic() + timeout)
-            self._copies[(id(pool), issued.gen)] = rec
+            deadline = time.monotonic() + timeout
+            copies = []
+            for ev, buffer in zip(issued, buffers):
+                rec = _Copy(pool, ev.gen, buffer, request, handle, deadline)
+                self._copies[(id(pool), ev.gen)] = rec
+                copies.append(DeviceCopy(self, rec))
             self.cv.notify_all()
-            return DeviceCopy(self, rec)
+            return copies
+
+    def when_settled(self, copy: DeviceCopy, callback) -> None:
+        """Call ``callback()`` once ``copy`` can no longer write (completed,
+        drained, cancelled before it ran), or now if it already cannot."""
+        with self.cv:
+            rec = copy._rec
+            if self._copies.get((id(rec.pool), rec.gen)) is rec:
+                rec.on_settled.append(callback)
+                return
+        callback()
 
     def step(self, pool: MachinePool, event) -> tuple:
         """Step ``pool`` (refusals raise) and carry out the effects."""
@@ -266,6 +358,9 @@ class Copier:
 
     def _untrack(self, rec: _Copy) -> None:
         self._copies.pop((id(rec.pool), rec.gen), None)
+        callbacks, rec.on_settled = rec.on_settled, []
+        for callback in callbacks:
+            callback()
 
     def _apply(self, effects: tuple, pool: Optional[MachinePool] = None) -> None:
         """Carry out pool machine effects (under ``cv``)."""

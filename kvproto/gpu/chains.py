@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import enum
 import threading
+import warnings
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from kvproto import errors
 from kvproto.gpu.backend import select_backend
 from kvproto.gpu.blocks import BlockPool, Copier, StagingBuffers
+from kvproto.runtime.datapath import Consume, Fill
 from kvproto.statemachines import timeout as T
 
 
@@ -55,6 +59,7 @@ class RestoreState(str, enum.Enum):
     HOST_LOAD_FAILED = "host_load_failed"
     DEVICE_COPY_TIMED_OUT = "device_copy_timed_out"   # the blocks are quarantined
     DEVICE_COPY_FAILED = "device_copy_failed"
+    LEASE_EXPIRED = "lease_expired"            # copied, but its lease may have ended first
     CANCELLED = "cancelled"
 
 
@@ -150,16 +155,26 @@ def _failure(error: BaseException, timed_out, failed, cancelled):
 class DeviceKV:
     """Moves KV blocks of a :class:`BlockPool` to and from the store.
 
-    ``staging`` page-locked host buffers of ``max_blocks`` blocks each back
-    saves (device -> host copies under the pool machine). They are buffers of
-    the block pool's own machine (:class:`StagingBuffers`), so a save names the
-    blocks it reads as its sources and the machine keeps them from being
-    released while the save is awaited (its leak ledger and ``max_cancels`` are
-    the block pool's). A transfer engine
-    over ``staging`` more page-locked buffers backs restores (store -> host
-    under the pool machine), from which host -> device copies go to blocks.
-    ``l2``, when given, is called ``l2(key, bytes)`` after publication (the
-    second tier).
+    A save gathers its blocks on the device and copies them once, straight
+    into the region the master granted on a same-host storage segment (that
+    segment is page-locked for the device once, so on a GPU the copy is one
+    DMA at the pinned rate), then publishes once the copy's completion event
+    was seen: the client is the region's direct writer
+    (``spec/DirectWrite.tla``). A replica on another host gets the bytes from
+    one of ``staging`` page-locked buffers of ``max_blocks`` blocks each. Each
+    save is a copy of the block pool's machine into such a staging buffer
+    (:class:`StagingBuffers`), so it names the blocks it reads as its sources
+    and the machine keeps them from being released while it is awaited; a
+    copy that times out leaves that buffer quarantined, and the region it was
+    writing draining at its node, until the copy settles.
+
+    A restore copies the object out of a same-host segment into its blocks
+    (one DMA, then a scatter on the device), as one copy unit that writes
+    every destination block of the machine; the read's lease and generation
+    checks judge it after the copy's completion event. Bytes from another host
+    arrive in a frame and go through one of ``staging`` more page-locked
+    buffers (a transfer engine's pool). ``l2``, when given, is called
+    ``l2(key, bytes)`` after publication (the second tier).
     """
 
     def __init__(self, client, blocks: BlockPool, *, max_blocks: int = 8, staging: int = 4,
@@ -183,6 +198,12 @@ class DeviceKV:
                                              max_cancels=max_cancels, max_leaked=max_leaked,
                                              cancel_interval=cancel_interval)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvproto-gpu-chain")
+        #: same-host segments page-locked for this device (CUDA only)
+        self._registrations: list = []
+        for segments in (client._writable, client._local):
+            for segment in segments.mapped():
+                self._register(segment)
+            segments.on_map = self._register
 
     # ------------------------------------------------------------------ requests
 
@@ -202,6 +223,11 @@ class DeviceKV:
         self.copier.close()
         self.backend.close()
         self.engine.close()
+        for segments in (self.client._writable, self.client._local):
+            segments.on_map = None
+        for registration in self._registrations:   # pragma: no cover - needs a CUDA device
+            registration.close()
+        self._registrations.clear()
 
     def __enter__(self) -> "DeviceKV":
         return self
@@ -211,15 +237,36 @@ class DeviceKV:
 
     # ------------------------------------------------------------------ the save chain
 
-    def _staging_slice(self, buffer: str, nbytes: int):
-        i = self.staging.names.index(buffer)
-        base = i * self.staging.size
-        return self._save_mem[base:base + nbytes]
+    def _register(self, segment) -> None:
+        """Page-lock a same-host segment the client mapped, once (CUDA only), so
+        the DMAs of saves and restores go straight to and from it."""
+        if self.backend.kind == "cuda":   # pragma: no cover - needs a CUDA device
+            from kvproto.gpu.backend import register_host
+            self._registrations.append(register_host(segment.array))
+
+    def _host(self, view: memoryview):
+        """A host buffer (a memoryview) as the 1-D uint8 tensor copies take; a
+        read-only one (a segment or a frame a restore reads) is only read."""
+        import torch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # torch warns of read-only buffers
+            return torch.frombuffer(view, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ the save chain
 
     def _run_save(self, req: "DeviceRequest", chain: SaveChain, replicas: int,
                   timeout: float) -> None:
+        """Gather the blocks and copy them once into the object's destination
+        (:class:`~kvproto.runtime.datapath.Fill`): a same-host replica's
+        granted region itself (a DMA into the registered segment), else a
+        page-locked staging buffer sent on. The copy is a copy of the block
+        pool's machine into a staging buffer, which names the blocks it reads
+        (they cannot be released while it may read them) and which is
+        quarantined if the copy times out; a same-host region it was writing
+        stays draining at its node until the copy settles (DirectWrite)."""
         bb = self.layout.block_bytes
         copier, name = self.copier, req.name
+        nbytes = bb * len(chain.blocks)
         try:
             with copier.cv:
                 slot = self.staging.first_free()
@@ -230,37 +277,46 @@ class DeviceKV:
             chain._fail(_failure(e, SaveState.NO_STAGING, SaveState.NO_STAGING, SaveState.CANCELLED), e)
             return
         release = True
-        try:
-            dst = self._staging_slice(slot, bb * len(chain.blocks))
-            pairs = [(dst[i * bb:(i + 1) * bb], self.blocks.block_bytes(b))
-                     for i, b in enumerate(chain.blocks)]
-            try:
-                copy = copier.issue(self.blocks, name, slot, pairs, timeout,
-                                    sources=[self.blocks.name(b) for b in chain.blocks])
-                copy.wait()
-            except errors.KvError as e:
-                release = False   # quarantined (or the request ended): the machine owns it now
-                chain._fail(_failure(e, SaveState.COPY_TIMED_OUT, SaveState.COPY_FAILED,
-                                     SaveState.CANCELLED), e)
-                return
+        copies: list = []
+
+        def fill(dst: memoryview) -> None:
+            copy = copier.issue(self.blocks, name, slot, [(self._host(dst), self.blocks.gather(chain.blocks))],
+                                timeout, sources=[self.blocks.name(b) for b in chain.blocks])
+            copies.append(copy)
+            copy.wait()
             chain._reach(SaveState.DEVICE_COPIED)
+            with copier.cv:
+                copier.step(self.blocks, T.Consume(name, slot))
+
+        def on_late(report) -> None:
+            copier.when_settled(copies[-1], report) if copies else report()
+
+        staging = self.staging.view(slot)[:nbytes]
+        try:
             try:
-                with copier.cv:
-                    copier.step(self.blocks, T.Consume(name, slot))
-                view = self.staging.view(slot)[:bb * len(chain.blocks)]
-                self.client.put(chain.key, view, replicas=replicas, timeout=timeout)
-            except Exception as e:   # noqa: BLE001 - the chain records it
-                chain._fail(SaveState.PUBLISH_FAILED, e)
+                self.client.put(chain.key, Fill(nbytes, fill, on_late, staging=staging),
+                                replicas=replicas, timeout=timeout)
+            except errors.KvError as e:
+                if copies and not chain.events[SaveState.DEVICE_COPIED].is_set():
+                    release = False   # its copy was issued: the machine owns the slot now
+                    chain._fail(_failure(e, SaveState.COPY_TIMED_OUT, SaveState.COPY_FAILED,
+                                         SaveState.CANCELLED), e)
+                else:   # the store refused, before the copy (no space...) or after it
+                    chain._fail(_failure(e, SaveState.PUBLISH_FAILED, SaveState.PUBLISH_FAILED,
+                                         SaveState.CANCELLED), e)
                 return
             chain._reach(SaveState.PUBLISHED)
             if self.l2 is not None:
                 try:
-                    self.l2(chain.key, view)
+                    self.l2(chain.key, self._l2_bytes(chain, staging))
                 except Exception as e:   # noqa: BLE001
                     chain._fail(SaveState.L2_FAILED, e)
                     return
                 chain._reach(SaveState.L2_SAVED)
             chain._finish()
+        except Exception as e:   # noqa: BLE001 - the chain records it
+            if not chain.finished.is_set():
+                chain._fail(SaveState.PUBLISH_FAILED, e)
         finally:
             if release:
                 with copier.cv:
@@ -271,70 +327,108 @@ class DeviceKV:
                         if req_live is not None and req_live.state is T.ReqState.ACTIVE:
                             copier.step(self.blocks, T.Release(name, slot))
 
+    def _l2_bytes(self, chain: SaveChain, staging: memoryview) -> memoryview:
+        """The saved object's bytes for the second tier: read back from the store
+        (the copy went straight into the segment, not through staging)."""
+        self.client.get_into(chain.key, staging)
+        return staging
+
     # ------------------------------------------------------------------ the restore chain
 
     def _run_restore(self, req: "DeviceRequest", chain: RestoreChain, timeout: float) -> None:
+        """Read the object straight into the blocks
+        (:class:`~kvproto.runtime.datapath.Consume`): out of a same-host
+        segment (registered: one DMA, then a scatter on the device), or out of
+        the received frame through page-locked staging. One copy unit of the
+        block pool's machine writes every destination block (an ``Issue`` per
+        block: a copy that times out leaves them quarantined until it settles);
+        the read's lease and generation checks come after the copy completed."""
         bb = self.layout.block_bytes
         want = bb * len(chain.blocks)
-        ereq = self.engine.request()
-        hbuf = None
-        try:
-            try:
-                hbuf = ereq.acquire()
-                load = ereq.load(chain.key, hbuf, timeout=timeout)
-            except errors.KeyNotFound as e:
-                chain._fail(RestoreState.MISS, e)
-                return
-            except errors.KvError as e:
-                chain._fail(RestoreState.LOOKUP_FAILED, e)
-                return
+        copier, name = self.copier, req.name
+        entered, held = [], []
+
+        def consume(src: memoryview) -> None:
             chain._reach(RestoreState.LOOKUP_ACKED)
-            try:
-                load.wait()
-            except errors.KvError as e:
-                chain._fail(_failure(e, RestoreState.HOST_LOAD_TIMED_OUT, RestoreState.HOST_LOAD_FAILED,
-                                     RestoreState.CANCELLED), e)
-                return
-            length = load._x.length
-            if length != want:
-                ereq.consume(hbuf)
-                chain._fail(RestoreState.LAYOUT_MISMATCH, errors.InvalidArgument(
-                    f"{chain.key!r} has {length} bytes; {len(chain.blocks)} blocks of "
-                    f"{self.layout.tag()} hold {want}"))
-                return
+            if src.nbytes != want:
+                raise _LayoutMismatch(f"{chain.key!r} has {src.nbytes} bytes; {len(chain.blocks)} "
+                                      f"blocks of {self.layout.tag()} hold {want}")
+            if entered:
+                # a same-host read that failed its check: the blocks were written
+                raise errors.StaleToken(f"{chain.key!r} changed while it was read")
+            host = self._host(src)
+            if not self._pinned(src):
+                # the received frame: through a page-locked staging buffer (cross host)
+                ereq = self.engine.request()
+                hbuf = ereq.acquire()
+                held.append((ereq, hbuf))
+                i0 = self.engine.pool.names.index(hbuf.name) * self.engine.pool.size
+                staged = self._load_mem[i0:i0 + want]
+                staged.copy_(host)
+                host = staged
             chain._reach(RestoreState.IN_HOST)
-            ereq.consume(hbuf)
-            i0 = self.engine.pool.names.index(hbuf.name) * self.engine.pool.size
-            src = self._load_mem[i0:i0 + want]
-            copies = []
+            entered.append(True)
+            copies = copier.issue_into(self.blocks, name, [self.blocks.name(b) for b in chain.blocks],
+                                       [(host, self.blocks.scatter(chain.blocks))], timeout)
             try:
-                for i, b in enumerate(chain.blocks):
-                    copies.append(self.copier.issue(
-                        self.blocks, req.name, self.blocks.name(b),
-                        [(self.blocks.block_bytes(b), src[i * bb:(i + 1) * bb])], timeout))
                 for c in copies:
                     c.wait()
-            except errors.KvError as e:
-                chain._fail(_failure(e, RestoreState.DEVICE_COPY_TIMED_OUT,
-                                     RestoreState.DEVICE_COPY_FAILED, RestoreState.CANCELLED), e)
-                # the host buffer is the copies' source: keep it until none can read it
+            except errors.KvError:
+                # the source is the segment or staging: keep it until none can read it
                 for c in copies:
                     if not c.done():
-                        self.copier._expire(c._rec)
-                self.copier.wait_idle_for(copies)
-                return
-            chain._reach(RestoreState.CONSUMABLE)
-            chain._finish()
-        finally:
-            if hbuf is not None:
-                try:
-                    ereq.release(hbuf)
-                except errors.KvError:
-                    pass
+                        copier._expire(c._rec)
+                copier.wait_idle_for(copies)
+                raise
+            for b in chain.blocks:     # each block's own copy completed
+                if self.blocks.state_of(b) is not T.BufState.READY:
+                    raise errors.TransferTimeout(f"block {b} was not loaded")
+
+        try:
             try:
-                ereq.cancel()
-            except errors.KvError:
-                pass
+                self.client.get_into(chain.key, Consume(1 << 62, consume), timeout=timeout)
+            finally:
+                for ereq, hbuf in held:
+                    try:
+                        ereq.release(hbuf)
+                        ereq.cancel()
+                    except errors.KvError:
+                        pass
+        except _LayoutMismatch as e:
+            chain._fail(RestoreState.LAYOUT_MISMATCH, errors.InvalidArgument(str(e)))
+            return
+        except errors.KeyNotFound as e:
+            chain._fail(RestoreState.MISS, e)
+            return
+        except errors.LeaseExpired as e:
+            chain._fail(RestoreState.LEASE_EXPIRED, e)
+            return
+        except errors.KvError as e:
+            if not entered:
+                state = RestoreState.LOOKUP_FAILED if not chain.events[RestoreState.LOOKUP_ACKED].is_set() \
+                    else _failure(e, RestoreState.HOST_LOAD_TIMED_OUT, RestoreState.HOST_LOAD_FAILED,
+                                  RestoreState.CANCELLED)
+                if isinstance(e, errors.TransferTimeout) and not chain.events[RestoreState.LOOKUP_ACKED].is_set():
+                    state = RestoreState.HOST_LOAD_TIMED_OUT
+            else:
+                state = _failure(e, RestoreState.DEVICE_COPY_TIMED_OUT, RestoreState.DEVICE_COPY_FAILED,
+                                 RestoreState.CANCELLED)
+            chain._fail(state, e)
+            return
+        chain._reach(RestoreState.CONSUMABLE)
+        chain._finish()
+
+    def _pinned(self, view: memoryview) -> bool:
+        """Whether ``view`` lies in host memory device copies can read at the
+        pinned rate: any host memory on the CPU path; a registered segment on a GPU."""
+        if self.backend.kind != "cuda":
+            return True
+        ptr = np.frombuffer(view, dtype=np.uint8).ctypes.data   # pragma: no cover - needs a GPU
+        return any(r.ptr <= ptr < r.ptr + r.nbytes for r in self._registrations)
+
+
+class _LayoutMismatch(errors.InvalidArgument):
+    """The stored object is not the size its blocks hold (another layout)."""
 
 
 class DeviceRequest:

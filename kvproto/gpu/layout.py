@@ -1,8 +1,12 @@
 """The layout of an engine's paged KV cache, as a small value.
 
-A KV tensor is ``blocks x layers x 2 (K, V) x block tokens x KV heads x head
-dim`` of bf16 or fp16, contiguous; one block is one contiguous run of
-:attr:`KVLayout.block_bytes` bytes. :meth:`KVLayout.tag` is the stable text the
+Two arrangements. Blocks first (the default): one KV tensor of ``blocks x
+layers x 2 (K, V) x block tokens x KV heads x head dim`` of bf16 or fp16,
+contiguous, one block one contiguous run of :attr:`KVLayout.block_bytes`
+bytes. Layers first (``layers_major``, what vLLM and SGLang keep): one tensor
+per layer of ``blocks x 2 x block tokens x KV heads x head dim``; the bytes of
+a run of blocks as stored are then layer by layer. Either way an object holds
+:attr:`KVLayout.block_bytes` per block. :meth:`KVLayout.tag` is the stable text the
 connector puts into keys, so that state written under one layout (model,
 tensor-parallel rank, format version) is never read under another (D5, D13).
 """
@@ -35,6 +39,7 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = attrs.field(default=1, validator=_positive)
     version: int = attrs.field(default=1, validator=_positive)
+    layers_major: bool = False
 
     @dtype.validator
     def _dtype(self, _attr, value) -> None:
@@ -51,6 +56,11 @@ class KVLayout:
 
     def tensor_shape(self, num_blocks: int) -> tuple:
         return (num_blocks, *self.block_shape)
+
+    @property
+    def layer_block_shape(self) -> tuple:
+        """One block of one layer (a layers-first tensor is ``(blocks, *this)``)."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
     def itemsize(self) -> int:
@@ -80,11 +90,17 @@ class KVLayout:
         adds its own rank (:mod:`kvproto.engines.prefix`)."""
         tp = f"{self.tp_rank}/{self.tp_size}" if rank else f"*/{self.tp_size}"
         return (f"kvl{self.version}:L{self.num_layers}:H{self.num_kv_heads}:D{self.head_dim}"
-                f":{_DTYPES[self.dtype]}:B{self.block_size}:tp{tp}")
+                f":{_DTYPES[self.dtype]}:B{self.block_size}:tp{tp}"
+                + (":lm" if self.layers_major else ""))
 
     def check(self, kv: Any) -> int:
-        """The number of blocks of ``kv``, or ``InvalidArgument`` when ``kv`` is
-        not a contiguous tensor of this layout."""
+        """The number of blocks of ``kv`` (a tensor; for a layers-first layout,
+        a sequence of one tensor per layer), or ``InvalidArgument`` when it is
+        not of this layout."""
+        if self.layers_major:
+            return self._check_layers(kv)
+        if isinstance(kv, (list, tuple)):
+            raise errors.InvalidArgument("one tensor per layer needs a layers_major layout")
         shape = tuple(kv.shape)
         if len(shape) != 6 or shape[1:] != self.block_shape:
             raise errors.InvalidArgument(f"KV tensor shape {shape} is not (blocks, *{self.block_shape})")
@@ -93,3 +109,15 @@ class KVLayout:
         if not kv.is_contiguous():
             raise errors.InvalidArgument("KV tensor must be contiguous")
         return shape[0]
+
+    def _check_layers(self, layers: Any) -> int:
+        if not isinstance(layers, (list, tuple)) or len(layers) != self.num_layers:
+            raise errors.InvalidArgument(f"a layers_major layout takes {self.num_layers} layer tensors")
+        n = layers[0].shape[0]
+        for t in layers:
+            if tuple(t.shape) != (n, *self.layer_block_shape):
+                raise errors.InvalidArgument(
+                    f"layer tensor shape {tuple(t.shape)} is not (blocks, *{self.layer_block_shape})")
+            if t.dtype != self.torch_dtype() or not t.is_contiguous() or t.device != layers[0].device:
+                raise errors.InvalidArgument(f"layer tensors must be contiguous {self.dtype} on one device")
+        return n

@@ -119,7 +119,10 @@ def _as_key(key: Key) -> bytes:
 
 
 def _as_view(data: Any) -> memoryview:
-    """A flat byte view of ``data`` without copying (unless it is not contiguous)."""
+    """A flat byte view of ``data`` without copying (unless it is not contiguous);
+    a :class:`~kvproto.runtime.datapath.Fill` stays as it is."""
+    if isinstance(data, datapath.Fill):
+        return data
     try:
         mv = memoryview(data)
     except TypeError:
@@ -131,6 +134,12 @@ def _as_view(data: Any) -> memoryview:
     if not mv.nbytes:
         raise errors.InvalidArgument("cannot put an empty object")
     return mv
+
+
+def _destination(buffer):
+    """Where a read lands: the caller's memory as a writable view, or a
+    :class:`~kvproto.runtime.datapath.Consume` that moves the bytes itself."""
+    return buffer if isinstance(buffer, datapath.Consume) else datapath.writable_view(buffer)
 
 
 def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
@@ -652,7 +661,10 @@ class Client:
     # ------------------------------------------------------------------ put
 
     def put(self, key: Key, data: Any, replicas: int = 1, *, timeout: Optional[float] = None) -> None:
-        """Store ``data`` under ``key`` on ``replicas`` storage nodes."""
+        """Store ``data`` under ``key`` on ``replicas`` storage nodes. ``data``
+        is bytes-like, or a :class:`~kvproto.runtime.datapath.Fill` that
+        produces the bytes straight into their destination (a GPU's DMA into
+        a same-host segment)."""
         err = self._put_batch([(key, data)], replicas, timeout)[0]
         if err is not None:
             raise err
@@ -787,23 +799,25 @@ class Client:
         raises ``KeyNotFound``; a read whose lease may have expired in flight
         raises ``LeaseExpired`` (the buffer's contents are then undefined).
 
-        A :class:`~kvproto.runtime.transfers.PoolBuffer` of this client's
-        transfer engine is loaded through the engine instead (its timeout
-        quarantines the buffer until the load drains), and returned."""
+        A :class:`~kvproto.runtime.datapath.Consume` moves the bytes itself
+        (a GPU's DMA straight out of a same-host segment, then a scatter), under
+        the same checks. A :class:`~kvproto.runtime.transfers.PoolBuffer` of
+        this client's transfer engine is loaded through the engine instead
+        (its timeout quarantines the buffer until the load drains), and
+        returned."""
         engine = getattr(buffer, "engine", None)
         if engine is not None:
             if engine not in self._engines:
                 raise errors.InvalidArgument(f"buffer {buffer!r} is not from a transfer engine of this client")
             from kvproto.runtime.transfers import EngineRequest
             return EngineRequest(engine, buffer.request).get_into(key, buffer, timeout=timeout)
-        return self._get_batch([key], timeout, raise_miss=True,
-                               into=[datapath.writable_view(buffer)])[0]
+        return self._get_batch([key], timeout, raise_miss=True, into=[_destination(buffer)])[0]
 
     def get_many_into(self, keys: Iterable[Key], buffers: Iterable, *,
                       timeout: Optional[float] = None) -> list[Optional[int]]:
         """:meth:`get_into` for several keys, one buffer each: per key the
         number of bytes read, or ``None`` for a miss (other failures raise)."""
-        keys, views = list(keys), [datapath.writable_view(b) for b in buffers]
+        keys, views = list(keys), [_destination(b) for b in buffers]
         if len(keys) != len(views):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
         deadline = self._deadline(timeout)

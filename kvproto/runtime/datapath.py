@@ -27,7 +27,7 @@ for reads, writable for direct writes).
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import zmq
@@ -41,6 +41,51 @@ CANCEL_GRACE = 0.2
 #: how long a direct writer waits for its region's assign to show before it
 #: sends the bytes over the network instead
 ASSIGN_WAIT = 0.5
+
+
+class Fill:
+    """An object's bytes that the caller produces straight into their
+    destination (a GPU's gather and DMA): ``fill(dst)`` writes ``nbytes``
+    into ``dst`` (a writable uint8 memoryview: the granted region itself for
+    a same-host replica, else a staging buffer that is then sent) and
+    returns once the copy is complete, or raises a typed error. A copy that
+    timed out may still land later: ``on_late(report)`` is then called with
+    the function to call once it can no longer write (so its region can drain
+    at the node, ``spec/DirectWrite.tla``)."""
+
+    __slots__ = ("nbytes", "fill", "on_late", "staging")
+
+    def __init__(self, nbytes: int, fill: Callable[[memoryview], None],
+                 on_late: Optional[Callable[[Callable[[], None]], None]] = None,
+                 staging: Optional[memoryview] = None) -> None:
+        if nbytes <= 0:
+            raise errors.InvalidArgument("cannot put an empty object")
+        self.nbytes, self.fill, self.on_late = nbytes, fill, on_late
+        #: where the bytes go for replicas sent over the network (else a fresh buffer)
+        self.staging = staging
+
+    def materialize(self) -> memoryview:
+        """The bytes in a buffer (``staging``, or one of their own) for the
+        replicas sent over the network."""
+        if self.staging is not None and self.staging.nbytes >= self.nbytes:
+            buf = self.staging[:self.nbytes]
+        else:
+            buf = memoryview(np.empty(self.nbytes, dtype=np.uint8))
+        self.fill(buf)
+        return buf
+
+
+class Consume:
+    """Where a read's bytes go when the caller moves them itself (a GPU's DMA
+    and scatter): ``consume(src)`` reads an object of at most ``nbytes`` from
+    ``src`` (a read-only uint8 memoryview: the same-host segment's region, or
+    the received frame) and returns once its copy is complete, or raises. A
+    same-host region is checked after the copy (the seqlock), as for any read."""
+
+    __slots__ = ("nbytes", "consume")
+
+    def __init__(self, nbytes: int, consume: Callable[[memoryview], None]) -> None:
+        self.nbytes, self.consume = nbytes, consume
 
 
 def writable_view(buffer) -> memoryview:
@@ -71,6 +116,11 @@ class LocalSegments:
         self.enabled = enabled
         self.writable = writable
         self._maps: dict[str, Optional[LocalSegment]] = {}
+        #: called with each segment once mapped (a GPU layer page-locks it)
+        self.on_map: Optional[Callable[[LocalSegment], None]] = None
+
+    def mapped(self) -> list[LocalSegment]:
+        return [seg for seg in self._maps.values() if seg is not None]
 
     def get(self, info: list) -> Optional[LocalSegment]:
         """The mapping of the segment a master described (``SegmentInfo.wire()``),
@@ -85,6 +135,9 @@ class LocalSegments:
                                                 writable=self.writable)
             except (OSError, ValueError):
                 self._maps[name] = None
+            else:
+                if self.on_map is not None:
+                    self.on_map(self._maps[name])
         return self._maps[name]
 
     def _prune(self) -> None:
@@ -126,7 +179,9 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
                 continue
             local.append(r)
             nonce = segments[r[0]][4]
-            if dest is not None:
+            if isinstance(dest, Consume):
+                got = length if seg.consume(r[1], length, token, nonce, dest.consume) else None
+            elif dest is not None:
                 got = length if seg.read_into(r[1], length, token, nonce, dest) else None
             else:
                 got = seg.read(r[1], length, token, nonce)
@@ -172,7 +227,10 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
                 err = errors.MalformedFrame(f"read reply from {endpoint} has the wrong size")
             else:
                 payload = reply.payloads[0]
-                if into is not None:
+                if isinstance(into[i] if into is not None else None, Consume):
+                    into[i].consume(payload)
+                    results[i] = payload.nbytes
+                elif into is not None:
                     into[i][:payload.nbytes] = payload
                     results[i] = payload.nbytes
                 else:
@@ -187,11 +245,13 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
     return failed
 
 
-def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view: memoryview,
+def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
                  deadline: float) -> bool:
     """One direct write (``spec/DirectWrite.tla`` ``Write``): wait until the
-    region shows its assign to ``token``, copy ``view`` in, report it. False
-    (nothing written) if the assign did not show by ``deadline``."""
+    region shows its assign to ``token``, copy ``view`` in (or let a
+    :class:`Fill` produce it there), report it. False (nothing written) if the
+    assign did not show by ``deadline``. A :class:`Fill`'s error is raised, its
+    report left to the copy (``on_late``)."""
     spins = 0
     while not seg.assigned(offset, token, nonce):
         if time.monotonic() >= deadline:
@@ -202,7 +262,15 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view: m
     dst = seg.region(offset, view.nbytes)
     if dst is None:
         return False
-    dst[:] = np.frombuffer(view, dtype=np.uint8)
+    if isinstance(view, Fill):
+        try:
+            view.fill(memoryview(dst))
+        except errors.KvError:
+            if view.on_late is not None:
+                view.on_late(lambda: seg.report_written(offset, token))
+            raise
+    else:
+        dst[:] = np.frombuffer(view, dtype=np.uint8)
     seg.report_written(offset, token)
     return True
 
@@ -222,6 +290,7 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     failed: dict[int, errors.KvError] = {}
     per_node: dict[str, tuple[str, list, list, list]] = {}   # endpoint -> (segment, regions, frames, whose)
     assign_by = min(deadline, time.monotonic() + ASSIGN_WAIT)
+    materialized: dict[int, memoryview] = {}
     for i, (key, view, token, replicas, *rest) in grants.items():
         direct = rest[0] if rest else ()
         for seg, offset, length in replicas:
@@ -231,9 +300,21 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
                 break
             if seg in direct:
                 mapped = client._writable.get(info)
-                if mapped is not None and write_direct(mapped, offset, token, info[4], view, assign_by):
-                    client.transfer_counters["direct_writes"] += 1
-                    continue
+                try:
+                    if mapped is not None and write_direct(mapped, offset, token, info[4], view,
+                                                           assign_by):
+                        client.transfer_counters["direct_writes"] += 1
+                        continue
+                except errors.KvError as err:
+                    failed[i] = err
+                    break
+            if isinstance(view, Fill):
+                try:   # replicas sent over the network: the bytes in a buffer, once
+                    view = materialized[i] if i in materialized else \
+                        materialized.setdefault(i, view.materialize())
+                except errors.KvError as err:
+                    failed[i] = err
+                    break
             client.transfer_counters["network_writes"] += 1
             client._put_gen += 1
             batch = per_node.setdefault(info[0], (seg, [], [], []))

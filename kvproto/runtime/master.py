@@ -485,6 +485,14 @@ class MasterCore:
             # a node this master fenced and recovered, now following it
             known.last_seen = self.clock()
             return 0, {"heartbeat": self.storage_timeout / 4, "term": self.failover.term}
+        if body.get("held", 0):
+            # a segment this master did not recover (it fenced it out, or never
+            # listed it) counts as lost with its bytes (spec NodeLost): it must
+            # not join with what it holds, or those objects (removed ones too)
+            # would come back at the next takeover. The node starts over empty.
+            raise errors.SegmentUnavailable(
+                f"segment {body['segment']!r} holds {body['held']} allocation(s) this master did "
+                "not recover; it must start over empty")
         err, _ = self._step(AddSegment(body["segment"], capacity))
         if err is not None:
             raise err

@@ -284,6 +284,11 @@ class LocalSegment:
             return None
         return memoryview(out)
 
+    @property
+    def array(self) -> np.ndarray:
+        """The whole segment as a uint8 array (to page-lock it for a device)."""
+        return self._data
+
     def region(self, offset: int, length: int) -> Optional[np.ndarray]:
         """The region's bytes as a writable array (a direct writer's destination),
         or ``None`` for a read-only mapping or a region outside the segment."""
@@ -301,6 +306,20 @@ class LocalSegment:
     def report_written(self, offset: int, token: int) -> None:
         """A direct writer's report: its copy into the region is complete."""
         self._gens[HEADER_WORDS + offset // self.page_size] = gen_word(token, True)
+
+    def consume(self, offset: int, length: int, token: int, nonce: int, consume) -> bool:
+        """Let ``consume(src)`` copy the region out itself (a DMA), ``src`` a
+        read-only view of it: True if the region was complete before and after
+        (the seqlock, as for :meth:`read`); ``consume`` runs only if it was before."""
+        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
+            return False
+        gens = self._gens
+        idx = HEADER_WORDS + offset // self.page_size
+        want = gen_word(token, True)
+        if int(gens[1]) != nonce or int(gens[idx]) != want:
+            return False
+        consume(memoryview(self._data[offset:offset + length]))
+        return int(gens[idx]) == want and int(gens[1]) == nonce
 
     def read_into(self, offset: int, length: int, token: int, nonce: int, dest: memoryview) -> bool:
         """:meth:`read` into ``dest`` (the caller's memory, at least ``length``

@@ -148,7 +148,13 @@ class StorageCore:
         mem = self.memory
         return {"segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
                 "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
-                "page_size": mem.page_size}
+                "page_size": mem.page_size, "held": self.held()}
+
+    def held(self) -> int:
+        """Allocations this segment still holds (regions, index entries, regions
+        draining for direct writers): a master that did not fence it does not
+        know them, so the node must start over before it joins such a master."""
+        return len(self.table.regions) + len(self.fence.index) + len(self.direct.regions)
 
     def _fstep(self, event):
         """``failover.storage_step`` without committing: ``(node, effects, error)``."""

@@ -43,7 +43,10 @@ A load (:meth:`EngineRequest.load`, :meth:`EngineRequest.get_into`,
    cancels are re-sent every ``cancel_interval`` seconds up to ``max_cancels``
    times, then the transfer is written off (``GiveUp`` -> ``WrittenOff``: the
    buffer goes on the leak ledger, still quarantined, and comes back if the
-   completion or ack ever arrives). ``LeakBudgetExhausted`` is retried later;
+   completion or ack ever arrives). A written-off transfer's cancel is sent
+   again every ``written_off_probe`` seconds (no machine step: the same
+   message), so that once a partition heals the node's ack brings the buffer
+   back. ``LeakBudgetExhausted`` is retried later;
 5. the pin is released (``read_end``, fire-and-forget from the I/O thread) when
    the transfer completes, drains or is written off.
 
@@ -293,6 +296,8 @@ class TransferEngine:
         self.pool = BufferPool(buffers, buffer_size, max_cancels=max_cancels, max_leaked=max_leaked,
                                memory=memory)
         self.cancel_interval = float(cancel_interval)
+        #: how often a written-off transfer's cancel is sent again
+        self.written_off_probe = max(10 * self.cancel_interval, 0.5)
         self.owner = f"{client.client_id}/{uuid.uuid4().hex[:8]}"
         self._cv = threading.Condition(threading.RLock())
         self._xfers: dict[int, _Xfer] = {}      # tracked loads (until drained / written off)
@@ -505,6 +510,9 @@ class TransferEngine:
                     self._unpin(x)
                     if isinstance(eff, T.Drained):
                         del self._xfers[eff.gen]
+                    else:   # keep asking: the ack that recovers it may come once the node is back
+                        heapq.heappush(self._timers, (time.monotonic() + self.written_off_probe,
+                                                      eff.gen, _CANCEL))
         self._cv.notify_all()
 
     # ------------------------------------------------------------------ I/O thread side
@@ -551,6 +559,19 @@ class TransferEngine:
                 return
             if t.state is T.XferState.TIMEDOUT:
                 self._retry(gen)
+            elif t.state is T.XferState.LEAKED:
+                self._probe(gen)
+
+    def _probe(self, gen: int) -> None:
+        """Send the cancel of written-off transfer ``gen`` again, and again later:
+        the node acknowledges it once it is reachable (a generation it does not
+        know is acknowledged too), and ``CancelAck`` recovers the buffer."""
+        x = self._xfers.get(gen)
+        if x is None:
+            return
+        self._queue(x.endpoint, [wire.encode_request("cancel", gen << 1 | _CANCEL, {
+            "owner": self.owner, "xfer": gen})])
+        heapq.heappush(self._timers, (time.monotonic() + self.written_off_probe, gen, _CANCEL))
 
     def _take_due(self, now: float) -> list:
         with self._cv:

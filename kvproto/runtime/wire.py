@@ -175,11 +175,12 @@ SEGMENT = text(256, 1)
 
 MASTER_OPS: dict[str, OpSchema] = {
     # storage node -> master
+    # ``held``: allocations the segment still holds (0: it is empty)
     "register": OpSchema({
         "segment": SEGMENT, "capacity": uint(min_value=1), "endpoint": text(MAX_NAME, 1),
         "host": text(), "shm": text(), "gen_shm": text(), "nonce": uint(),
         "page_size": uint(1 << 30, 1),
-    }),
+    }, optional={"held": uint()}),
     "storage_heartbeat": OpSchema({"segment": SEGMENT}),
     # regions that drained for their direct writer (spec/DirectWrite.tla Drain): free now
     "storage_drained": OpSchema({"segment": SEGMENT, "offsets": list_of(uint(), min_items=1)}),

@@ -4,7 +4,9 @@
 conformance test and the docs checker use.
 """
 
-from kvproto.statemachines import directwrite, failover, lease, publish, timeout
+from kvproto.statemachines import (directwrite, failover, handoff, lease, publish, tenancy_system,
+                                   timeout)
 
 BINDINGS = {b.module: b for b in (publish.BINDING, timeout.BINDING, lease.BINDING,
-                                  failover.BINDING, directwrite.BINDING)}
+                                  failover.BINDING, directwrite.BINDING, handoff.BINDING,
+                                  tenancy_system.BINDING)}

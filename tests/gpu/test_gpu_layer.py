@@ -144,10 +144,12 @@ def test_restore_named_failures(dkv):
 def test_save_publish_failure_is_named(dkv):
     r = dkv.request()
     blocks = r.acquire(1)
-    dkv.client.close()      # the store is gone for this client
+    dkv.client.close()      # the store is gone for this client: it grants no space
     ch = r.save(b"pub-fail", blocks)
     assert ch.wait(5) is SaveState.PUBLISH_FAILED and ch.failed
-    assert ch.events[SaveState.DEVICE_COPIED].is_set() and not ch.events[SaveState.PUBLISHED].is_set()
+    # the copy goes into the space the store grants: none was granted, none was copied
+    assert not ch.events[SaveState.DEVICE_COPIED].is_set() and not ch.events[SaveState.PUBLISHED].is_set()
+    assert dkv.counts()["staging"]["free"] == 2
 
 
 # ---------------------------------------------------------------- timeouts, quarantine, late completions
@@ -334,4 +336,83 @@ def test_gpu_check_cpu_smoke():
     import runpy
     path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
     main = runpy.run_path(str(path))["main"]
-    assert main(["--cpu", "--sizes", "8,32", "--block-kib", "4", "--iters", "1"]) == 0
+    assert main(["--cpu", "--sizes", "64,256", "--block-kib", "32", "--iters", "1"]) == 0
+
+
+# ---------------------------------------------------------------- the direct path and the layers-first layout
+
+
+def test_a_save_is_one_copy_into_the_granted_region_and_a_restore_one_out_of_it(dkv):
+    """Same host: the save's gather lands straight in the region the master
+    granted (the client is its direct writer), the restore copies straight
+    out of the segment into the blocks; no payload crosses a socket."""
+    c = dkv.client.transfer_counters
+    before = dict(c)
+    r = dkv.request()
+    src = r.acquire(2)
+    fill(dkv.blocks, src, 5)
+    want = [raw(dkv.blocks, b) for b in src]
+    assert r.save(b"direct", src).wait(5) is SaveState.PUBLISHED
+    dst = r.acquire(2)
+    assert r.restore(b"direct", dst).wait(5) is RestoreState.CONSUMABLE
+    assert [t.contiguous().view(torch.uint8).numpy().tobytes() for t in r.consume(dst)] == want
+    assert c["direct_writes"] - before["direct_writes"] == 1
+    assert c["local_reads"] - before["local_reads"] == 1
+    assert c["network_writes"] == before["network_writes"] and c["network_reads"] == before["network_reads"]
+
+
+def test_a_timed_out_save_keeps_its_region_draining_until_the_copy_settles(dkv):
+    r = dkv.request()
+    blocks = r.acquire(2)
+    dkv.backend.hold()
+    ch = r.save(b"late-direct", blocks, timeout=0.05)
+    assert ch.wait(5) is SaveState.COPY_TIMED_OUT
+
+    def draining():
+        return sum(s["draining"] for s in dkv.client.stats()["segments"].values())
+    deadline = time.monotonic() + 5
+    while draining() == 0 and time.monotonic() < deadline:      # revoked: held for the copy
+        time.sleep(0.01)
+    assert draining() == 2 * LAYOUT.block_bytes
+    dkv.backend.resume()                                        # the copy lands late, and settles
+    deadline = time.monotonic() + 5
+    while draining() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert draining() == 0 and not dkv.client.exists(b"late-direct")
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_layers_first_kv_round_trips(cluster, remote):
+    """One tensor per layer (``[blocks, 2, tokens, heads, dim]``, as vLLM keeps
+    it): blocks gathered across the layers into one object and scattered back,
+    through the same-host path or over the network."""
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, layers_major=True)
+    assert lay.tag().endswith(":lm") and lay.block_bytes == 3 * 2 * 4 * 2 * 16 * 2
+    layers = [torch.zeros((6, *lay.layer_block_shape), dtype=torch.bfloat16) for _ in range(3)]
+    client = cluster.client(local_reads=not remote, local_writes=not remote)
+    kv = DeviceKV(client, BlockPool(layers, lay), max_blocks=3, staging=2)
+    try:
+        r = kv.request()
+        src, dst = r.acquire(3), r.acquire(3)
+        for i, t in enumerate(layers):
+            t[src] = torch.randn((3, *lay.layer_block_shape)).to(torch.bfloat16) + i
+        want = [t[src].clone() for t in layers]
+        key = b"lm/" + (b"remote" if remote else b"local")
+        assert r.save(key, src).wait(5) is SaveState.PUBLISHED
+        assert r.restore(key, dst).wait(5) is RestoreState.CONSUMABLE, r
+        r.consume(dst)
+        for t, w in zip(layers, want):
+            assert torch.equal(t[dst].view(torch.uint8), w.view(torch.uint8))
+        # another layout's object is refused, whatever its key
+        other = DeviceKV(client, BlockPool.allocate(LAYOUT, 4, device="cpu"), max_blocks=2)
+        try:
+            r2 = other.request()
+            bad = r2.restore(key, r2.acquire(2))
+            assert bad.wait(5) is RestoreState.LAYOUT_MISMATCH
+        finally:
+            other.close()
+        with pytest.raises(errors.InvalidArgument):
+            BlockPool(layers[:2], lay)
+    finally:
+        kv.close()
+        client.close()

@@ -423,3 +423,26 @@ def test_a_master_that_cannot_prove_its_term_answers_only_master_not_open(raw):
         assert server._term == 0 and core.counters["refused"] == 0
     finally:
         server.close()
+
+
+def test_a_segment_this_master_did_not_recover_joins_only_empty():
+    """A node the new master fenced out (its answer came after the fence
+    timeout) counts as lost with its bytes: registering with what it still
+    holds is refused (it starts over empty), else its objects, removed ones
+    too, would come back at the next takeover."""
+    memory = SegmentMemory(1 << 20, 4096)
+    try:
+        node = StorageCore(memory, "seg")
+        master = MasterCore()
+        body = {**node.registration(), "endpoint": "tcp://127.0.0.1:1"}
+        assert body["held"] == 0
+        status, _ = master.handle("register", body)          # empty: joins
+        assert status == 0
+        node.handle("assign", {"segment": "seg", "term": 1, "regions": [[0, 10, b"k", 1]]}, [])
+        assert node.held() == 2                               # a region and its index entry
+        other = MasterCore()
+        with pytest.raises(errors.SegmentUnavailable, match="start over empty"):
+            other.handle("register", {**node.registration(), "endpoint": "tcp://127.0.0.1:1"})
+        assert "seg" not in other.segments
+    finally:
+        memory.close()
