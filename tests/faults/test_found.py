@@ -1,8 +1,5 @@
-"""Runtime bugs the fault matrix found, each as the smallest run that shows it.
-
-Each test is marked ``xfail(strict=True)`` with the reason until the runtime
-is fixed: a fix makes it pass, and strict turns that into a failure, so the
-mark is removed with the fix."""
+"""Runtime bugs the fault matrix found, each as the smallest run that shows it;
+both are fixed, and these tests keep them fixed."""
 
 from __future__ import annotations
 
@@ -16,13 +13,13 @@ from kvproto.checking.chaos.cluster import Cluster, Settings
 pytestmark = [pytest.mark.faults, pytest.mark.runtime]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a storage node left out of a new master's recovery (its fence answer came after the "
-    "fence timeout) registers again under the same segment id with its regions and index; "
-    "the master takes it for an empty segment (its assigns collide with the old regions, "
-    "which are never freed), and after the next takeover the node's objects come back, "
-    "also those whose remove was acknowledged in between"))
-def test_a_node_fenced_out_of_recovery_rejoins_with_its_old_objects(tmp_path):
+def test_a_node_fenced_out_of_recovery_does_not_rejoin_with_its_old_objects(tmp_path):
+    """A storage node left out of a new master's recovery (its fence answer
+    came after the fence timeout) used to register again under the same
+    segment id with its regions and index: the master took it for an empty
+    segment (its assigns collided with the old regions, never freed), and after
+    the next takeover the node's objects came back, also those whose remove
+    had been acknowledged in between."""
     settings = Settings(storage_nodes=2, segment_size=1 << 20)
     cluster = Cluster(tmp_path, settings)
     problems = []
@@ -61,11 +58,11 @@ def test_a_node_fenced_out_of_recovery_rejoins_with_its_old_objects(tmp_path):
     assert not problems, problems
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a load whose reply and cancels are lost while its storage node is cut off is written "
-    "off; once the network heals nothing is sent again, so no acknowledgement ever comes and "
-    "the buffer never returns to the pool (past the leak budget, buffers stay quarantined)"))
 def test_a_buffer_written_off_in_a_partition_comes_back_when_it_heals(tmp_path):
+    """A load whose reply and cancels were lost while its storage node was cut
+    off was written off, and nothing was sent again once the network healed:
+    the buffer never came back (past the leak budget, later ones stayed
+    quarantined and the pool ran dry)."""
     from kvproto import errors
     cluster = Cluster(tmp_path, Settings(storage_nodes=1, segment_size=1 << 20))
     try:

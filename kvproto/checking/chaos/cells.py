@@ -65,9 +65,8 @@ class Cell:
         #: heard may have been followed by a copy that took effect
         self.duplicates = duplicates
         #: whether a load's reply and its cancels can be lost for good (its
-        #: node killed, or frames dropped): its buffer is written off or, past
-        #: the leak budget, quarantined; counted apart, not as a leak (see
-        #: tests/faults/test_found.py for why a healed network does not help)
+        #: node killed): its buffer is written off or, past the leak budget,
+        #: quarantined; counted apart, not as a leak
         self.loses_loads = loses_loads
         #: whether it injects faults through the proxy (a run goes on until one fired)
         self.injects = injects
@@ -267,11 +266,11 @@ CELLS: dict[str, Cell] = {c.name: c for c in [
          storage_kill, whole=True, period=2.0, loses_loads=True),
     Cell("storage-stop", "SIGSTOP of a storage node, past or within the storage timeout",
          storage_stop, whole=True, period=2.0),
-    Cell("net-drop", "2% of all frames dropped", net_drop, once=True, loses_loads=True),
+    Cell("net-drop", "2% of all frames dropped", net_drop, once=True),
     Cell("net-delay", "frames delayed: 15% by 40 ms, 2% by 400 ms", net_delay, once=True),
     Cell("net-duplicate", "5% of frames (not the master's commands to nodes) delivered twice",
          net_duplicate, once=True, duplicates=True),
     Cell("net-reorder", "5% of frames overtaken by another connection's", net_reorder, once=True),
     Cell("net-partition", "a storage node, its control link or the master cut off, then healed",
-         net_partition, whole=True, period=2.0, loses_loads=True),
+         net_partition, whole=True, period=2.0),
 ]}

@@ -295,9 +295,9 @@ class _CellRun:
         return time.monotonic() - self.armed_at > self.cell.window
 
     #: how long a worker may take to finish its call once told to stop (a
-    #: loader also waits up to 1 s for its pool to settle); then it is
+    #: loader also waits up to 3 s for its pool to settle); then it is
     #: killed (its operation's outcome is unknown, as with any kill)
-    STOP_GRACE = 2.0
+    STOP_GRACE = 4.0
 
     def stop_workers(self) -> None:
         (self.folder / "stop").touch()

@@ -368,7 +368,9 @@ class Loader(Reader):
         return res != -1
 
     def end_cell(self) -> None:
-        idle = self.engine.wait_idle(self.config.get("settle", 1.0))
+        # a buffer written off in a partition comes back with the node's ack to
+        # a cancel the engine sends again about once a second
+        idle = self.engine.wait_idle(self.config.get("settle", 3.0))
         self.journal.write(op="engine", idle=idle, counts=self.engine.counts(), t=time.monotonic())
 
 
