@@ -47,10 +47,13 @@ VARIABLES
     idx,            \* storage node -> key -> None | [term, pub, by]
     desc,           \* reader -> None | [key, node, term]
     got,            \* reader -> None | Miss | the index entry its last read returned
-    staleAccepted,  \* history: storage nodes that accepted a request stamped below their term
+    promised,       \* history: storage node -> the highest term whose fence it acknowledged
+    staleAccepted,  \* history: storage nodes that accepted a request stamped below a term
+                    \*   whose fence they had acknowledged
     told            \* history: key -> what the last acknowledged change told its client
 
-vars == <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted, told>>
+vars == <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, got, promised,
+          staleAccepted, told>>
 
 DirEntry == [node : Nodes, pub : BOOLEAN]
 IdxEntry == [term : Terms, pub : BOOLEAN, by : 0..MaxTerm]
@@ -82,9 +85,12 @@ RecoveredDir(m) ==
 \* A publish or remove that the node refused is not acknowledged: the
 \* client is told it failed (the master waits for the node's verdict).
 AckWhenRefused == FALSE
+\* A storage node that acknowledges a fence records its term.
+FenceRecordsTerm == TRUE
 
 WeakNodeIgnoresTerm(n, t) == TRUE
 WeakAckWhenRefused == TRUE
+WeakFenceForgetsTerm == FALSE
 WeakNoFence(m) == TRUE
 WeakStaleSnapshot(m) == dir[m]   \* the directory it last held, not reconciled with storage
 
@@ -109,6 +115,7 @@ Init ==
     /\ idx = [n \in Nodes |-> [k \in Keys |-> None]]
     /\ desc = [r \in Readers |-> None]
     /\ got = [r \in Readers |-> None]
+    /\ promised = [n \in Nodes |-> 0]
     /\ staleAccepted = {}
     /\ told = [k \in Keys |-> [what |-> "none", node |-> None]]
 
@@ -122,18 +129,21 @@ ObtainTerm(m) ==
     /\ phase' = [phase EXCEPT ![m] = "fencing"]
     /\ mterm' = [mterm EXCEPT ![m] = coordTerm + 1]
     /\ acked' = [acked EXCEPT ![m] = {}]
-    /\ UNCHANGED <<dir, live, nodeTerm, idx, desc, got, staleAccepted, told>>
+    /\ UNCHANGED <<dir, live, nodeTerm, idx, desc, got, promised, staleAccepted, told>>
 
-(* Storage node n learns m's term, or refuses it (it saw a higher one).  *)
+(* Storage node n learns m's term and acknowledges the fence: a promise *)
+(* to refuse lower terms from now on.  Or it refuses (it saw a higher).  *)
 Fence(m, n) ==
     /\ phase[m] = "fencing"
     /\ n \in live \ acked[m]
     /\ IF nodeTerm[n] <= mterm[m]
-       THEN /\ nodeTerm' = [nodeTerm EXCEPT ![n] = mterm[m]]
+       THEN /\ nodeTerm' = IF FenceRecordsTerm THEN [nodeTerm EXCEPT ![n] = mterm[m]]
+                           ELSE nodeTerm
             /\ acked' = [acked EXCEPT ![m] = @ \cup {n}]
+            /\ promised' = [promised EXCEPT ![n] = Max(@, mterm[m])]
             /\ UNCHANGED <<phase, mterm>>
        ELSE /\ StepDown(m)                         \* refused: StaleTerm
-            /\ UNCHANGED nodeTerm
+            /\ UNCHANGED <<nodeTerm, promised>>
     /\ UNCHANGED <<coordTerm, dir, live, idx, desc, got, staleAccepted, told>>
 
 (* Rebuild the directory from the live storage nodes' indexes; the nodes *)
@@ -150,19 +160,19 @@ Recover(m) ==
             /\ UNCHANGED <<mterm, acked>>
        ELSE /\ StepDown(m)                         \* refused: StaleTerm
             /\ UNCHANGED <<dir, idx>>
-    /\ UNCHANGED <<coordTerm, live, nodeTerm, desc, got, staleAccepted, told>>
+    /\ UNCHANGED <<coordTerm, live, nodeTerm, desc, got, promised, staleAccepted, told>>
 
 Open(m) ==
     /\ phase[m] = "recovered"
     /\ phase' = [phase EXCEPT ![m] = "open"]
-    /\ UNCHANGED <<coordTerm, mterm, acked, dir, live, nodeTerm, idx, desc, got, staleAccepted, told>>
+    /\ UNCHANGED <<coordTerm, mterm, acked, dir, live, nodeTerm, idx, desc, got, promised, staleAccepted, told>>
 
 (* The master dies and loses its in-memory directory. *)
 Crash(m) ==
     /\ phase[m] # "standby"
     /\ StepDown(m)
     /\ dir' = [dir EXCEPT ![m] = NoDir]
-    /\ UNCHANGED <<coordTerm, live, nodeTerm, idx, desc, got, staleAccepted, told>>
+    /\ UNCHANGED <<coordTerm, live, nodeTerm, idx, desc, got, promised, staleAccepted, told>>
 
 (* An open master allocates key k on node n, stamped with its term. *)
 Allocate(m, k, n) ==
@@ -174,12 +184,12 @@ Allocate(m, k, n) ==
        THEN /\ idx' = [idx EXCEPT ![n][k] = [term |-> mterm[m], pub |-> FALSE, by |-> 0]]
             /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
             /\ dir' = [dir EXCEPT ![m][k] = [node |-> n, pub |-> FALSE]]
-            /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
+            /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n}
                                 ELSE staleAccepted
             /\ UNCHANGED <<phase, mterm, acked>>
        ELSE /\ StepDown(m)                         \* refused: StaleTerm
             /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
-    /\ UNCHANGED <<coordTerm, live, desc, got, told>>
+    /\ UNCHANGED <<coordTerm, live, desc, got, promised, told>>
 
 (* The writer finished; the master publishes k, stamped with its term,  *)
 (* and acknowledges the put once k's node recorded the publish.         *)
@@ -195,7 +205,7 @@ Publish(m, k) ==
             THEN /\ idx' = [idx EXCEPT ![n][k].pub = TRUE, ![n][k].by = mterm[m]]
                  /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
                  /\ dir' = [dir EXCEPT ![m][k].pub = TRUE]
-                 /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
+                 /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n}
                                      ELSE staleAccepted
                  /\ told' = [told EXCEPT ![k] = [what |-> "published", node |-> n]]
                  /\ UNCHANGED <<phase, mterm, acked>>
@@ -204,7 +214,7 @@ Publish(m, k) ==
                             THEN [told EXCEPT ![k] = [what |-> "published", node |-> n]]
                             ELSE told
                  /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
-    /\ UNCHANGED <<coordTerm, live, desc, got>>
+    /\ UNCHANGED <<coordTerm, live, desc, got, promised>>
 
 (* A client removes published k: the master frees k's region at its      *)
 (* node, stamped with its term, and acknowledges the remove once the node *)
@@ -224,7 +234,7 @@ Remove(m, k) ==
             THEN /\ idx' = [idx EXCEPT ![n][k] = None]
                  /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
                  /\ dir' = [dir EXCEPT ![m][k] = None]
-                 /\ staleAccepted' = IF mterm[m] < nodeTerm[n] THEN staleAccepted \cup {n}
+                 /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n}
                                      ELSE staleAccepted
                  /\ told' = [told EXCEPT ![k] = [what |-> "removed", node |-> None]]
                  /\ UNCHANGED <<phase, mterm, acked>>
@@ -233,7 +243,7 @@ Remove(m, k) ==
                             THEN [told EXCEPT ![k] = [what |-> "removed", node |-> None]]
                             ELSE told
                  /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
-    /\ UNCHANGED <<coordTerm, live, desc, got>>
+    /\ UNCHANGED <<coordTerm, live, desc, got, promised>>
 
 (* A reader looks k up at a master that believes it is open (a paused old *)
 (* master answers too) and gets a descriptor stamped with that master's    *)
@@ -244,7 +254,7 @@ Lookup(r, m, k) ==
     /\ dir[m][k] # None
     /\ dir[m][k].pub
     /\ desc' = [desc EXCEPT ![r] = [key |-> k, node |-> dir[m][k].node, term |-> mterm[m]]]
-    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, got, staleAccepted, told>>
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, got, promised, staleAccepted, told>>
 
 (* The reader reads from the storage node.  A dead node, a refused term or *)
 (* a missing region is a miss; the reader drops the descriptor either way. *)
@@ -256,7 +266,7 @@ Read(r) ==
                    IF n \in live /\ NodeAccepts(n, desc[r].term) /\ idx[n][k] # None
                    THEN idx[n][k] ELSE Miss]
     /\ desc' = [desc EXCEPT ![r] = None]
-    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, staleAccepted, told>>
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, promised, staleAccepted, told>>
 
 (* A storage node dies with its bytes and its index.  Masters that serve  *)
 (* (recovered or open) notice and drop its entries.                       *)
@@ -269,7 +279,7 @@ NodeLost(n) ==
                  THEN [k \in Keys |-> IF dir[m][k] # None /\ dir[m][k].node = n
                                       THEN None ELSE dir[m][k]]
                  ELSE dir[m]]
-    /\ UNCHANGED <<coordTerm, phase, mterm, acked, nodeTerm, desc, got, staleAccepted, told>>
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, nodeTerm, desc, got, promised, staleAccepted, told>>
 
 Next ==
     \/ \E m \in Masters : ObtainTerm(m) \/ Recover(m) \/ Open(m) \/ Crash(m)
@@ -296,6 +306,7 @@ TypeOK ==
     /\ idx \in [Nodes -> [Keys -> {None} \cup IdxEntry]]
     /\ desc \in [Readers -> {None} \cup Descriptor]
     /\ got \in [Readers -> {None, Miss} \cup IdxEntry]
+    /\ promised \in [Nodes -> 0..MaxTerm]
     /\ staleAccepted \subseteq Nodes
     /\ told \in [Keys -> Told]
 
@@ -307,8 +318,9 @@ Current(m) == phase[m] \in {"recovered", "open"} /\ mterm[m] = coordTerm
 CanMutate(m) == phase[m] = "open" /\ \E n \in live : NodeAccepts(n, mterm[m])
 NoSplitBrainAllocation == \A m1, m2 \in Masters : m1 # m2 => ~(CanMutate(m1) /\ CanMutate(m2))
 
-(* No storage node ever accepted an allocation or publish stamped with a  *)
-(* term below the highest it had seen.                                    *)
+(* No storage node ever accepted an allocation, publish or remove stamped *)
+(* with a term below one whose fence it had acknowledged: the promise a    *)
+(* fencing master relies on is kept, however the node keeps its term.     *)
 NoStaleTermWriteAccepted == staleAccepted = {}
 
 (* The current master lists only objects whose bytes exist on a live node, *)

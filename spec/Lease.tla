@@ -55,7 +55,8 @@ VARIABLES
     dir,      \* master: key -> None | the slot holding the object
     lease,    \* master: reader -> None | [key, slot, exp]  (unexpired while now < exp)
     reader,   \* readers: reader -> None | the read it is carrying out
-    dropped,  \* history: keys with no object because never put, or Removed/Evicted
+    dropped,  \* history: keys never put, or whose object a client removed (Remove) or
+              \*   the store evicted (Evict) since it was last put
     inherited,   \* master: keys it found at its takeover, not reclaimed since
     quietUntil,  \* master: inherited keys count as leased while now < quietUntil
     takeovers    \* how many times a new master took over
@@ -108,6 +109,7 @@ WeakReleaseDeletes(r) ==
 
 (***************************************************************************)
 (* Reclaiming k's slot: every read of that slot in progress is clobbered.  *)
+(* Which request reclaimed it is recorded by the action (dropped).         *)
 (***************************************************************************)
 Reclaim(k) ==
     LET s == dir[k] IN
@@ -115,7 +117,6 @@ Reclaim(k) ==
     /\ reader' = [r \in Readers |->
                     IF Reading(r) /\ reader[r].slot = s
                     THEN [reader[r] EXCEPT !.clob = TRUE] ELSE reader[r]]
-    /\ dropped' = dropped \cup {k}
     /\ inherited' = inherited \ {k}
 
 (***************************************************************************)
@@ -210,6 +211,7 @@ Remove(k) ==
     /\ Present(k)
     /\ ~Leased(k)
     /\ Reclaim(k)
+    /\ dropped' = dropped \cup {k}
     /\ UNCHANGED <<now, lease, quietUntil, takeovers>>
 
 (* Under memory pressure the store evicts an object; the policy (LRU among *)
@@ -219,6 +221,7 @@ Evict(k) ==
     /\ Pressure
     /\ MayEvict(k)
     /\ Reclaim(k)
+    /\ dropped' = dropped \cup {k}
     /\ UNCHANGED <<now, lease, quietUntil, takeovers>>
 
 (* A new master takes over: the old lease table is gone; every object it  *)
@@ -268,8 +271,11 @@ NoReclaimUnderLease ==
 NoConsumeOfReclaimedBytes ==
     \A r \in Readers : reader[r] # None /\ reader[r].ph = "accepted" => ~reader[r].clob
 
-(* Ending protection (release or expiry) is not deletion: an object leaves *)
-(* the cache only by Remove or Evict.                                      *)
+(* Ending protection (release, expiry or takeover) is not deletion: a key *)
+(* has no object exactly when it was never put, or a client's Remove or   *)
+(* the store's Evict took it since it was last put.  The history is kept *)
+(* by those two requests, not by the reclaim they share, so any other    *)
+(* step that reclaims an object breaks it.                               *)
 ReleaseIsNotDelete == \A k \in Keys : ~Present(k) <=> k \in dropped
 
 (* The master holds a lease only for a read that was granted it. *)

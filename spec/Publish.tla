@@ -16,6 +16,12 @@
 (* segment.  Readers are counted per object: ReadBegin hands out replica   *)
 (* descriptors and pins the object, ReadEnd unpins it, and Remove refuses  *)
 (* a pinned object.                                                        *)
+(*                                                                         *)
+(* Three history variables record what the processes observed, so that    *)
+(* the invariants judge outcomes, not guards: which attempt's bytes each  *)
+(* slot holds (content), which attempt's writer was told its put was      *)
+(* published (publishedToken), and which attempts' descriptors readers    *)
+(* hold (handed).                                                         *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -38,9 +44,14 @@ VARIABLES
     nextToken,      \* master: the next attempt token
     store,          \* storage nodes: segment -> slot -> None | region
     writer,         \* writers: writer -> None | attempt
-    publishedToken  \* history: the token presented by the accepted PutEnd
+    publishedToken, \* history: key -> the token of the attempt whose writer was told
+                    \*   its PutEnd published the key (0: none since the key was free)
+    content,        \* history: segment -> slot -> the token of the attempt whose bytes
+                    \*   the slot holds (0: none written since the slot was freed)
+    handed          \* history: key -> token -> readers holding descriptors handed out
+                    \*   for that attempt's object
 
-vars == <<dir, free, live, nextToken, store, writer, publishedToken>>
+vars == <<dir, free, live, nextToken, store, writer, publishedToken, content, handed>>
 
 Slots == 1..SlotsPerSegment
 Tokens == 1..MaxToken
@@ -66,13 +77,16 @@ Allocated(s, i) == \E k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas
 UsedSlots(s) == Cardinality({k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas})
 
 (* Free every region of the objects whose keys are in ks: the master's *)
-(* ledger and the storage nodes' region tables change together.         *)
+(* ledger and the storage nodes' region tables change together, and a   *)
+(* freed slot holds no attempt's bytes.                                  *)
 FreeObjects(ks) ==
+    LET freed(s, i) == \E k \in ks : s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i IN
     /\ free' = [s \in Segments |->
                   free[s] + Cardinality({k \in ks : s \in DOMAIN dir[k].replicas})]
     /\ store' = [s \in Segments |-> [i \in Slots |->
-                  IF \E k \in ks : s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i
-                  THEN None ELSE store[s][i]]]
+                  IF freed(s, i) THEN None ELSE store[s][i]]]
+    /\ content' = [s \in Segments |-> [i \in Slots |->
+                  IF freed(s, i) THEN 0 ELSE content[s][i]]]
 
 (***************************************************************************)
 (* Guards that the weakened models replace (see the Publish_Weak_*.cfg).  *)
@@ -85,11 +99,14 @@ TokenOwns(k, t) == Pending(k) /\ dir[k].token = t
 Readable(k) == Published(k)
 \* The master may time out a silent writer.
 MayReclaim(k) == TRUE
+\* The storage node accepts a write only into a region the writer's token owns.
+StorageOwns(w, s, i) == store[s][i].token = writer[w].token
 
 WeakPutEndEarly(w) == TRUE
 WeakAnyAttemptOwns(k, t) == Pending(k)
 WeakReadPending(k) == Exists(k)
 WeakNeverReclaim(k) == FALSE
+WeakStorageAcceptsAny(w, s, i) == TRUE
 
 (***************************************************************************)
 (* Actions                                                                 *)
@@ -102,6 +119,8 @@ Init ==
     /\ store = [s \in Segments |-> [i \in Slots |-> None]]
     /\ writer = [w \in Writers |-> None]
     /\ publishedToken = [k \in Keys |-> 0]
+    /\ content = [s \in Segments |-> [i \in Slots |-> 0]]
+    /\ handed = [k \in Keys |-> [t \in Tokens |-> 0]]
 
 PutStart(w, k, p) ==
     /\ ~Busy(w)
@@ -119,20 +138,22 @@ PutStart(w, k, p) ==
     /\ writer' = [writer EXCEPT ![w] = [key |-> k, token |-> nextToken,
                                         replicas |-> p, written |-> {}]]
     /\ nextToken' = nextToken + 1
-    /\ UNCHANGED <<live, publishedToken>>
+    /\ UNCHANGED <<live, publishedToken, content, handed>>
 
 (* The storage node accepts the bytes only if the region is owned by the *)
-(* writer's token.                                                        *)
+(* writer's token; the slot then holds the writer's bytes.               *)
 WriteReplica(w, s) ==
     /\ Busy(w)
     /\ s \in DOMAIN writer[w].replicas \ writer[w].written
     /\ LET i == writer[w].replicas[s] IN
          /\ store[s][i] # None
-         /\ store[s][i].token = writer[w].token
+         /\ StorageOwns(w, s, i)
          /\ store' = [store EXCEPT ![s][i].done = TRUE]
+         /\ content' = [content EXCEPT ![s][i] = writer[w].token]
     /\ writer' = [writer EXCEPT ![w].written = @ \cup {s}]
-    /\ UNCHANGED <<dir, free, live, nextToken, publishedToken>>
+    /\ UNCHANGED <<dir, free, live, nextToken, publishedToken, handed>>
 
+(* The master publishes the key and tells the writer so, or refuses.    *)
 PutEnd(w) ==
     /\ Busy(w)
     /\ WriterMayPutEnd(w)
@@ -143,7 +164,7 @@ PutEnd(w) ==
               /\ publishedToken' = [publishedToken EXCEPT ![k] = t]
          ELSE UNCHANGED <<dir, publishedToken>>      \* refused: StaleToken
     /\ writer' = [writer EXCEPT ![w] = None]
-    /\ UNCHANGED <<free, live, nextToken, store>>
+    /\ UNCHANGED <<free, live, nextToken, store, content, handed>>
 
 PutRevoke(w) ==
     /\ Busy(w)
@@ -151,14 +172,14 @@ PutRevoke(w) ==
          IF TokenOwns(k, writer[w].token)
          THEN /\ FreeObjects({k})
               /\ dir' = [dir EXCEPT ![k] = None]
-         ELSE UNCHANGED <<dir, free, store>>          \* refused: StaleToken
+         ELSE UNCHANGED <<dir, free, store, content>> \* refused: StaleToken
     /\ writer' = [writer EXCEPT ![w] = None]
-    /\ UNCHANGED <<live, nextToken, publishedToken>>
+    /\ UNCHANGED <<live, nextToken, publishedToken, handed>>
 
 WriterCrash(w) ==
     /\ Busy(w)
     /\ writer' = [writer EXCEPT ![w] = None]
-    /\ UNCHANGED <<dir, free, live, nextToken, store, publishedToken>>
+    /\ UNCHANGED <<dir, free, live, nextToken, store, publishedToken, content, handed>>
 
 (* The master's timeout for a writer that stopped sending heartbeats.  A  *)
 (* timeout cannot tell a dead writer from a slow one, so it may fire at   *)
@@ -168,19 +189,23 @@ ReclaimAbandoned(k) ==
     /\ MayReclaim(k)
     /\ FreeObjects({k})
     /\ dir' = [dir EXCEPT ![k] = None]
-    /\ UNCHANGED <<live, nextToken, writer, publishedToken>>
+    /\ UNCHANGED <<live, nextToken, writer, publishedToken, handed>>
 
+(* The master hands a reader the object's replica descriptors and pins it. *)
 ReadBegin(k) ==
     /\ Readable(k)
     /\ dir[k].reads < MaxReads
     /\ dir' = [dir EXCEPT ![k].reads = @ + 1]
-    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken>>
+    /\ handed' = [handed EXCEPT ![k][dir[k].token] = @ + 1]
+    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken, content>>
 
+(* A reader is done with the descriptors it was handed; the pin ends. *)
 ReadEnd(k) ==
     /\ Exists(k)
     /\ dir[k].reads > 0
     /\ dir' = [dir EXCEPT ![k].reads = @ - 1]
-    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken>>
+    /\ handed' = [handed EXCEPT ![k][dir[k].token] = @ - 1]
+    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken, content>>
 
 Remove(k) ==
     /\ Published(k)
@@ -188,11 +213,12 @@ Remove(k) ==
     /\ FreeObjects({k})
     /\ dir' = [dir EXCEPT ![k] = None]
     /\ publishedToken' = [publishedToken EXCEPT ![k] = 0]
-    /\ UNCHANGED <<live, nextToken, writer>>
+    /\ UNCHANGED <<live, nextToken, writer, handed>>
 
 (* A segment dies with its bytes.  A pending object with a replica there  *)
 (* is revoked whole; a published one keeps its other replicas, and is     *)
-(* gone (its readers fail) when none is left.                             *)
+(* gone (its readers fail, and let go of its descriptors) when none is    *)
+(* left.                                                                  *)
 SegmentLost(s) ==
     /\ s \in live
     /\ LET hit  == {k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas}
@@ -207,6 +233,9 @@ SegmentLost(s) ==
                         ELSE [i \in Slots |->
                                 IF store[s2][i] # None /\ store[s2][i].key \in gone
                                 THEN None ELSE store[s2][i]]]
+         /\ content' = [s2 \in Segments |-> [i \in Slots |->
+                          IF s2 = s \/ (store[s2][i] # None /\ store[s2][i].key \in gone)
+                          THEN 0 ELSE content[s2][i]]]
          /\ dir' = [k \in Keys |->
                       IF k \in gone THEN None
                       ELSE IF k \in hit
@@ -214,6 +243,7 @@ SegmentLost(s) ==
                               [s2 \in DOMAIN dir[k].replicas \ {s} |-> dir[k].replicas[s2]]]
                       ELSE dir[k]]
          /\ publishedToken' = [k \in Keys |-> IF k \in gone THEN 0 ELSE publishedToken[k]]
+         /\ handed' = [k \in Keys |-> IF k \in gone THEN [t \in Tokens |-> 0] ELSE handed[k]]
     /\ UNCHANGED <<nextToken, writer>>
 
 Next ==
@@ -239,9 +269,14 @@ TypeOK ==
     /\ store \in [Segments -> [Slots -> {None} \cup Region]]
     /\ writer \in [Writers -> {None} \cup Attempt]
     /\ publishedToken \in [Keys -> 0..MaxToken]
+    /\ content \in [Segments -> [Slots -> 0..MaxToken]]
+    /\ handed \in [Keys -> [Tokens -> 0..MaxReads]]
 
-(* The master pins (hands descriptors of) published objects only. *)
-OnlyPublishedReadable == \A k \in Keys : Exists(k) /\ dir[k].reads > 0 => Published(k)
+(* Every reader holding descriptors holds those of a published object, and *)
+(* of the attempt its key still names: no descriptor outlives the object's *)
+(* publication (by a remove, a reclaim or a replacement under it).         *)
+OnlyPublishedReadable ==
+    \A k \in Keys, t \in Tokens : handed[k][t] > 0 => Published(k) /\ dir[k].token = t
 
 (* Every replica of a published object holds that attempt's complete bytes. *)
 PublishedHasAllReplicasComplete ==
@@ -267,8 +302,18 @@ SpaceAccounted ==
         IF s \in live THEN free[s] + UsedSlots(s) = SlotsPerSegment
         ELSE free[s] = 0 /\ UsedSlots(s) = 0
 
-(* A published object was published by the attempt that holds its token. *)
-OneAttemptPublishes == \A k \in Keys : Published(k) => publishedToken[k] = dir[k].token
+(* The writers told their put was published are exactly the attempts of  *)
+(* the published objects: a stale attempt is never told so, and no put    *)
+(* told so is left unpublished.                                          *)
+OneAttemptPublishes ==
+    \A k \in Keys : publishedToken[k] = IF Published(k) THEN dir[k].token ELSE 0
+
+(* Every replica of a published object holds exactly the bytes written by *)
+(* the attempt whose PutEnd published it: no other attempt's write landed *)
+(* in its regions.                                                        *)
+PublishedBytesAreTheAttempts ==
+    \A k \in Keys : Published(k) =>
+        \A s \in DOMAIN dir[k].replicas : content[s][dir[k].replicas[s]] = publishedToken[k]
 
 (***************************************************************************)
 (* Liveness                                                                *)

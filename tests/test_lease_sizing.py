@@ -281,3 +281,18 @@ def test_eviction_that_ignores_leases_is_caught(monkeypatch):
     """Lease_Weak_EvictIgnoresLeases, in Python (Remove ignores them too here)."""
     monkeypatch.setattr(L, "is_leased", lambda table, key: False)
     assert "NoReclaimUnderLease" in _reachable_violations(SKEW_MODEL)
+
+
+def test_a_release_that_reclaims_is_caught(monkeypatch):
+    """A release that reclaims the object it protected (going through the
+    same reclaim as Remove and Evict) breaks ReleaseIsNotDelete."""
+    def reclaiming_release(table, ev):
+        lease = table.leases.get(ev.holder)
+        table, effects = L.release(table, ev)
+        if lease is None:
+            return table, effects
+        gone, more = L._reclaim(table, lease.key, evicted=False)
+        return (gone, effects + more) if gone is not table else (table, effects)
+
+    monkeypatch.setitem(L._MASTER_HANDLERS, L.Release, reclaiming_release)
+    assert "ReleaseIsNotDelete" in _reachable_violations(SKEW_MODEL)

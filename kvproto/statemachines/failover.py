@@ -665,8 +665,10 @@ class System:
     live: frozenset
     desc: immutables.Map            # reader -> Descriptor | None
     got: immutables.Map             # reader -> IndexEntry | MISS | None
-    stale_accepted: frozenset       # history: nodes that accepted a stale-term write
+    stale_accepted: frozenset       # history: nodes that accepted a request stamped below
+                                    # a term whose fence they acknowledged
     told: immutables.Map            # history: key -> what its last acknowledged change told
+    promised: immutables.Map = immutables.Map()  # history: node -> highest fence term it acked
 
     @classmethod
     def initial(cls, masters: Sequence[str], nodes: Sequence[str], readers: Sequence[str],
@@ -714,7 +716,14 @@ def sys_fence(sys: System, m: str, n: str) -> Optional[System]:
     if not _accepted(effects):
         return _step_down_on(sys, m, n)
     new, _ = new._master(m, FenceAcked(n))
-    return new
+    promised = max(sys.promised.get(n, 0), master.term)
+    return new._with(promised=new.promised.set(n, promised))
+
+
+def _breaks_promise(sys: System, n: str, term: int) -> bool:
+    """Whether ``n`` accepting a request stamped ``term`` breaks the promise of
+    a fence it acknowledged (the spec's ``staleAccepted`` test)."""
+    return term < sys.promised.get(n, 0)
 
 
 def sys_recover(sys: System, m: str) -> Optional[System]:
@@ -754,14 +763,13 @@ def sys_allocate(sys: System, m: str, key: str, n: str) -> Optional[System]:
     if not _accepted(effects):
         return None
     request = effects[0]
-    node = sys.nodes[n]
     new, effects = sys._node(n, request)
     if _refused_term(effects):
         return _step_down_on(sys, m, n)
     if not _accepted(effects):
         return None
     new, _ = new._master(m, Allocated(key, n))
-    if request.term < node.term:
+    if _breaks_promise(sys, n, request.term):
         new = new._with(stale_accepted=new.stale_accepted | {n})
     return new
 
@@ -774,14 +782,13 @@ def sys_publish(sys: System, m: str, key: str) -> Optional[System]:
     n = request.node
     if n not in sys.live:
         return None
-    node = sys.nodes[n]
     new, effects = sys._node(n, request)
     if _refused_term(effects):
         return _step_down_on(sys, m, n)
     if not _accepted(effects):
         return None
     new, _ = new._master(m, PublishAcked(key))
-    if request.term < node.term:
+    if _breaks_promise(sys, n, request.term):
         new = new._with(stale_accepted=new.stale_accepted | {n})
     return new._with(told=new.told.set(key, ("published", n)))
 
@@ -796,14 +803,13 @@ def sys_remove(sys: System, m: str, key: str) -> Optional[System]:
     n = request.node
     if n not in sys.live or any(d is not None and d.key == key for d in sys.desc.values()):
         return None
-    node = sys.nodes[n]
     new, effects = sys._node(n, request)
     if _refused_term(effects):
         return _step_down_on(sys, m, n)
     if not _accepted(effects):
         return None
     new, _ = new._master(m, RemoveAcked(key))
-    if request.term < node.term:
+    if _breaks_promise(sys, n, request.term):
         new = new._with(stale_accepted=new.stale_accepted | {n})
     return new._with(told=new.told.set(key, TOLD_REMOVED))
 
@@ -882,6 +888,8 @@ def type_ok(sys: System) -> bool:
             return False
     if any(what not in ("none", "published", "removed") or (n is not None and n not in sys.nodes)
            for what, n in sys.told.values()):
+        return False
+    if any(n not in sys.nodes or not 0 <= t <= sys.coord_term for n, t in sys.promised.items()):
         return False
     return sys.live <= frozenset(sys.nodes) and sys.stale_accepted <= frozenset(sys.nodes)
 
@@ -1051,6 +1059,7 @@ def to_tla(sys: System, c: Constants) -> Fn:
                                             for k in c.keys}) for n in c.nodes}),
         "desc": Fn.of({ModelValue(r): descriptor(sys.desc[r]) for r in c.readers}),
         "got": Fn.of({ModelValue(r): idx_entry(sys.got[r]) for r in c.readers}),
+        "promised": Fn.of({ModelValue(n): sys.promised.get(n, 0) for n in c.nodes}),
         "staleAccepted": frozenset(ModelValue(n) for n in sys.stale_accepted),
         "told": Fn.of({ModelValue(k): Fn.of({"what": what, "node": NONE if n is None else ModelValue(n)})
                        for k, (what, n) in sys.told.items()}),

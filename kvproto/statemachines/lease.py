@@ -93,7 +93,9 @@ class LeaseTable:
     bound on the earliest expiry (a :class:`Tick` before it does no work) and
     ``last_used`` is the eviction policy's recency (master time of the last grant
     or renewal); both are caches, not protocol state, and are excluded from
-    equality.
+    equality. No step's result depends on them as long as ``earliest`` is a
+    lower bound (None only with no lease), which every step keeps
+    (tests/stateful/test_caches.py).
     """
 
     ttl: int
@@ -665,28 +667,33 @@ class System:
     table: LeaseTable
     slots: tuple                   # the storage regions, one object each
     readers: immutables.Map        # reader -> ReadState | None
-    dropped: frozenset             # history: keys not cached (never put, or removed/evicted)
+    dropped: frozenset             # history: keys never put, or removed/evicted since put
     max_skew: int = 0
     takeovers: int = 0             # how many times a new master took over
+    keys: frozenset = frozenset()  # the spec's Keys: every key a client may use
 
     @classmethod
     def initial(cls, keys: Sequence[Hashable], slots: Sequence[str], readers: Sequence[str],
                 ttl: int, max_skew: int) -> "System":
         return cls(new_table(ttl), tuple(slots), immutables.Map({r: None for r in readers}),
-                   frozenset(keys), max_skew)
+                   frozenset(keys), max_skew, keys=frozenset(keys))
 
     def _with(self, **changes) -> "System":
         return attrs.evolve(self, **changes)
 
     def master(self, event) -> tuple["System", Effects]:
-        """Step the master and deliver its effects to the readers."""
+        """Step the master and deliver its effects to the readers. An accepted
+        Remove or Evict is recorded in ``dropped`` (the request, not the
+        reclaim it causes: spec ``ReleaseIsNotDelete``)."""
         table, effects = master_step(self.table, event)
         if table is self.table:
             return self, effects
         new = self._with(table=table)
+        if isinstance(event, (Remove, Evict)):
+            new = new._with(dropped=new.dropped | {event.key})
         for eff in effects:
             if isinstance(eff, Reclaimed):
-                new = new._clobber(eff.region)._with(dropped=new.dropped | {eff.key})
+                new = new._clobber(eff.region)
             elif isinstance(eff, Cached):
                 new = new._with(dropped=new.dropped - {eff.key})
         return new, effects
@@ -843,6 +850,8 @@ def type_ok(sys: System) -> bool:
         actual.setdefault(lease.key, set()).add(h)
     if index != actual:
         return False
+    if t.earliest is None and t.leases:
+        return False
     if t.earliest is not None and any(l.expires < t.earliest for l in t.leases.values()):
         return False
     for read in sys.readers.values():
@@ -870,10 +879,10 @@ def no_consume_of_reclaimed_bytes(sys: System) -> bool:
 
 
 def release_is_not_delete(sys: System) -> bool:
-    """Spec ``ReleaseIsNotDelete``: a key is uncached only if never put or
-    removed/evicted (tracked by ``dropped``)."""
+    """Spec ``ReleaseIsNotDelete``: a key is uncached exactly when it was never
+    put, or a Remove or an Evict took it since (tracked by ``dropped``)."""
     return all((k in sys.table.objects) != (k in sys.dropped)
-               for k in set(sys.table.objects) | sys.dropped)
+               for k in sys.keys | set(sys.table.objects) | sys.dropped)
 
 
 def leases_held_by_reads(sys: System) -> bool:
@@ -954,7 +963,7 @@ def to_tla(sys: System, c: Constants) -> Fn:
     Keys, slots (regions) and readers map to model values of the same name; an
     uncached key, an absent lease, an idle reader and a read's unknown region to
     the model value ``None``; a lease's holder is its reader. ``earliest`` and
-    ``last_used`` are caches and are not mapped.
+    ``last_used`` are caches that change no step's result, and are not mapped.
     """
     t = sys.table
 

@@ -530,10 +530,17 @@ class Attempt:
 
 @attrs.frozen
 class System:
+    """The closed system, with the spec's history variables: what the writers
+    were told (``published_token``), whose bytes each region holds
+    (``content``) and which objects' descriptors readers hold (``handed``).
+    Histories record observations; no step reads them."""
+
     directory: Directory
     tables: immutables.Map          # segment -> RegionTable (lost segments absent)
     writers: immutables.Map         # writer -> Attempt | None
-    published_token: immutables.Map  # key -> token presented by the accepted PutEnd
+    published_token: immutables.Map  # key -> token of the writer told its PutEnd published
+    content: immutables.Map = immutables.Map()  # (segment, offset) -> token of the bytes' writer
+    handed: immutables.Map = immutables.Map()   # (key, token) -> readers holding its descriptors
 
     @classmethod
     def initial(cls, segments: Mapping[str, int], writers: Sequence[str]) -> "System":
@@ -550,7 +557,19 @@ class System:
 
     def _master(self, event) -> tuple["System", Effects]:
         directory, effects = master_step(self.directory, event)
-        return self._with(directory=directory, tables=apply_to_storage(self.tables, effects)), effects
+        new = self._with(directory=directory, tables=apply_to_storage(self.tables, effects))
+        freed = [(e.segment, e.offset) for e in effects if isinstance(e, FreeRegion)]
+        if freed:     # a freed region holds no attempt's bytes (spec FreeObjects)
+            with new.content.mutate() as m:
+                for region in freed:
+                    m.pop(region, None)
+                new = new._with(content=m.finish())
+        return new, effects
+
+    def _handed(self, key: bytes, token: int, change: int) -> "System":
+        count = self.handed.get((key, token), 0) + change
+        handed = self.handed.set((key, token), count) if count else self.handed.delete((key, token))
+        return self._with(handed=handed)
 
 
 
@@ -576,7 +595,8 @@ def sys_write_replica(sys: System, w: str, segment: str) -> Optional[System]:
     if not _accepted(effects):
         return None
     attempt = attrs.evolve(attempt, written=attempt.written | {segment})
-    return sys._with(tables=sys.tables.set(segment, table), writers=sys.writers.set(w, attempt))
+    return sys._with(tables=sys.tables.set(segment, table), writers=sys.writers.set(w, attempt),
+                     content=sys.content.set((segment, replica.offset), attempt.token))
 
 
 def writer_may_put_end(attempt: Attempt) -> bool:
@@ -635,14 +655,20 @@ def sys_reclaim_abandoned(sys: System, key: bytes) -> Optional[System]:
 
 
 def sys_read_begin(sys: System, key: bytes) -> Optional[System]:
-    return _on_master(ReadBegin(key))(sys)
+    """Spec ``ReadBegin``; the reader now holds the granted descriptors."""
+    new, effects = sys._master(ReadBegin(key))
+    if not _accepted(effects):
+        return None
+    return new._handed(key, effects[0].token, +1)
 
 
 def sys_read_end(sys: System, key: bytes) -> Optional[System]:
+    """Spec ``ReadEnd``; the reader lets go of the descriptors it held."""
     record = sys.directory.objects.get(key)
     if record is None:
         return None
-    return _on_master(ReadEnd(key, record.token))(sys)
+    new = _on_master(ReadEnd(key, record.token))(sys)
+    return None if new is None else new._handed(key, record.token, -1)
 
 
 def sys_remove(sys: System, key: bytes) -> Optional[System]:
@@ -650,10 +676,16 @@ def sys_remove(sys: System, key: bytes) -> Optional[System]:
 
 
 def sys_segment_lost(sys: System, segment: str) -> Optional[System]:
-    new = _on_master(SegmentLost(segment))(sys)
-    if new is None:
+    """Spec ``SegmentLost``: the segment's bytes are gone, and the readers of
+    an object left with no replica fail and let go of its descriptors."""
+    new, effects = sys._master(SegmentLost(segment))
+    if not _accepted(effects):
         return None
-    return new._with(tables=new.tables.delete(segment))
+    gone = {e.key for e in effects if isinstance(e, Removed)}
+    content = immutables.Map({r: t for r, t in new.content.items() if r[0] != segment})
+    handed = immutables.Map({h: n for h, n in new.handed.items() if h[0] not in gone})
+    return _forget(new, effects)._with(tables=new.tables.delete(segment), content=content,
+                                       handed=handed)
 
 
 #: The spec's actions, each as a function on :class:`System` that returns the
@@ -692,8 +724,13 @@ def type_ok(sys: System) -> bool:
 
 
 def only_published_readable(sys: System) -> bool:
-    """Spec ``OnlyPublishedReadable``: pinned objects are published."""
-    return all(r.status is Status.PUBLISHED for r in sys.directory.objects.values() if r.reads)
+    """Spec ``OnlyPublishedReadable``: every reader holds descriptors of a
+    published object, of the attempt its key still names."""
+    for key, token in sys.handed:
+        record = sys.directory.objects.get(key)
+        if record is None or record.status is not Status.PUBLISHED or record.token != token:
+            return False
+    return True
 
 
 def published_has_all_replicas_complete(sys: System) -> bool:
@@ -742,10 +779,22 @@ def space_accounted(sys: System) -> bool:
 
 
 def one_attempt_publishes(sys: System) -> bool:
-    """Spec ``OneAttemptPublishes``: the published token is the one PutEnd presented."""
-    return all(sys.published_token.get(key) == record.token
-               for key, record in sys.directory.objects.items()
-               if record.status is Status.PUBLISHED)
+    """Spec ``OneAttemptPublishes``: the writers told their put was published
+    are exactly the attempts of the published objects."""
+    published = {key: record.token for key, record in sys.directory.objects.items()
+                 if record.status is Status.PUBLISHED}
+    return dict(sys.published_token) == published
+
+
+def published_bytes_are_the_attempts(sys: System) -> bool:
+    """Spec ``PublishedBytesAreTheAttempts``: every replica of a published
+    object holds the bytes of the attempt whose PutEnd published it."""
+    for key, record in sys.directory.objects.items():
+        if record.status is Status.PUBLISHED:
+            token = sys.published_token.get(key, 0)
+            if any(sys.content.get((r.segment, r.offset), 0) != token for r in record.replicas):
+                return False
+    return True
 
 
 INVARIANTS: dict[str, Callable[[System], bool]] = {
@@ -755,6 +804,7 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
     "NoOverlappingAllocation": no_overlapping_allocation,
     "SpaceAccounted": space_accounted,
     "OneAttemptPublishes": one_attempt_publishes,
+    "PublishedBytesAreTheAttempts": published_bytes_are_the_attempts,
 }
 
 
@@ -831,7 +881,8 @@ def to_tla(sys: System, c: Constants) -> Fn:
 
     Keys, writers and segments map to model values of the same name, the region
     at offset ``i`` to slot ``i + 1``, an absent record, region or attempt to the
-    model value ``None``, and a missing ``published_token`` entry to ``0``.
+    model value ``None``, and a missing ``published_token``, ``content`` or
+    ``handed`` entry to ``0``.
     """
     def placement(replicas) -> Fn:
         return Fn.of({ModelValue(r.segment): r.offset + 1 for r in replicas})
@@ -868,6 +919,12 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "store": Fn.of({ModelValue(s): slots(s) for s in c.segments}),
         "writer": Fn.of({ModelValue(w): attempt(sys.writers[w]) for w in c.writers}),
         "publishedToken": Fn.of({ModelValue(k): sys.published_token.get(k, 0) for k in c.keys}),
+        "content": Fn.of({ModelValue(s): tuple(sys.content.get((s, i), 0)
+                                               for i in range(c.slots_per_segment))
+                          for s in c.segments}),
+        "handed": Fn.of({ModelValue(k): tuple(sys.handed.get((k, t), 0)
+                                              for t in range(1, c.max_token + 1))
+                         for k in c.keys}),
     })
 
 

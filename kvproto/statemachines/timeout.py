@@ -141,7 +141,8 @@ class Request:
 
 @attrs.frozen
 class Stats:
-    """Observations, not protocol state: excluded from :class:`Pool` equality."""
+    """Observations, not protocol state: excluded from :class:`Pool` equality.
+    No step reads them (tests/stateful/test_caches.py)."""
 
     stale_dropped: int = 0   # completion callbacks and cancel acks of untracked generations
     timed_out: int = 0       # transfers timed out or abandoned by their request

@@ -353,3 +353,16 @@ def test_python_machine_without_the_term_check_breaks_an_invariant(monkeypatch):
     assert _first_violation() == []
     monkeypatch.setattr(F, "node_accepts", lambda node, term: True)
     assert "NoStaleTermWriteAccepted" in _first_violation()
+
+
+def test_python_machine_whose_fence_forgets_the_term_breaks_an_invariant(monkeypatch):
+    """Failover_Weak_FenceForgetsTerm, in Python: a node acknowledges a fence
+    without recording its term, so it keeps the promise only on paper."""
+    storage_step = F.storage_step
+
+    def forgetful(node, event):
+        new, effects = storage_step(node, event)
+        return (node if isinstance(event, F.Fence) else new), effects
+
+    monkeypatch.setattr(F, "storage_step", forgetful)
+    assert "NoStaleTermWriteAccepted" in _first_violation()
