@@ -89,8 +89,11 @@ def test_cfg_header_options_and_errors(tmp_path):
     cfg = tmp_path / "Spec_Deadlock.cfg"
     cfg.write_text("\n\\* a note\n\\* expect: deadlock\n\\* conformance: yes\nINIT Init\n\\* expect: ok\n")
     model = tlc.Model.from_cfg(cfg)
-    assert (model.module, model.expect, model.check_deadlock, model.conformance) == (
-        "Spec", "deadlock", True, True)
+    assert (model.module, model.expect, model.check_deadlock, model.conformance, model.conformance_soak) == (
+        "Spec", "deadlock", True, True, False)
+    cfg.write_text("\\* conformance: soak\nINIT Init\n")
+    model = tlc.Model.from_cfg(cfg)
+    assert model.conformance and model.conformance_soak
     for header in ["expect: safety", "expect: ok Inv", "expect: maybe", "deadlock: sometimes",
                    "conformance: perhaps"]:
         cfg.write_text(f"\\* {header}\nINIT Init\n")
