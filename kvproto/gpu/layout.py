@@ -4,7 +4,9 @@ A KV tensor is ``blocks x layers x 2 (K, V) x block tokens x KV heads x head
 dim`` of bf16 or fp16, contiguous; one block is one contiguous run of
 :attr:`KVLayout.block_bytes` bytes. :meth:`KVLayout.tag` is the stable text the
 connector puts into keys, so that state written under one layout (model,
-tensor-parallel rank, format version) is never read under another (D5, D13).
+tensor-parallel rank, format version) is never read under another: after an
+upgrade the same prefix under a new layout is a different key, not old bytes
+read the new way.
 """
 
 from __future__ import annotations
