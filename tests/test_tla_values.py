@@ -217,11 +217,11 @@ def test_parse_dot_reads_every_state_as_parse_state_does(data):
     """States that share variables' values (parsed once per graph) still read
     back as written, strings with line breaks and ``/\\`` in them included."""
     names = data.draw(st.lists(identifiers, min_size=1, max_size=3, unique=True))
-    pool = data.draw(st.lists(st.one_of(values, st.just("a\n/\\ x = 1")), min_size=1, max_size=4))
+    pool = data.draw(st.lists(st.one_of(values, st.just("a\n/\\ x = 1")), min_size=1, max_size=3))
     states = data.draw(st.lists(st.fixed_dictionaries({n: st.sampled_from(pool) for n in names}),
-                                min_size=1, max_size=6, unique_by=lambda d: format_state(d)))
+                                min_size=1, max_size=4, unique_by=lambda d: format_state(d)))
     edges = data.draw(st.lists(st.tuples(st.integers(0, len(states) - 1), st.sampled_from(["A", "B"]),
-                                         st.integers(0, len(states) - 1)), max_size=8))
+                                         st.integers(0, len(states) - 1)), max_size=5))
     graph = parse_dot(dot_of(states, edges))
     read = [Fn.of(s) for s in states]
     assert graph.states == frozenset(read)
