@@ -104,7 +104,7 @@ def test_every_buffer_has_exactly_one_fate(case):
     assert plan.keep == kept
 
 
-def test_d9_chunk_2_fails_chunk_3_succeeds():
+def test_chunk_2_fails_chunk_3_succeeds():
     """Chunk 2 fails to load and chunk 3 succeeds: only chunks 0 and 1 are
     reused; chunk 3's loaded buffer is released, chunks 2 and 3 recomputed."""
     L, F = Outcome.LOADED, Outcome.FAILED
@@ -115,7 +115,7 @@ def test_d9_chunk_2_fails_chunk_3_succeeds():
     assert plan.keep == {"b0", "b1"} and plan.release == {"b2", "b3"} and not plan.quarantine
 
 
-def test_d3_chunk_2_times_out_chunk_3_succeeds():
+def test_chunk_2_times_out_chunk_3_succeeds():
     """A timed-out chunk's buffer is quarantined, not released: the load may
     still complete into it."""
     L = Outcome.LOADED
@@ -126,7 +126,7 @@ def test_d3_chunk_2_times_out_chunk_3_succeeds():
     assert plan.quarantine == {"b2", "b4"} and plan.release == {"b3"}
 
 
-def test_d5_one_rank_missing_stops_the_prefix():
+def test_one_rank_missing_stops_the_prefix():
     """A chunk stored as 4 per-rank objects with one missing is not
     reusable, nor is anything after it, even though 3 of 4 objects exist."""
     L = Outcome.LOADED
