@@ -1,6 +1,8 @@
 ------------------------------ MODULE Failover ------------------------------
 (***************************************************************************)
-(* Master failover of the kvproto store (design atlas D11).                *)
+(* Master failover of the kvproto store: fence the old master, then        *)
+(* recover the directory, then open; a higher term rejects the old         *)
+(* master's late requests, so two masters never allocate at once.          *)
 (*                                                                         *)
 (* The master (the directory) can crash, or pause and wake up later still *)
 (* believing it is the master.  A new master takes over in this order:    *)

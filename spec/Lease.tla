@@ -1,7 +1,10 @@
 ------------------------------- MODULE Lease -------------------------------
 (***************************************************************************)
 (* Read leases: time-bounded protection of one object's bytes for one      *)
-(* reader (design atlas D6, D8, D10).                                      *)
+(* reader. Ending the protection is not deleting; bytes whose transfer     *)
+(* completed after the lease may have expired (queueing, transfer and      *)
+(* clock error counted) are rejected, since their space may already be     *)
+(* reclaimed.                                                              *)
 (*                                                                         *)
 (* The master's clock is `now`, advanced by Tick up to MaxTime.  Objects   *)
 (* are cached in storage slots (Put stands for the whole publish protocol *)

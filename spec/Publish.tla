@@ -1,6 +1,10 @@
 ------------------------------ MODULE Publish ------------------------------
 (***************************************************************************)
-(* The publish protocol of the kvproto store (design atlas D6).            *)
+(* The publish protocol of the kvproto store. Space allocated is not an    *)
+(* object complete, and every replica written is not an object published:  *)
+(* readers see an object only once its writer's own attempt published it,  *)
+(* and a writer that dies after allocating neither publishes a             *)
+(* half-written object nor holds its space forever.                        *)
 (*                                                                         *)
 (* A writer asks the master for space (PutStart); the master allocates one *)
 (* region on each of ReplicaCount live segments, tells the storage nodes   *)

@@ -1,6 +1,11 @@
 ------------------------------ MODULE Timeout ------------------------------
 (***************************************************************************)
-(* Remote-load timeout, quarantine and drain (design atlas D3, D4, D10).   *)
+(* Remote-load timeout, quarantine and drain. A timeout is the caller's    *)
+(* decision, not proof that the transfer stopped: the destination stays    *)
+(* quarantined until the transfer's completion or its cancel               *)
+(* acknowledgement arrives, late callbacks are recognised by generation    *)
+(* and dropped, and a request that ends still owns its transfers until     *)
+(* they drain.                                                             *)
 (*                                                                         *)
 (* A client's transfer engine owns a pool of destination buffers (host     *)
 (* staging buffers or GPU blocks).  A request takes a buffer (Acquire) and *)

@@ -1,4 +1,4 @@
-"""The contiguous-reuse rule (D3, D5, D9): the usable prefix is the longest run
+"""The contiguous-reuse rule: the usable prefix is the longest run
 of chunks from the start whose every rank loaded; anything after the first gap
 is recomputed, and loads that did not finish fall under the quarantine rule."""
 
@@ -104,8 +104,8 @@ def test_every_buffer_has_exactly_one_fate(case):
     assert plan.keep == kept
 
 
-def test_d9_chunk_2_fails_chunk_3_succeeds():
-    """D9: chunk 2 fails to load and chunk 3 succeeds: only chunks 0 and 1 are
+def test_chunk_2_fails_chunk_3_succeeds():
+    """Chunk 2 fails to load and chunk 3 succeeds: only chunks 0 and 1 are
     reused; chunk 3's loaded buffer is released, chunks 2 and 3 recomputed."""
     L, F = Outcome.LOADED, Outcome.FAILED
     chunks = [RankLoad(L, "b0"), RankLoad(L, "b1"), RankLoad(F, "b2"), RankLoad(L, "b3")]
@@ -115,8 +115,9 @@ def test_d9_chunk_2_fails_chunk_3_succeeds():
     assert plan.keep == {"b0", "b1"} and plan.release == {"b2", "b3"} and not plan.quarantine
 
 
-def test_d3_chunk_2_times_out_chunk_3_succeeds():
-    """D3: the timed-out chunk's buffer is quarantined, not released."""
+def test_chunk_2_times_out_chunk_3_succeeds():
+    """A timed-out chunk's buffer is quarantined, not released: the load may
+    still complete into it."""
     L = Outcome.LOADED
     chunks = [RankLoad(L, "b0"), RankLoad(L, "b1"), RankLoad(Outcome.TIMED_OUT, "b2"),
               RankLoad(L, "b3"), RankLoad(Outcome.IN_FLIGHT, "b4")]
@@ -125,8 +126,8 @@ def test_d3_chunk_2_times_out_chunk_3_succeeds():
     assert plan.quarantine == {"b2", "b4"} and plan.release == {"b3"}
 
 
-def test_d5_one_rank_missing_stops_the_prefix():
-    """D5: a chunk stored as 4 per-rank objects with one missing is not
+def test_one_rank_missing_stops_the_prefix():
+    """A chunk stored as 4 per-rank objects with one missing is not
     reusable, nor is anything after it, even though 3 of 4 objects exist."""
     L = Outcome.LOADED
     full = lambda i: {r: RankLoad(L, f"c{i}r{r}") for r in range(4)}

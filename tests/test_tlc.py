@@ -89,8 +89,11 @@ def test_cfg_header_options_and_errors(tmp_path):
     cfg = tmp_path / "Spec_Deadlock.cfg"
     cfg.write_text("\n\\* a note\n\\* expect: deadlock\n\\* conformance: yes\nINIT Init\n\\* expect: ok\n")
     model = tlc.Model.from_cfg(cfg)
-    assert (model.module, model.expect, model.check_deadlock, model.conformance) == (
-        "Spec", "deadlock", True, True)
+    assert (model.module, model.expect, model.check_deadlock, model.conformance, model.conformance_soak) == (
+        "Spec", "deadlock", True, True, False)
+    cfg.write_text("\\* conformance: soak\nINIT Init\n")
+    model = tlc.Model.from_cfg(cfg)
+    assert model.conformance and model.conformance_soak
     for header in ["expect: safety", "expect: ok Inv", "expect: maybe", "deadlock: sometimes",
                    "conformance: perhaps"]:
         cfg.write_text(f"\\* {header}\nINIT Init\n")
@@ -203,3 +206,30 @@ def test_explore_limits_states():
     assert (to_tla(INITIAL), "Take", to_tla(took_k1)) in graph.edges
     with pytest.raises(StateLimitExceeded):
         explore([INITIAL], tiny_successors, to_tla, max_states=5)
+
+
+def test_compare_reports_every_kind_of_difference():
+    """compare() matches states by value, also when TLC's edges hold other
+    (equal) objects than its state set, as a parsed graph may."""
+    from kvproto.checking.tla import StateGraph, format_value, parse_value
+
+    def copy(state):
+        return parse_value(format_value(state))
+
+    py = explore([INITIAL], tiny_successors, to_tla)
+    tlc_side = StateGraph(frozenset(map(copy, py.states)), frozenset(map(copy, py.initial)),
+                          frozenset((copy(a), label, copy(b)) for a, label, b in py.edges))
+    assert compare(tlc_side, py).ok
+
+    buggy = explore([INITIAL], buggy_successors, to_tla)
+    report = compare(tlc_side, buggy)
+    assert {label for a, label, _ in report.edges_only_tlc if a in buggy.states} == {"Drop"}
+    assert report.states_only_tlc == py.states - buggy.states != frozenset()
+    assert not (report.edges_only_py or report.states_only_py or report.initial_only_tlc)
+
+    odd = to_tla((9, frozenset(), ()))
+    extra = StateGraph(py.states | {odd}, py.initial | {odd}, py.edges | {(odd, "Idle", odd)})
+    report = compare(tlc_side, extra)
+    assert report.states_only_py == {odd} and report.initial_only_py == {odd}
+    assert report.edges_only_py == {(odd, "Idle", odd)}
+    assert not (report.states_only_tlc or report.edges_only_tlc)

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from .tla import Fn, StateGraph, describe_changes, format_state, format_value
+from .tla import Fn, StateGraph, describe_changes, format_state, format_value, gc_paused
 
 Edge = tuple[Fn, str, Fn]
 
@@ -72,10 +72,22 @@ def explore(
     must be hashable; they are deduplicated as Python states and recorded as
     ``to_tla(state)``. Self-loops are kept, as TLC keeps them.
     """
+    with gc_paused():
+        return _explore(initial_states, successors, to_tla, max_states)
+
+
+def _explore(initial_states, successors, to_tla, max_states) -> StateGraph:
     initial = list(dict.fromkeys(initial_states))
     if len(initial) > max_states:
         raise StateLimitExceeded(f"more than {max_states} initial states")
-    tla_of = {state: to_tla(state) for state in initial}
+    # Python states that map to equal TLA+ states share one object.
+    interned: dict[Fn, Fn] = {}
+
+    def tla(state: Hashable) -> Fn:
+        mapped = to_tla(state)
+        return interned.setdefault(mapped, mapped)
+
+    tla_of = {state: tla(state) for state in initial}
     queue = deque(initial)
     edges: set[Edge] = set()
     while queue:
@@ -84,7 +96,7 @@ def explore(
             if nxt not in tla_of:
                 if len(tla_of) >= max_states:
                     raise StateLimitExceeded(f"more than {max_states} reachable states")
-                tla_of[nxt] = to_tla(nxt)
+                tla_of[nxt] = tla(nxt)
                 queue.append(nxt)
             edges.add((tla_of[state], label, tla_of[nxt]))
     return StateGraph(
@@ -152,13 +164,30 @@ class ConformanceReport:
 
 def compare(tlc: StateGraph, py: StateGraph) -> ConformanceReport:
     """Diff TLC's state graph against the Python machine's."""
+    with gc_paused():
+        return _compare(tlc, py)
+
+
+def _compare(tlc: StateGraph, py: StateGraph) -> ConformanceReport:
+    # Each state is compared by value once: a TLC state equal to a Python one
+    # is replaced by that very object in TLC's edges, so that comparing the
+    # edges (many per state) finds equal states by identity.
+    py_state = {s: s for s in py.states}
+    as_py = {s: py_state.get(s) for s in tlc.states}
+    matched = frozenset(p for p in as_py.values() if p is not None)
+
+    def on_py(state: Fn) -> Fn:
+        found = as_py.get(state)
+        return state if found is None else found
+
+    tlc_edges = frozenset((on_py(a), label, on_py(b)) for a, label, b in tlc.edges)
     return ConformanceReport(
         tlc=tlc,
         py=py,
-        states_only_tlc=tlc.states - py.states,
-        states_only_py=py.states - tlc.states,
-        edges_only_tlc=tlc.edges - py.edges,
-        edges_only_py=py.edges - tlc.edges,
+        states_only_tlc=frozenset(s for s, p in as_py.items() if p is None),
+        states_only_py=py.states - matched,
+        edges_only_tlc=tlc_edges - py.edges,
+        edges_only_py=py.edges - tlc_edges,
         initial_only_tlc=tlc.initial - py.initial,
         initial_only_py=py.initial - tlc.initial,
     )

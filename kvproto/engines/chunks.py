@@ -1,5 +1,5 @@
 """KV chunks as store objects: their format, and the one place each
-direction moves them (design atlas D3, D5, D9, D10).
+direction moves them.
 
 A chunk of a token sequence (:mod:`kvproto.engines.prefix`) is stored as one
 object per tensor-parallel rank and layer group. Every object carries a header

@@ -1,5 +1,5 @@
 """Prefill -> decode hand-off on kvproto (``spec/Handoff.tla``,
-``docs/protocols/handoff.md``, design atlas D7).
+``docs/protocols/handoff.md``).
 
 A prefill worker hands one request's KV to a decode worker. This is not the
 shared cache: the hand-off's objects have their own key space, one per
@@ -20,7 +20,7 @@ finds expired parts even when their ticket is gone.
   hand-off exists for readers only once its ticket does (spec ``Publish``).
   With ``publish_chunks`` the request also stores its leading full chunks
   into the long-term cache, as separate objects of the cache's namespace
-  (the per-request choice of D7). The descriptor it returns is what the
+  (the per-request choice). The descriptor it returns is what the
   router passes to the decode worker.
 * :class:`HandoffReceiver` (decode): :meth:`~HandoffReceiver.take` makes at
   most ``attempts`` take-over attempts; each takes a read lease on the ticket

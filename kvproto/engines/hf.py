@@ -1,4 +1,4 @@
-"""A Hugging Face transformers model's prefix KV in kvproto (design atlas D3, D9).
+"""A Hugging Face transformers model's prefix KV in kvproto.
 
 :class:`PrefixCache` saves the KV of a prompt's prefix chunk by chunk from a
 ``DynamicCache`` and restores it into a fresh ``DynamicCache``, through

@@ -1,4 +1,4 @@
-"""Prefix identity and namespaces (design atlas D5, D13), pure: no I/O, no clocks.
+"""Prefix identity and namespaces, pure: no I/O, no clocks.
 
 *Prefix identity* answers "is this the same computed state": chunk ``i`` of a
 token sequence is named by a chained hash
@@ -22,7 +22,7 @@ dtype, layers, KV heads, head dim, block size, tensor-parallel size), tenant,
 cache salt, and how a chunk is split into objects (``ranks`` x
 ``layer_groups``). A new revision, layout version, dtype, tenant or salt is a
 new namespace, whose keys are disjoint from every other namespace's: old
-objects can never be read by it (D13). A namespace is an isolation label, not
+objects can never be read by it. A namespace is an isolation label, not
 access control.
 
 One chunk is stored as one object per (tensor-parallel rank, layer group):

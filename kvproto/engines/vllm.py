@@ -1,4 +1,4 @@
-"""A vLLM v1 KV connector on kvproto (design atlas D1, D3, D5, D9, D10).
+"""A vLLM v1 KV connector on kvproto.
 
 Loaded out of tree::
 

@@ -1,5 +1,7 @@
-"""D9's two completion chains, as small named-state objects an engine waits on,
-and :class:`DeviceKV`, which runs them.
+"""The save and restore completion chains, as small named-state objects an
+engine waits on, and :class:`DeviceKV`, which runs them. Each chain is three
+events that happen at different moments (a save may be restored by another
+request, with failures in between), so each stage is observed on its own.
 
 Save (:class:`SaveChain`): ``DEVICE_COPIED`` (blocks copied into a page-locked
 staging buffer, the copy's event observed) -> ``PUBLISHED`` (``client.put``

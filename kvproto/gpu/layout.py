@@ -8,7 +8,9 @@ per layer of ``blocks x 2 x block tokens x KV heads x head dim``; the bytes of
 a run of blocks as stored are then layer by layer. Either way an object holds
 :attr:`KVLayout.block_bytes` per block. :meth:`KVLayout.tag` is the stable text the
 connector puts into keys, so that state written under one layout (model,
-tensor-parallel rank, format version) is never read under another (D5, D13).
+tensor-parallel rank, format version) is never read under another: after an
+upgrade the same prefix under a new layout is a different key, not old bytes
+read the new way.
 """
 
 from __future__ import annotations

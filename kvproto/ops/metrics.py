@@ -1,4 +1,4 @@
-"""Prometheus metrics of the master, storage nodes and clients (D1).
+"""Prometheus metrics of the master, storage nodes and clients.
 
 The processes already count what matters: :class:`~kvproto.runtime.master.MasterCore`
 keeps ``counters`` and answers ``stats()``, :class:`~kvproto.runtime.storage.StorageCore`

@@ -1,4 +1,4 @@
-"""The capacity planner (D12): three ledgers (capacity, objects, traffic)
+"""The capacity planner: three ledgers (capacity, objects, traffic)
 brought down to each machine, then checked with the largest failure domain
 removed.
 

@@ -1,4 +1,4 @@
-"""Prefill -> decode hand-off (``spec/Handoff.tla``, design atlas D7) as pure,
+"""Prefill -> decode hand-off (``spec/Handoff.tla``) as pure,
 sans-IO state machines.
 
 A hand-off carries one request's KV from a prefill worker to a decode worker.

@@ -458,8 +458,9 @@ def usable_slices(sent_local: float, completions_local: Sequence[float], ttl: fl
     """An object read in slices under one lease: how many leading slices may be
     used. A slice whose transfer completed before the deadline was read under
     protection; one that completed after must be read again (under a new lease)
-    or recomputed, and, as with any prefix (design atlas D3), slices after the
-    first rejected one do not count."""
+    or recomputed, and, as with any prefix of loaded chunks, slices after the
+    first rejected one do not count (only a contiguous run from the start is
+    usable)."""
     n = 0
     for done in completions_local:
         if not accept_transfer(sent_local, done, ttl, max_skew):
@@ -548,7 +549,9 @@ class LeaseBudget:
 
 
 def classify_rejection(phases: ReadPhases, budget: LeaseBudget) -> RejectReason:
-    """Why a rejected read missed its deadline, recorded separately (D10).
+    """Why a rejected read missed its deadline: "lease too short", "network
+    slow" and "queued too long" are recorded apart, so an operator can tell
+    which budget to raise.
 
     The phase that overran its budget by the most time is blamed: the queue
     ("queued-too-long"), or the transfer or verification ("network-slow"); ties

@@ -1,10 +1,10 @@
-"""The contiguous-reuse rule (design atlas D3, D5, D9) as a pure function.
+"""The contiguous-reuse rule as a pure function.
 
 A remote hit is only a candidate: KV state may be used only after its load
 succeeded. When part of a prefix fails to load, the usable range is the longest
 *contiguous* run of chunks from the start that loaded; a chunk loaded after a
 gap never counts, because attention over it would need the missing chunk's KV.
-When a chunk is split across ranks (one object per tensor-parallel rank, D5),
+When a chunk is split across ranks (one object per tensor-parallel rank),
 it is loaded only when *every* rank's part loaded: completeness is judged at
 the model-state layer, not by "an object exists".
 

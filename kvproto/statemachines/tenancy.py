@@ -23,7 +23,7 @@ own, or another tenant's only while the writer holds less than its reserve and
 the victim's owner more than its own (:func:`fair_eviction`;
 :func:`eviction_victims` is the policy that picks them).
 
-Namespaces go through the upgrade lifecycle of the design atlas's D13:
+Namespaces go through an upgrade lifecycle:
 :class:`Create` (canary) -> :class:`PreWarm` -> :class:`Switch` (the previous
 namespace retires and :class:`AgeOut` takes its objects), or
 :class:`RouteBack` (the previous namespace is live again; the new one takes no

@@ -1,4 +1,4 @@
-"""Prefix identity and namespaces (D5, D13): chained chunk keys, per-rank and
+"""Prefix identity and namespaces: chained chunk keys, per-rank and
 per-layer-group objects, the contiguous usable prefix, and namespaces whose
 keys never meet."""
 
@@ -162,7 +162,7 @@ def test_object_keys_one_per_rank_and_layer_group():
 
 
 def test_one_missing_rank_object_ends_the_usable_prefix():
-    """D5's question: a chunk stored as per-rank objects with one missing."""
+    """A chunk stored as per-rank objects with one missing."""
     ns = Namespace.of("m", "r", attrs.evolve(LAYOUT, tp_size=4))
     chunks = ns.chunks(range(40), 10)
     present = {k for c in chunks for k in ns.object_keys(c)}

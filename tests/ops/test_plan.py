@@ -49,13 +49,13 @@ def inputs(draw, replicas_max: int = 4):
     return draw(models), draw(workloads), store, cluster
 
 
-def test_the_atlas_model_is_128_kib_per_token():
+def test_the_reference_model_is_128_kib_per_token():
     assert P.Model(32, 8, 128, "bf16").bytes_per_token == 128 * 1024 == 131072
     assert P.Model(32, 8, 128, "fp8").bytes_per_token == 64 * 1024
     assert P.Model(32, 8, 128, "float32").bytes_per_token == 256 * 1024
 
 
-def test_the_default_plan_answers_with_the_atlas_model():
+def test_the_default_plan_answers_with_the_reference_model():
     p = P.plan(P.Model(), P.Workload(), P.Store(), P.Cluster())
     assert p.bytes_per_token == 131072
     assert p.capacity.object_bytes == 256 * 131072 == 32 << 20

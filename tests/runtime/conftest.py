@@ -40,13 +40,22 @@ def children():
 # --- etcd, for the coordinator tests -----------------------------------------
 
 class EtcdServer(LocalEtcd):
-    """A loopback etcd for the tests: one that cannot start fails the test (never skips)."""
+    """A loopback etcd for the tests: one that cannot start fails the test (never skips).
 
-    def __init__(self, datadir: Path) -> None:
-        try:
-            super().__init__(datadir)
-        except RuntimeError as err:
-            pytest.fail(str(err), pytrace=False)
+    Each pytest-xdist worker starts its own (the session fixture is per worker),
+    on ports free when it starts; another worker may take one of them before
+    etcd binds it, so a start that fails is tried again on new ports."""
+
+    def __init__(self, datadir: Path, attempts: int = 3) -> None:
+        for attempt in range(1, attempts + 1):
+            tried = datadir / f"etcd-{attempt}"
+            tried.mkdir()
+            try:
+                super().__init__(tried)
+                return
+            except RuntimeError as err:   # missing, exited (a port taken) or silent
+                if attempt == attempts or not str(err).startswith("etcd exited"):
+                    pytest.fail(str(err), pytrace=False)
 
 
 @pytest.fixture(scope="session")
