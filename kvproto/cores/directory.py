@@ -79,7 +79,7 @@ class DirectoryCore:
     BIT = 1
 
     __slots__ = ("rows", "next_token", "count", "_st", "_nrep", "_tok", "_len", "_reads",
-                 "_s0", "_s1", "_o0", "_o1", "_extra", "_ledgers", "_by_id", "_handlers",
+                 "_s0", "_s1", "_o0", "_o1", "_extra", "_ledgers", "_by_id", "_names", "_handlers",
                  "objects", "segments")
 
     def __init__(self, rows: Optional[Rows] = None) -> None:
@@ -96,6 +96,7 @@ class DirectoryCore:
         self._extra: dict[int, tuple] = {}  # row -> ((segment id, offset), ...) when OVERFLOW
         self._ledgers: dict[str, Ledger] = {}
         self._by_id: list[Ledger] = []
+        self._names: list[str] = []        # segment id -> name
         self._setup()
         self.rows.attach(self._grow)
 
@@ -138,6 +139,7 @@ class DirectoryCore:
         ledger = Ledger(name, len(self._by_id), capacity, free)
         self._ledgers[name] = ledger
         self._by_id.append(ledger)
+        self._names.append(name)
         return ledger
 
     def _put_start(self, ev: PutStart) -> tuple:
@@ -152,31 +154,39 @@ class DirectoryCore:
         n = len(placement)
         if n > 1 and len({r.segment for r in placement}) != n:
             return _refused(errors.InvalidArgument("two replicas on one segment"))
-        ledgers = self._ledgers
+        ledgers, chosen = self._ledgers, []
         for r in placement:
             ledger = ledgers.get(r.segment)
             if ledger is None or not ledger.live:
                 return _refused(errors.SegmentUnavailable(f"segment {r.segment!r} is not live"))
-            if r.length != length or ledger.free < r.length or r.offset < 0 \
-                    or r.offset + r.length > ledger.capacity:
+            # r.length == length from here on, as the first test says
+            if r.length != length or ledger.free < length or r.offset < 0 \
+                    or r.offset + length > ledger.capacity:
                 return _refused(errors.NoSpace(
                     f"segment {r.segment!r} cannot hold {length} bytes"))
+            chosen.append(ledger)
         token = self.next_token
         self.next_token = token + 1
         row = self.rows.acquire(key, 1)
         self._st[row] = PENDING
         self._tok[row] = token
         self._len[row] = length
-        placed = []
-        for r in placement:
-            ledger = ledgers[r.segment]
+        for ledger in chosen:
             ledger.free -= length
-            placed.append((ledger.id, r.offset))
-        self._place(row, placed)
+        if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
+            r0, r1 = placement
+            self._nrep[row] = 2
+            self._s0[row], self._o0[row] = chosen[0].id, r0.offset
+            self._s1[row], self._o1[row] = chosen[1].id, r1.offset
+            self.count += 1
+            return (PutGranted(key, token, tuple(placement)),
+                    AssignRegion(r0.segment, r0.offset, length, key, token),
+                    AssignRegion(r1.segment, r1.offset, length, key, token))
+        self._place(row, [(l.id, r.offset) for l, r in zip(chosen, placement)])
         self.count += 1
         replicas = tuple(placement)
         return (PutGranted(key, token, replicas),) + tuple(
-            AssignRegion(r.segment, r.offset, r.length, key, token) for r in replicas)
+            AssignRegion(r.segment, r.offset, length, key, token) for r in replicas)
 
     def _pending_row(self, key, token: int) -> Optional[int]:
         """Spec ``TokenOwns(k, t)``: the row of the pending object ``token`` owns."""
@@ -289,13 +299,13 @@ class DirectoryCore:
 
     def _replicas(self, row: int, length: int) -> tuple:
         n = self._nrep[row]
-        by_id = self._by_id
-        if n == 1:
-            return (Replica(by_id[self._s0[row]].name, self._o0[row], length),)
+        names = self._names
         if n == 2:
-            return (Replica(by_id[self._s0[row]].name, self._o0[row], length),
-                    Replica(by_id[self._s1[row]].name, self._o1[row], length))
-        return tuple(Replica(by_id[s].name, o, length) for s, o in self._placed(row))
+            return (Replica(names[self._s0[row]], self._o0[row], length),
+                    Replica(names[self._s1[row]], self._o1[row], length))
+        if n == 1:
+            return (Replica(names[self._s0[row]], self._o0[row], length),)
+        return tuple(Replica(names[s], o, length) for s, o in self._placed(row))
 
     def _drop(self, row: int, key) -> tuple:
         """Free the object's replicas (spec ``FreeObjects``) and its row."""
@@ -371,6 +381,7 @@ class DirectoryCore:
         new._extra = dict(self._extra)
         new._by_id = [Ledger(l.name, l.id, l.capacity, l.free, l.live) for l in self._by_id]
         new._ledgers = {l.name: l for l in new._by_id}
+        new._names = list(self._names)
         new._setup()
         new.rows.attach(new._grow)
         return new
@@ -440,15 +451,15 @@ class DirectoryCore:
         kept = sids >= 0
         used = np.zeros(len(ids), np.int64)
         np.add.at(used, sids[kept], np.broadcast_to(lengths[:, None], sids.shape)[kept])
-        order = np.argsort(~kept, axis=1, kind="stable")   # kept replicas first, in order
-        sids = np.take_along_axis(sids, order, 1)
-        offs = np.take_along_axis(roffs, order, 1)
-        listed = kept.any(1)
-        bounds = np.asarray(key_offsets, np.int64).tolist()
-        if listed.all():
-            names = [keys[a:b] for a, b in zip(bounds, bounds[1:])]
+        if kept.all():
+            offs, listed = roffs, kept[:, 0]
         else:
-            names = [keys[bounds[i]:bounds[i + 1]] for i in np.flatnonzero(listed).tolist()]
+            order = np.argsort(~kept, axis=1, kind="stable")   # kept replicas first, in order
+            sids = np.take_along_axis(sids, order, 1)
+            offs = np.take_along_axis(roffs, order, 1)
+            listed = kept.any(1)
+        names = _slices(keys, np.asarray(key_offsets, np.int64), listed)
+        if not listed.all():
             tokens, lengths, sids, offs = tokens[listed], lengths[listed], sids[listed], offs[listed]
         if len(tokens):
             next_token = max(next_token, int(tokens.max()) + 1)
@@ -489,6 +500,21 @@ class DirectoryCore:
                                      if s >= 0)
         core._grow(len(core.rows.owners))
         return core
+
+
+def _slices(blob: bytes, offsets: np.ndarray, listed: np.ndarray) -> list[bytes]:
+    """``blob[offsets[i]:offsets[i + 1]]`` for each listed ``i``. The bounds are
+    taken one at a time (no list of n ints outlives the loop to leave the
+    allocator's arenas fragmented under the keys)."""
+    starts, ends = offsets[:-1], offsets[1:]
+    if listed.all():
+        widths = ends - starts
+        if len(widths) and widths[0] > 0 and (widths == widths[0]).all():
+            w, first = int(widths[0]), int(starts[0])
+            return [blob[i:i + w] for i in range(first, first + w * len(widths), w)]
+    else:
+        starts, ends = starts[listed], ends[listed]
+    return [blob[a:b] for a, b in zip(array("q", starts.tobytes()), array("q", ends.tobytes()))]
 
 
 def restored(capacities: Mapping[str, int], objects: Iterable[tuple[bytes, int, int, tuple]],

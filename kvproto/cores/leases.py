@@ -364,7 +364,7 @@ class LeaseCore:
         """The equal frozen :class:`LeaseTable` (O(n); for checks)."""
         objects, regions, last = [], [], []
         keys, flags = self.rows.keys, self._flags
-        for row, key in keys.items():
+        for key, row in self.rows.index.items():
             f = flags[row]
             if f & CACHED:
                 region = self._region(row)
@@ -513,7 +513,7 @@ class _Regions(_View):
     def __iter__(self) -> Iterator:
         core = self._core
         flags = core._flags
-        return (core._region(row) for row in core.rows.keys if flags[row] & CACHED)
+        return (core._region(row) for row in core.rows.index.values() if flags[row] & CACHED)
 
 
 class _Leases(_View):

@@ -7,16 +7,21 @@ published object is cached — so a key has one row in both and each core marks
 the rows it holds with its own owner bit; a row is free again once no core
 holds it, and free rows are reused last-in first-out.
 
-Per key the only Python objects are the key itself and its row ``int``, in two
-dicts (key -> row and row -> key). Neither dict is tracked by the cyclic
-garbage collector while its keys and values are atomic (bytes, str, int), so a
-full collection does not walk ten million entries, as it would walk a list.
+Per key the only Python objects are the key itself and its row ``int``: a dict
+key -> row, and a numpy object array row -> key (8 bytes a row). Neither is
+walked by the cyclic garbage collector — the dict is untracked while its keys
+and values are atomic (bytes, str, int), and numpy does not expose an array's
+elements to it — so a full collection does not visit ten million keys, as it
+would through a list (about 0.1 s). Keys must not be containers that could
+close a reference cycle (the protocol's are bytes and strings).
 """
 
 from __future__ import annotations
 
 from array import array
 from typing import Callable, Hashable, Iterable, Optional
+
+import numpy as np
 
 
 def grow(columns: Iterable[array], size: int) -> None:
@@ -30,7 +35,7 @@ def grow(columns: Iterable[array], size: int) -> None:
 class Rows:
     """Keys to row numbers and back, with a free list and per-row owner bits.
 
-    ``index`` maps key -> row, ``keys`` row -> key (held rows only). Cores
+    ``index`` maps key -> row, ``keys`` row -> key (None for a free row). Cores
     that number their columns by these rows :meth:`attach` a grow callback:
     whenever a new row passes the allocated size, every attached core grows
     its columns (by an eighth, so appends cost O(1) amortised and a column
@@ -40,7 +45,7 @@ class Rows:
 
     def __init__(self) -> None:
         self.index: dict = {}
-        self.keys: dict = {}
+        self.keys = np.empty(0, object)
         self.owners = array("B")
         self.free = array("q")
         self.size = 0                      # rows allocated (held or free)
@@ -54,6 +59,9 @@ class Rows:
     def _extend(self, needed: int) -> None:
         capacity = max(needed, len(self.owners) + (len(self.owners) >> 3) + 64)
         grow((self.owners,), capacity)
+        keys = np.empty(capacity, object)
+        keys[:len(self.keys)] = self.keys
+        self.keys = keys
         for grower in self._growers:
             grower(capacity)
 
@@ -80,7 +88,8 @@ class Rows:
         left = self.owners[row] & ~bit
         self.owners[row] = left
         if not left:
-            del self.index[self.keys.pop(row)]
+            del self.index[self.keys[row]]
+            self.keys[row] = None
             self.free.append(row)
 
     def row(self, key: Hashable) -> Optional[int]:
@@ -96,8 +105,7 @@ class Rows:
         self.index = dict(zip(keys, rows))
         if len(self.index) != n:
             raise ValueError("a key repeats")
-        # the same int objects serve both dicts
-        self.keys = dict(zip(self.index.values(), self.index))
+        self.keys = np.fromiter(keys, object, n)
         self.size = n
         self.owners = array("B", bytes([bit])) * n if n else array("B")
         for grower in self._growers:
@@ -107,7 +115,7 @@ class Rows:
         """An independent copy, with no attached cores."""
         new = Rows()
         new.index = dict(self.index)
-        new.keys = dict(self.keys)
+        new.keys = self.keys.copy()
         new.owners = array("B", self.owners)
         new.free = array("q", self.free)
         new.size = self.size

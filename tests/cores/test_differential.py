@@ -38,7 +38,7 @@ SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
 RUNS = settings(max_examples=400 if SOAK else 20, stateful_step_count=3000 if SOAK else 120,
                 deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 
-KEYS = [b"prefix/%017d" % i for i in range(300)]          # 24-byte keys
+KEYS = [b"prefix/%017d" % i for i in range(300)] + [b"", b"k", b"a-longer-key-" * 4]
 SEGMENTS = [f"seg-{i}" for i in range(24)]
 GONE = ["gone-0", "gone-1"]                                 # never joined
 
