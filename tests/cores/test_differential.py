@@ -17,6 +17,7 @@ require this check to fail."""
 from __future__ import annotations
 
 import os
+import random
 from collections import Counter
 
 import numpy as np
@@ -34,9 +35,10 @@ from kvproto.statemachines import failover as F, lease as L, publish as P
 from kvproto.statemachines.refusal import Refused
 
 SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
-#: CI: short runs; soak: thousands of steps per example
-RUNS = settings(max_examples=400 if SOAK else 20, stateful_step_count=3000 if SOAK else 120,
+#: CI: short runs; soak: bursts of seeded steps make thousands of steps an example
+RUNS = settings(max_examples=400 if SOAK else 20, stateful_step_count=100 if SOAK else 120,
                 deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+BURST = 300
 
 KEYS = [b"prefix/%017d" % i for i in range(300)] + [b"", b"k", b"a-longer-key-" * 4]
 SEGMENTS = [f"seg-{i}" for i in range(24)]
@@ -62,8 +64,6 @@ def _groups(effects) -> Counter:
 def assert_same(expected: tuple, got: tuple, order: str = "exact") -> None:
     """Equal effects; ``order`` "objects": as a multiset of per-object runs
     (``SegmentLost``), "none": as a multiset (``Tick``)."""
-    event(f"{type(got[0]).__name__ if got else 'no effect'}"
-          + (f" {type(got[0].error).__name__}" if got and isinstance(got[0], Refused) else ""))
     expected, got = tuple(map(_norm, expected)), tuple(map(_norm, got))
     if order == "objects":
         assert _groups(expected) == _groups(got), (expected, got)
@@ -73,8 +73,66 @@ def assert_same(expected: tuple, got: tuple, order: str = "exact") -> None:
         assert expected == got
 
 
-def rare(data, one_in: int = 10) -> bool:
-    return data.draw(st.integers(0, one_in - 1)) == 0
+class Choose:
+    """The machines' random choices: drawn from Hypothesis (each step
+    shrinkable) or, in a soak burst, from a PRNG seeded by one draw."""
+
+    def __init__(self, data=None, seed=None) -> None:
+        self.data, self.rng = data, None if seed is None else random.Random(seed)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi) if self.rng else self.data.draw(st.integers(lo, hi))
+
+    def float(self, lo: float, hi: float) -> float:
+        return self.rng.uniform(lo, hi) if self.rng else \
+            self.data.draw(st.floats(lo, hi, allow_nan=False))
+
+    def one(self, options):
+        options = list(options)
+        return self.rng.choice(options) if self.rng else self.data.draw(st.sampled_from(options))
+
+    def some(self, options, lo: int, hi: int, unique: bool = True) -> list:
+        options = list(options)
+        if self.rng:
+            n = self.rng.randint(lo, min(hi, len(options)) if unique else hi)
+            return self.rng.sample(options, n) if unique else \
+                [self.rng.choice(options) for _ in range(n)]
+        return self.data.draw(st.lists(st.sampled_from(options), min_size=lo, max_size=hi,
+                                       unique=unique))
+
+    def rare(self, one_in: int = 10) -> bool:
+        return self.int(0, one_in - 1) == 0
+
+    def mostly(self, usual: list, other: list, one_in: int = 5):
+        """One of ``usual`` (when there is one) but one time in ``one_in`` one of ``other``."""
+        return self.one(usual) if usual and not self.rare(one_in) else self.one(other)
+
+
+class Differential(RuleBasedStateMachine):
+    """A reference and a core stepped alike. Subclasses list their actions
+    (methods taking a :class:`Choose`) in ``ACTIONS`` and set up both sides in
+    ``begin``."""
+
+    ACTIONS: tuple = ()
+
+    @initialize(data=st.data())
+    def start(self, data):
+        self.begin(Choose(data))
+
+    @rule(data=st.data())
+    def act(self, data):
+        choose = Choose(data)
+        name = choose.one(self.ACTIONS)
+        event(name)
+        getattr(self, name)(choose)
+
+    @precondition(lambda self: SOAK)
+    @rule(seed=st.integers(0, 2 ** 32 - 1))
+    def burst(self, seed):
+        """``BURST`` steps chosen by a PRNG (soak only)."""
+        choose = Choose(seed=seed)
+        for _ in range(BURST):
+            getattr(self, choose.one(self.ACTIONS))(choose)
 
 
 # --------------------------------------------------------------------------
@@ -82,15 +140,13 @@ def rare(data, one_in: int = 10) -> bool:
 # --------------------------------------------------------------------------
 
 
-def random_objects(data, segments: list, unique: bool):
+def random_objects(c: Choose, segments: list, unique: bool):
     objects = []
-    for _ in range(data.draw(st.integers(0, 250 if SOAK else 80))):
-        key = data.draw(st.sampled_from(KEYS))
-        length = data.draw(st.integers(1, 64))
-        segs = data.draw(st.lists(st.sampled_from(segments + GONE), min_size=1, max_size=4,
-                                  unique=True))
-        replicas = tuple(P.Replica(s, data.draw(st.integers(0, 1 << 20)), length) for s in segs)
-        objects.append((key, data.draw(st.integers(1, 5000)), length, replicas))
+    for _ in range(c.int(0, 250 if SOAK else 80)):
+        key, length = c.one(KEYS), c.int(1, 64)
+        replicas = tuple(P.Replica(s, c.int(0, 1 << 20), length)
+                         for s in c.some(segments + GONE, 1, 4))
+        objects.append((key, c.int(1, 5000), length, replicas))
     if unique:
         objects = list({o[0]: o for o in objects}.values())
     return objects
@@ -111,18 +167,21 @@ def columns_of(objects, segments: list):
                 replica_segments=rsegs, replica_offsets=roffs)
 
 
-class DirectoryDiff(RuleBasedStateMachine):
+class DirectoryDiff(Differential):
     """publish.Directory + master_step against DirectoryCore."""
 
-    @initialize(how=st.sampled_from(["empty", "restored", "columns"]), data=st.data())
-    def start(self, how, data):
-        segments = data.draw(st.lists(st.sampled_from(SEGMENTS), min_size=1, max_size=len(SEGMENTS),
-                                      unique=True))
+    ACTIONS = ("add_segment", "put_start", "put_start", "put_start", "put_end", "put_end",
+               "put_revoke", "reclaim_abandoned", "read_begin", "read_end", "remove",
+               "segment_lost")
+
+    def begin(self, c: Choose):
+        segments = c.some(SEGMENTS, 1, len(SEGMENTS))
         self.ref, self.core = P.Directory(), DirectoryCore()
+        how = c.one(["empty", "restored", "columns"])
         if how != "empty":
-            capacities = {s: data.draw(st.sampled_from([1 << 30, 4096])) for s in segments}
-            objects = random_objects(data, segments, unique=how == "columns")
-            next_token = data.draw(st.integers(1, 9000))
+            capacities = {s: c.one([1 << 30, 4096]) for s in segments}
+            objects = random_objects(c, segments, unique=how == "columns")
+            next_token = c.int(1, 9000)
             try:
                 ref = P.restored(capacities, objects, next_token)
             except ValueError:
@@ -141,7 +200,7 @@ class DirectoryDiff(RuleBasedStateMachine):
                 assert self.core.reference() == self.ref
                 return
         for s in segments:
-            self.step(P.AddSegment(s, data.draw(st.sampled_from([64, 512, 4096, 1 << 30]))))
+            self.step(P.AddSegment(s, c.one([64, 512, 4096, 1 << 30])))
 
     def step(self, event):
         self.ref, expected = P.master_step(self.ref, event)
@@ -149,77 +208,60 @@ class DirectoryDiff(RuleBasedStateMachine):
         assert_same(expected, got, "objects" if isinstance(event, P.SegmentLost) else "exact")
         assert self.core.reference() == self.ref
 
-    def keys_in(self, status):
-        return [k for k, r in self.ref.objects.items() if r.status is status]
+    def key_in(self, c: Choose, status) -> bytes:
+        return c.mostly([k for k, r in self.ref.objects.items() if r.status is status], KEYS)
 
-    def token_for(self, data, key):
+    def token_for(self, c: Choose, key) -> int:
         """The key's token mostly, another one sometimes."""
         record = self.ref.objects.get(key)
-        if record is not None and not rare(data, 5):
+        if record is not None and not c.rare(5):
             return record.token
-        return data.draw(st.integers(0, self.ref.next_token + 1))
+        return c.int(0, self.ref.next_token + 1)
 
-    def pick(self, data, status):
-        keys = self.keys_in(status)
-        if keys and not rare(data, 5):
-            return data.draw(st.sampled_from(keys))
-        return data.draw(st.sampled_from(KEYS))
+    def add_segment(self, c: Choose):
+        self.step(P.AddSegment(c.one(SEGMENTS + GONE), c.int(-1, 1 << 16)))
 
-    @rule(segment=st.sampled_from(SEGMENTS + GONE), capacity=st.integers(-1, 1 << 16))
-    def add_segment(self, segment, capacity):
-        self.step(P.AddSegment(segment, capacity))
-
-    @rule(key=st.sampled_from(KEYS), length=st.integers(1, 64), data=st.data())
-    def put_start(self, key, length, data):
+    def put_start(self, c: Choose):
+        key, length = c.one(KEYS), c.int(1, 64)
         live = [s for s, l in self.ref.segments.items() if l.live]
-        pool = live if live and not rare(data) else SEGMENTS + GONE
-        segs = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=4,
-                                  unique=not rare(data, 20)))
+        pool = live if live and not c.rare() else SEGMENTS + GONE
         placement = []
-        for s in segs:
+        for s in c.some(pool, 1, 4, unique=not c.rare(20)):
             ledger = self.ref.segments.get(s)
             room = max(0, (ledger.capacity if ledger else 64) - length)
-            offset = data.draw(st.integers(0, room)) if not rare(data, 20) else room + 1
-            placement.append(P.Replica(s, offset, length if not rare(data, 20) else length + 1))
-        if rare(data, 30):
-            length = data.draw(st.sampled_from([0, -1]))
+            offset = c.int(0, room) if not c.rare(20) else room + 1
+            placement.append(P.Replica(s, offset, length if not c.rare(20) else length + 1))
+        if c.rare(30):
+            length = c.one([0, -1])
         self.step(P.PutStart(key, length, tuple(placement)))
 
-    @rule(data=st.data())
-    def put_end(self, data):
-        key = self.pick(data, P.Status.PENDING)
-        self.step(P.PutEnd(key, self.token_for(data, key)))
+    def put_end(self, c: Choose):
+        key = self.key_in(c, P.Status.PENDING)
+        self.step(P.PutEnd(key, self.token_for(c, key)))
 
-    @rule(data=st.data())
-    def put_revoke(self, data):
-        key = self.pick(data, P.Status.PENDING)
-        self.step(P.PutRevoke(key, self.token_for(data, key)))
+    def put_revoke(self, c: Choose):
+        key = self.key_in(c, P.Status.PENDING)
+        self.step(P.PutRevoke(key, self.token_for(c, key)))
 
-    @rule(data=st.data())
-    def reclaim_abandoned(self, data):
+    def reclaim_abandoned(self, c: Choose):
         """A writer timed out."""
-        key = self.pick(data, P.Status.PENDING)
-        self.step(P.ReclaimAbandoned(key, self.token_for(data, key)))
+        key = self.key_in(c, P.Status.PENDING)
+        self.step(P.ReclaimAbandoned(key, self.token_for(c, key)))
 
-    @rule(data=st.data())
-    def read_begin(self, data):
-        self.step(P.ReadBegin(self.pick(data, P.Status.PUBLISHED)))
+    def read_begin(self, c: Choose):
+        self.step(P.ReadBegin(self.key_in(c, P.Status.PUBLISHED)))
 
-    @rule(data=st.data())
-    def read_end(self, data):
+    def read_end(self, c: Choose):
         pinned = [k for k, r in self.ref.objects.items() if r.reads]
-        key = data.draw(st.sampled_from(pinned)) if pinned and not rare(data, 4) \
-            else self.pick(data, P.Status.PUBLISHED)
-        self.step(P.ReadEnd(key, self.token_for(data, key)))
+        key = c.mostly(pinned, KEYS, 4)
+        self.step(P.ReadEnd(key, self.token_for(c, key)))
 
-    @rule(data=st.data())
-    def remove(self, data):
-        self.step(P.Remove(self.pick(data, P.Status.PUBLISHED)))
+    def remove(self, c: Choose):
+        self.step(P.Remove(self.key_in(c, P.Status.PUBLISHED)))
 
-    @rule(data=st.data())
-    def segment_lost(self, data):
-        if rare(data, 3):
-            self.step(P.SegmentLost(data.draw(st.sampled_from(SEGMENTS + GONE))))
+    def segment_lost(self, c: Choose):
+        if c.rare(3):
+            self.step(P.SegmentLost(c.one(SEGMENTS + GONE)))
 
 
 # --------------------------------------------------------------------------
@@ -231,12 +273,15 @@ SLOTS = [f"slot-{i}" for i in range(60)]
 HOLDERS = [("client", i) for i in range(40)]
 
 
-class LeaseDiff(RuleBasedStateMachine):
+class LeaseDiff(Differential):
     """lease.LeaseTable + master_step against LeaseCore, with the runtime's own
     regions ``(key, token)``, the spec's shared slots, and takeovers."""
 
-    @initialize(ttl=st.sampled_from([1, 5, 40, 2.5]), now=st.sampled_from([0, 100, 7.25]))
-    def start(self, ttl, now):
+    ACTIONS = ("tick", "tick", "put", "put", "put", "grant", "grant", "renew", "release",
+               "remove", "evict", "disown", "takeover", "queries", "eviction")
+
+    def begin(self, c: Choose):
+        ttl, now = c.one([1, 5, 40, 2.5]), c.one([0, 100, 7.25])
         self.ref, self.core = L.LeaseTable(ttl=ttl, now=now), LeaseCore(ttl, now=now)
 
     def step(self, event):
@@ -245,78 +290,66 @@ class LeaseDiff(RuleBasedStateMachine):
         assert_same(expected, got, "none" if isinstance(event, L.Tick) else "exact")
         assert self.core.reference() == self.ref
 
-    def cached(self, data):
-        keys = list(self.ref.objects)
-        if keys and not rare(data, 5):
-            return data.draw(st.sampled_from(keys))
-        return data.draw(st.sampled_from(LKEYS))
+    def cached(self, c: Choose):
+        return c.mostly(list(self.ref.objects), LKEYS)
 
-    @rule(dt=st.one_of(st.integers(0, 50), st.floats(0, 10, allow_nan=False)), data=st.data())
-    def tick(self, dt, data):
-        self.step(L.Tick(self.ref.now + dt if not rare(data, 15) else self.ref.now - 1))
+    def holder(self, c: Choose):
+        return c.mostly(list(self.ref.leases), HOLDERS)
 
-    @rule(key=st.sampled_from(LKEYS), kind=st.sampled_from(["own", "own", "slot", "taken", "float"]),
-          size=st.integers(1, 1 << 20), data=st.data())
-    def put(self, key, kind, size, data):
-        token = data.draw(st.integers(1, 50))
+    def tick(self, c: Choose):
+        if c.rare(15):
+            self.step(L.Tick(self.ref.now - 1))
+        else:
+            self.step(L.Tick(self.ref.now + (c.int(0, 50) if c.rare(2) else c.float(0, 10))))
+
+    def put(self, c: Choose):
+        key, token = c.one(LKEYS), c.int(1, 50)
+        kind = c.one(["own", "own", "slot", "taken", "float"])
         if kind == "own":
             region = (key, token)
         elif kind == "slot":
-            region = data.draw(st.sampled_from(SLOTS))
+            region = c.one(SLOTS)
         elif kind == "taken" and self.ref.regions:
-            region = data.draw(st.sampled_from(sorted(self.ref.regions, key=repr)))
+            region = c.one(sorted(self.ref.regions, key=repr))
         else:
             region = (key, float(token))        # equal to (key, token): the dict's path
-        self.step(L.Put(key, region, size if not rare(data, 30) else 0))
+        self.step(L.Put(key, region, c.int(1, 1 << 20) if not c.rare(30) else 0))
 
-    @rule(holder=st.sampled_from(HOLDERS), data=st.data())
-    def grant(self, holder, data):
-        self.step(L.Grant(holder, self.cached(data)))
+    def grant(self, c: Choose):
+        self.step(L.Grant(c.one(HOLDERS), self.cached(c)))
 
-    def holder(self, data):
-        held = list(self.ref.leases)
-        return data.draw(st.sampled_from(held)) if held and not rare(data, 5) \
-            else data.draw(st.sampled_from(HOLDERS))
+    def renew(self, c: Choose):
+        self.step(L.Renew(self.holder(c)))
 
-    @rule(data=st.data())
-    def renew(self, data):
-        self.step(L.Renew(self.holder(data)))
+    def release(self, c: Choose):
+        self.step(L.Release(self.holder(c)))
 
-    @rule(data=st.data())
-    def release(self, data):
-        self.step(L.Release(self.holder(data)))
+    def remove(self, c: Choose):
+        self.step(L.Remove(self.cached(c)))
 
-    @rule(data=st.data())
-    def remove(self, data):
-        self.step(L.Remove(self.cached(data)))
+    def evict(self, c: Choose):
+        self.step(L.Evict(self.cached(c)))
 
-    @rule(data=st.data())
-    def evict(self, data):
-        self.step(L.Evict(self.cached(data)))
+    def disown(self, c: Choose):
+        self.step(L.Disown(self.cached(c)))
 
-    @rule(data=st.data())
-    def disown(self, data):
-        self.step(L.Disown(self.cached(data)))
-
-    @rule(quiet=st.sampled_from([None, 0, 3, 0.5, 100]), data=st.data())
-    def takeover(self, quiet, data):
+    def takeover(self, c: Choose):
         """Spec ``Takeover``: a new master's table with the old one's objects, inherited."""
+        quiet = c.one([None, 0, 3, 0.5, 100])
         objects = [(k, o.region, o.size) for k, o in self.ref.objects.items()]
         ttl, now = self.ref.ttl, self.ref.now
         self.ref = L.restored_table(ttl, now, objects, quiet)
         self.core = LeaseCore.restored(ttl, now, objects, quiet)
         assert self.core.reference() == self.ref
 
-    @rule(data=st.data())
-    def queries(self, data):
-        key = self.cached(data)
+    def queries(self, c: Choose):
+        key = self.cached(c)
         assert self.core.is_leased(key) == L.is_leased(self.ref, key)
         assert self.core.is_inherited(key) == L.is_inherited(self.ref, key)
         assert self.core.inherited_quiet() == L.inherited_quiet(self.ref)
         assert set(self.core.holders(key)) == set(self.ref.by_key.get(key, ()))
 
-    @rule(fraction=st.floats(0.05, 1.5), high=st.floats(0.1, 1.0))
-    def eviction(self, fraction, high):
+    def eviction(self, c: Choose):
         """The same candidates, least recently used first (ties may differ), and
         the watermark plan frees the same target."""
         mine = list(self.core.eviction_candidates())
@@ -325,13 +358,11 @@ class LeaseDiff(RuleBasedStateMachine):
         last = self.ref.last_used
         order = [last.get(k, 0) for k, _ in mine]
         assert order == sorted(order)
-        capacity = max(1, int(self.ref.used / fraction))
-        free = high / 2
-        plan = L.plan_eviction(self.ref.used, capacity, iter(mine), high_watermark=high,
-                               free_fraction=free)
-        ref_plan = L.plan_eviction(self.ref.used, capacity, iter(theirs), high_watermark=high,
-                                   free_fraction=free)
-        assert (plan.target, plan.short) == (ref_plan.target, ref_plan.short)
+        high = c.float(0.1, 1.0)
+        capacity = max(1, int(self.ref.used / c.float(0.05, 1.5)))
+        plans = [L.plan_eviction(self.ref.used, capacity, iter(candidates), high_watermark=high,
+                                 free_fraction=high / 2) for candidates in (mine, theirs)]
+        assert (plans[0].target, plans[0].short) == (plans[1].target, plans[1].short)
 
 
 # --------------------------------------------------------------------------
@@ -339,18 +370,19 @@ class LeaseDiff(RuleBasedStateMachine):
 # --------------------------------------------------------------------------
 
 
-class MasterDiff(RuleBasedStateMachine):
+class MasterDiff(Differential):
     """Both master tables on one set of rows, stepped as the runtime master
     steps them (a published object is cached with region ``(key, token)``; a
     remove asks the lease table first; a takeover restores both in bulk)."""
 
     TTL = 10
+    ACTIONS = ("put", "put", "put", "leased_read", "leased_read", "time_passes", "remove",
+               "evict", "segment_lost", "takeover")
 
-    @initialize(data=st.data())
-    def start(self, data):
+    def begin(self, c: Choose):
         self.ref, self.dir = P.Directory(), DirectoryCore()
         self.lref, self.lease = L.new_table(self.TTL), LeaseCore(self.TTL, rows=self.dir.rows)
-        for s in SEGMENTS[:data.draw(st.integers(2, 12))]:
+        for s in SEGMENTS[:c.int(2, 12)]:
             self.dstep(P.AddSegment(s, 1 << 30))
 
     def dstep(self, event):
@@ -377,46 +409,41 @@ class MasterDiff(RuleBasedStateMachine):
         assert self.dir.reference() == self.ref
         assert self.lease.reference() == self.lref
 
-    @rule(key=st.sampled_from(KEYS), n=st.integers(1, 3), length=st.integers(1, 4096),
-          data=st.data())
-    def put(self, key, n, length, data):
+    def put(self, c: Choose):
+        key, n, length = c.one(KEYS), c.int(1, 3), c.int(1, 4096)
         live = [s for s, l in self.ref.segments.items() if l.live]
         if len(live) < n:
             return
-        segs = data.draw(st.lists(st.sampled_from(live), min_size=n, max_size=n, unique=True))
         effects = self.dstep(P.PutStart(key, length, tuple(
-            P.Replica(s, data.draw(st.integers(0, 1 << 29)), length) for s in segs)))
-        if isinstance(effects[0], P.PutGranted) and not rare(data, 4):
+            P.Replica(s, c.int(0, 1 << 29), length) for s in c.some(live, n, n))))
+        if isinstance(effects[0], P.PutGranted) and not c.rare(4):
             self.dstep(P.PutEnd(key, effects[0].token))
         self.check()
 
-    @rule(holder=st.sampled_from(HOLDERS), data=st.data())
-    def leased_read(self, holder, data):
+    def leased_read(self, c: Choose):
         keys = list(self.ref.objects)
         if not keys:
             return
-        key = data.draw(st.sampled_from(keys))
+        key = c.one(keys)
         effects = self.dstep(P.ReadBegin(key))
         if isinstance(effects[0], P.ReadGranted):
             self.dstep(P.ReadEnd(key, effects[0].token))
-            self.lstep(L.Grant(holder, key))
+            self.lstep(L.Grant(c.one(HOLDERS), key))
         self.check()
 
-    @rule(dt=st.integers(0, 8), data=st.data())
-    def time_passes(self, dt, data):
-        self.lstep(L.Tick(self.lref.now + dt))
+    def time_passes(self, c: Choose):
+        self.lstep(L.Tick(self.lref.now + c.int(0, 8)))
         held = list(self.lref.leases)
         if held:
-            holder = data.draw(st.sampled_from(held))
-            self.lstep(L.Renew(holder) if data.draw(st.booleans()) else L.Release(holder))
+            holder = c.one(held)
+            self.lstep(L.Renew(holder) if c.rare(2) else L.Release(holder))
         self.check()
 
-    @rule(data=st.data())
-    def remove(self, data):
+    def remove(self, c: Choose):
         keys = list(self.ref.objects)
         if not keys:
             return
-        key = data.draw(st.sampled_from(keys))
+        key = c.one(keys)
         _, effects = L.master_step(self.lref, L.Remove(key))     # asked, not committed
         if key in self.lref.objects and isinstance(effects[0], Refused):
             assert_same(effects, self.lease.step(L.Remove(key)))
@@ -424,34 +451,32 @@ class MasterDiff(RuleBasedStateMachine):
             self.dstep(P.Remove(key))
         self.check()
 
-    @rule(high=st.floats(0.0, 0.9))
-    def evict(self, high):
-        capacity = max(1, self.lref.used)
-        plan = L.plan_eviction(self.lref.used, capacity, self.lease.eviction_candidates(),
-                               high_watermark=high, free_fraction=high / 2)
+    def evict(self, c: Choose):
+        high = c.float(0.0, 0.9)
+        plan = L.plan_eviction(self.lref.used, max(1, self.lref.used),
+                               self.lease.eviction_candidates(), high_watermark=high,
+                               free_fraction=high / 2)
         for key in plan.keys:
             self.dstep(P.Remove(key))
         self.check()
 
-    @rule(data=st.data())
-    def segment_lost(self, data):
+    def segment_lost(self, c: Choose):
         live = [s for s, l in self.ref.segments.items() if l.live]
-        if live and rare(data, 4):
-            self.dstep(P.SegmentLost(data.draw(st.sampled_from(live))))
+        if live and c.rare(4):
+            self.dstep(P.SegmentLost(c.one(live)))
             self.check()
 
-    @rule(quiet=st.sampled_from([0, 5, 30]), data=st.data())
-    def takeover(self, quiet, data):
+    def takeover(self, c: Choose):
         """A new master rebuilds both tables in bulk from the published objects."""
-        if not rare(data, 6):
+        if not c.rare(3):
             return
+        quiet = c.one([0, 5, 30])
         capacities = {s: l.capacity for s, l in self.ref.segments.items() if l.live}
         objects = [(k, r.token, r.length, r.replicas) for k, r in self.ref.objects.items()
                    if r.status is P.Status.PUBLISHED]
-        segments = list(capacities)
         now = self.lref.now
         self.ref = P.restored(capacities, objects, self.ref.next_token)
-        self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, segments),
+        self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),
                                               next_token=self.dir.next_token)
         self.lref = L.restored_table(self.TTL, now, [
             (k, (k, r.token), r.length * len(r.replicas)) for k, r in self.ref.objects.items()],
@@ -468,12 +493,15 @@ OFFSETS = list(range(0, 200 * 4096, 4096))
 NODE = "node-0"
 
 
-class StorageDiff(RuleBasedStateMachine):
+class StorageDiff(Differential):
     """publish.RegionTable + failover.StorageNode and their storage_steps
     against StorageNodeCore."""
 
-    @initialize()
-    def start(self):
+    ACTIONS = ("assign", "assign", "free", "write", "write", "read", "fence", "allocate",
+               "allocate", "publish", "stamped_read", "index_request", "purge", "stamped_free",
+               "restart")
+
+    def begin(self, c: Choose):
         self.table, self.node = P.RegionTable(NODE), F.StorageNode()
         self.core = StorageNodeCore(NODE)
 
@@ -486,84 +514,60 @@ class StorageDiff(RuleBasedStateMachine):
         assert_same(expected, got)
         assert self.core.reference() == (self.table, self.node)
 
-    def region_token(self, data, offset):
+    def region(self, c: Choose):
+        """An offset, mostly one with a region, and mostly its token."""
+        offset = c.mostly(list(self.table.regions), OFFSETS)
         region = self.table.regions.get(offset)
-        if region is not None and not rare(data, 5):
-            return region.token
-        return data.draw(st.integers(1, 400))
+        return offset, region.token if region is not None and not c.rare(5) else c.int(1, 400)
 
-    def offset(self, data):
-        held = list(self.table.regions)
-        return data.draw(st.sampled_from(held)) if held and not rare(data, 5) \
-            else data.draw(st.sampled_from(OFFSETS))
+    def key(self, c: Choose):
+        return c.mostly(list(self.node.index), KEYS)
 
-    def key(self, data):
-        held = list(self.node.index)
-        return data.draw(st.sampled_from(held)) if held and not rare(data, 5) \
-            else data.draw(st.sampled_from(KEYS))
+    def term(self, c: Choose) -> int:
+        return max(0, self.node.term + c.int(-2, 2))
 
-    def term(self, data):
-        return max(0, self.node.term + data.draw(st.integers(-2, 2)))
+    def assign(self, c: Choose):
+        self.step(P.AssignRegion(NODE, c.one(OFFSETS), c.int(1, 4096), c.one(KEYS), c.int(1, 400)))
 
-    @rule(offset=st.sampled_from(OFFSETS), key=st.sampled_from(KEYS), token=st.integers(1, 400),
-          length=st.integers(1, 4096))
-    def assign(self, offset, key, token, length):
-        self.step(P.AssignRegion(NODE, offset, length, key, token))
+    def free(self, c: Choose):
+        self.step(P.FreeRegion(NODE, *self.region(c), 1))
 
-    @rule(data=st.data())
-    def free(self, data):
-        offset = self.offset(data)
-        self.step(P.FreeRegion(NODE, offset, self.region_token(data, offset), 1))
+    def write(self, c: Choose):
+        self.step(P.WriteReplica(NODE, *self.region(c)))
 
-    @rule(data=st.data())
-    def write(self, data):
-        offset = self.offset(data)
-        self.step(P.WriteReplica(NODE, offset, self.region_token(data, offset)))
+    def read(self, c: Choose):
+        self.step(P.ReadReplica(NODE, *self.region(c)))
 
-    @rule(data=st.data())
-    def read(self, data):
-        offset = self.offset(data)
-        self.step(P.ReadReplica(NODE, offset, self.region_token(data, offset)))
+    def fence(self, c: Choose):
+        self.step(F.Fence(self.term(c)))
 
-    @rule(data=st.data())
-    def fence(self, data):
-        self.step(F.Fence(self.term(data)))
+    def allocate(self, c: Choose):
+        self.step(F.StampedAllocate(NODE, c.one(KEYS), self.term(c), c.one(OFFSETS),
+                                    c.int(1, 4096), c.int(0, 400)))
 
-    @rule(key=st.sampled_from(KEYS), offset=st.sampled_from(OFFSETS), length=st.integers(1, 4096),
-          token=st.integers(0, 400), data=st.data())
-    def allocate(self, key, offset, length, token, data):
-        self.step(F.StampedAllocate(NODE, key, self.term(data), offset, length, token))
+    def publish(self, c: Choose):
+        self.step(F.StampedPublish(NODE, self.key(c), self.term(c), c.one([0, 7, (1 << 64) - 1])))
 
-    @rule(checksum=st.sampled_from([0, 7, (1 << 64) - 1]), data=st.data())
-    def publish(self, checksum, data):
-        self.step(F.StampedPublish(NODE, self.key(data), self.term(data), checksum))
+    def stamped_read(self, c: Choose):
+        self.step(F.StampedRead(NODE, self.key(c), self.term(c)))
 
-    @rule(data=st.data())
-    def stamped_read(self, data):
-        self.step(F.StampedRead(NODE, self.key(data), self.term(data)))
+    def index_request(self, c: Choose):
+        if c.rare(5):
+            self.step(F.IndexRequest(self.term(c)))
 
-    @rule(data=st.data())
-    def index_request(self, data):
-        if rare(data, 5):
-            self.step(F.IndexRequest(self.term(data)))
+    def purge(self, c: Choose):
+        self.step(F.PurgeUnpublished(NODE, self.term(c)))
 
-    @rule(data=st.data())
-    def purge(self, data):
-        self.step(F.PurgeUnpublished(NODE, self.term(data)))
-
-    @rule(data=st.data())
-    def stamped_free(self, data):
-        key = self.key(data)
+    def stamped_free(self, c: Choose):
+        key = self.key(c)
         entry = self.node.index.get(key)
-        token = entry.token if entry is not None and not rare(data, 5) \
-            else data.draw(st.integers(0, 400))
-        self.step(F.StampedFree(NODE, key, self.term(data), token))
+        token = entry.token if entry is not None and not c.rare(5) else c.int(0, 400)
+        self.step(F.StampedFree(NODE, key, self.term(c), token))
 
-    @rule(data=st.data())
-    def restart(self, data):
+    def restart(self, c: Choose):
         """The node starts over under a new segment id, keeping its term."""
-        if rare(data, 8):
-            segment = f"node-{data.draw(st.integers(1, 9))}"
+        if c.rare(8):
+            segment = f"node-{c.int(1, 9)}"
             self.table, self.node = P.RegionTable(segment), F.StorageNode(self.node.term)
             self.core.restart(segment)
             assert self.core.reference() == (self.table, self.node)
