@@ -440,7 +440,6 @@ class DirectoryCore:
         lengths = np.asarray(lengths, np.int64)
         rsegs = np.asarray(replica_segments, np.int64)
         roffs = np.asarray(replica_offsets, np.int64)
-        n = len(tokens)
         if rsegs.ndim == 1:
             rsegs, roffs = rsegs[:, None], roffs[:, None]
         ids = {name: i for i, name in enumerate(capacities)}

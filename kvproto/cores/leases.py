@@ -39,6 +39,7 @@ import immutables
 import numpy as np
 
 from kvproto import errors
+from kvproto.cores.directory import PUBLISHED, DirectoryCore
 from kvproto.cores.rows import Rows, grow
 from kvproto.statemachines.lease import (
     CachedObject, Cached, Disown, Evict, Grant, Lease, LeaseEnded, LeaseGranted,
@@ -414,12 +415,11 @@ class LeaseCore:
         return core
 
     @classmethod
-    def inherit(cls, directory, ttl, now, quiet=None) -> "LeaseCore":
+    def inherit(cls, directory: DirectoryCore, ttl, now, quiet=None) -> "LeaseCore":
         """:meth:`restored` of every published object of ``directory`` (a
         :class:`~kvproto.cores.directory.DirectoryCore`), sharing its rows, as the
         runtime master takes over: region ``(key, token)``, size ``length`` times
         its replicas. Vectorised: no Python object per object."""
-        from kvproto.cores.directory import OVERFLOW, PUBLISHED
         core = cls(ttl, directory.rows, now=now,
                    quiet_until=now + (ttl if quiet is None else quiet))
         size = len(directory.rows.owners)
