@@ -334,7 +334,9 @@ class LeaseCore:
 
     def eviction_candidates(self) -> Iterator[tuple[Hashable, int]]:
         """``(key, size)`` of the cached objects with no unexpired lease that are
-        not inherited-and-quiet, least recently used first, ties by row."""
+        not inherited-and-quiet, least recently used first, ties by row, as
+        they stand when iteration starts (take what is needed, e.g. with
+        ``lease.plan_eviction``, before stepping the table again)."""
         if not self.count:
             return
         flags = np.frombuffer(self._flags, np.uint8)
