@@ -170,9 +170,9 @@ def columns_of(objects, segments: list):
 class DirectoryDiff(Differential):
     """publish.Directory + master_step against DirectoryCore."""
 
-    ACTIONS = ("add_segment", "put_start", "put_start", "put_start", "put_end", "put_end",
-               "put_revoke", "reclaim_abandoned", "read_begin", "read_end", "remove",
-               "segment_lost")
+    ACTIONS = ("add_segment", "put_start", "put_start", "put_start", "put_start", "put_end",
+               "put_end", "put_end", "put_revoke", "reclaim_abandoned", "read_begin",
+               "read_end", "remove", "segment_lost")
 
     def begin(self, c: Choose):
         segments = c.some(SEGMENTS, 1, len(SEGMENTS))
@@ -200,7 +200,7 @@ class DirectoryDiff(Differential):
                 assert self.core.reference() == self.ref
                 return
         for s in segments:
-            self.step(P.AddSegment(s, c.one([64, 512, 4096, 1 << 30])))
+            self.step(P.AddSegment(s, c.one([64, 4096, 1 << 30, 1 << 30])))
 
     def step(self, event):
         self.ref, expected = P.master_step(self.ref, event)
@@ -260,15 +260,19 @@ class DirectoryDiff(Differential):
         self.step(P.Remove(self.key_in(c, P.Status.PUBLISHED)))
 
     def segment_lost(self, c: Choose):
-        if c.rare(3):
+        """A segment dies; a node joins with a new one (as a restarted node does)."""
+        if c.rare(8):
             self.step(P.SegmentLost(c.one(SEGMENTS + GONE)))
+            fresh = [s for s in SEGMENTS if s not in self.ref.segments]
+            if fresh:
+                self.step(P.AddSegment(fresh[0], 1 << 30))
 
 
 # --------------------------------------------------------------------------
 # The master's lease table
 # --------------------------------------------------------------------------
 
-LKEYS = [f"k{i}" for i in range(200)]
+LKEYS = [f"k{i}" for i in range(500)]
 SLOTS = [f"slot-{i}" for i in range(60)]
 HOLDERS = [("client", i) for i in range(40)]
 
@@ -277,8 +281,8 @@ class LeaseDiff(Differential):
     """lease.LeaseTable + master_step against LeaseCore, with the runtime's own
     regions ``(key, token)``, the spec's shared slots, and takeovers."""
 
-    ACTIONS = ("tick", "tick", "put", "put", "put", "grant", "grant", "renew", "release",
-               "remove", "evict", "disown", "takeover", "queries", "eviction")
+    ACTIONS = ("tick", "tick", "put", "put", "put", "put", "put", "grant", "grant", "renew",
+               "release", "remove", "evict", "disown", "takeover", "queries", "eviction")
 
     def begin(self, c: Choose):
         ttl, now = c.one([1, 5, 40, 2.5]), c.one([0, 100, 7.25])
@@ -452,10 +456,13 @@ class MasterDiff(Differential):
         self.check()
 
     def evict(self, c: Choose):
-        high = c.float(0.0, 0.9)
-        plan = L.plan_eviction(self.lref.used, max(1, self.lref.used),
-                               self.lease.eviction_candidates(), high_watermark=high,
-                               free_fraction=high / 2)
+        """Past the watermark of a capacity a little above what is used."""
+        if not c.rare(3):
+            return
+        high = c.float(0.5, 0.95)
+        capacity = max(1, int(self.lref.used * c.float(1.0, 2.0)))
+        plan = L.plan_eviction(self.lref.used, capacity, self.lease.eviction_candidates(),
+                               high_watermark=high, free_fraction=0.05)
         for key in plan.keys:
             self.dstep(P.Remove(key))
         self.check()
@@ -464,6 +471,9 @@ class MasterDiff(Differential):
         live = [s for s, l in self.ref.segments.items() if l.live]
         if live and c.rare(4):
             self.dstep(P.SegmentLost(c.one(live)))
+            fresh = [s for s in SEGMENTS if s not in self.ref.segments]
+            if fresh:
+                self.dstep(P.AddSegment(fresh[0], 1 << 30))
             self.check()
 
     def takeover(self, c: Choose):
@@ -497,9 +507,9 @@ class StorageDiff(Differential):
     """publish.RegionTable + failover.StorageNode and their storage_steps
     against StorageNodeCore."""
 
-    ACTIONS = ("assign", "assign", "free", "write", "write", "read", "fence", "allocate",
-               "allocate", "publish", "stamped_read", "index_request", "purge", "stamped_free",
-               "restart")
+    ACTIONS = ("assign", "assign", "assign", "free", "write", "write", "read", "fence",
+               "allocate", "allocate", "allocate", "publish", "publish", "stamped_read",
+               "index_request", "purge", "stamped_free", "restart")
 
     def begin(self, c: Choose):
         self.table, self.node = P.RegionTable(NODE), F.StorageNode()
@@ -524,7 +534,9 @@ class StorageDiff(Differential):
         return c.mostly(list(self.node.index), KEYS)
 
     def term(self, c: Choose) -> int:
-        return max(0, self.node.term + c.int(-2, 2))
+        """Mostly the node's term or the next; sometimes a stale or a later one."""
+        t = self.node.term
+        return max(0, c.mostly([t, t, t + 1], [t - 2, t - 1, t + 2], 4))
 
     def assign(self, c: Choose):
         self.step(P.AssignRegion(NODE, c.one(OFFSETS), c.int(1, 4096), c.one(KEYS), c.int(1, 400)))
@@ -556,7 +568,8 @@ class StorageDiff(Differential):
             self.step(F.IndexRequest(self.term(c)))
 
     def purge(self, c: Choose):
-        self.step(F.PurgeUnpublished(NODE, self.term(c)))
+        if c.rare(4):
+            self.step(F.PurgeUnpublished(NODE, self.term(c)))
 
     def stamped_free(self, c: Choose):
         key = self.key(c)
@@ -566,7 +579,7 @@ class StorageDiff(Differential):
 
     def restart(self, c: Choose):
         """The node starts over under a new segment id, keeping its term."""
-        if c.rare(8):
+        if c.rare(50):
             segment = f"node-{c.int(1, 9)}"
             self.table, self.node = P.RegionTable(segment), F.StorageNode(self.node.term)
             self.core.restart(segment)
