@@ -1,0 +1,15 @@
+"""Fast, mutable, compact cores the runtime runs, each held to its reference machine.
+
+* :mod:`kvproto.cores.directory` — the master's directory
+  (reference: ``publish.Directory`` + ``publish.master_step``);
+* :mod:`kvproto.cores.leases` — the master's lease table
+  (reference: ``lease.LeaseTable`` + ``lease.master_step``);
+* :mod:`kvproto.cores.storage` — a storage node's region table and index
+  (references: ``publish.RegionTable`` + ``publish.storage_step`` and
+  ``failover.StorageNode`` + ``failover.storage_step``);
+* :mod:`kvproto.cores.rows` — the key -> row numbering the cores share;
+* :mod:`kvproto.cores.bindings` — the cores inside the specs' closed systems
+  (``FAST_BINDINGS``), for the conformance graphs.
+
+How they are held to the references: ``docs/cores.md``.
+"""

@@ -1,0 +1,585 @@
+"""The master's directory of ``spec/Publish.tla`` as a mutable, compact core.
+
+Reference machine: :class:`kvproto.statemachines.publish.Directory` stepped by
+:func:`kvproto.statemachines.publish.master_step`. :class:`DirectoryCore` takes
+the same events and returns the same effects (the classes of
+:mod:`kvproto.statemachines.publish`); a refused event returns the same single
+:class:`~kvproto.statemachines.refusal.Refused` effect and changes nothing.
+:meth:`DirectoryCore.reference` gives the equal frozen ``Directory``; the
+conformance graphs and the differential test hold the two to each other
+(``docs/cores.md``).
+
+Layout: a key's row comes from :class:`~kvproto.cores.rows.Rows` (shared with
+the lease table in the master); per row, flat columns hold the status, token,
+length, read pins and up to :data:`INLINE` replicas as (segment id, offset),
+segment names interned to small ints. An object with more replicas, or on a
+segment whose id does not fit in 16 bits, keeps its replicas in a small
+overflow dict. Segment ledgers are a few plain objects. A step allocates no
+per-object Python object except the key's row; ``SegmentLost`` finds the
+objects on the segment with one vectorised scan of the replica columns.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Optional
+
+import immutables
+import numpy as np
+
+from kvproto import errors
+from kvproto.cores.rows import Rows, grow
+from kvproto.statemachines.maps import map_of
+from kvproto.statemachines.publish import (
+    AddSegment, AssignRegion, Directory, FreeRegion, ObjectRecord, Published, PutEnd,
+    PutGranted, PutRevoke, PutStart, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
+    Refused, Remove, Removed, Replica, Revoked, SegmentLedger, SegmentLost, Status,
+)
+
+#: status column values (0: the row holds no object of this directory)
+PENDING, PUBLISHED = 1, 2
+#: replicas kept in the row's own columns; more go to the overflow dict
+INLINE = 2
+#: ``nrep`` of a row whose replicas are all in the overflow dict
+OVERFLOW = 255
+#: segment ids from here on do not fit the 16-bit columns (overflow path)
+SEGMENT_ID_LIMIT = 0xFFFF
+
+_STATUS = {PENDING: Status.PENDING, PUBLISHED: Status.PUBLISHED}
+_CODE = {Status.PENDING: PENDING, Status.PUBLISHED: PUBLISHED}
+
+
+def _refused(error: errors.KvError) -> tuple:
+    return (Refused(error),)
+
+
+class Ledger:
+    """One segment's space account (``free[s]``, ``s \\in live``), mutable."""
+
+    __slots__ = ("name", "id", "capacity", "free", "live")
+
+    def __init__(self, name: str, id: int, capacity: int, free: int, live: bool = True):
+        self.name, self.id, self.capacity, self.free, self.live = name, id, capacity, free, live
+
+    def value(self) -> SegmentLedger:
+        return SegmentLedger(self.capacity, self.free, self.live)
+
+
+class DirectoryCore:
+    """The master's directory: ``step(event) -> effects``, mutating in place.
+
+    ``rows`` may be shared with other cores (:class:`~kvproto.cores.leases.LeaseCore`);
+    this core holds a row with owner bit :attr:`BIT`. Read it through
+    :attr:`objects` (key -> :class:`ObjectRecord`, built on access),
+    :attr:`segments` (name -> :class:`SegmentLedger`) and :attr:`next_token`,
+    as one reads the frozen ``Directory``.
+    """
+
+    BIT = 1
+
+    __slots__ = ("rows", "next_token", "count", "_st", "_nrep", "_tok", "_len", "_reads",
+                 "_s0", "_s1", "_o0", "_o1", "_extra", "_ledgers", "_by_id", "_names", "_handlers",
+                 "objects", "segments")
+
+    def __init__(self, rows: Optional[Rows] = None) -> None:
+        self.rows = Rows() if rows is None else rows
+        self.next_token = 1
+        self.count = 0                     # objects held
+        self._st = array("b")              # 0, PENDING or PUBLISHED
+        self._nrep = array("B")            # inline replicas, or OVERFLOW
+        self._tok = array("q")
+        self._len = array("q")
+        self._reads = array("I")
+        self._s0, self._s1 = array("H"), array("H")
+        self._o0, self._o1 = array("q"), array("q")
+        self._extra: dict[int, tuple] = {}  # row -> ((segment id, offset), ...) when OVERFLOW
+        self._ledgers: dict[str, Ledger] = {}
+        self._by_id: list[Ledger] = []
+        self._names: list[str] = []        # segment id -> name
+        self._setup()
+        self.rows.attach(self._grow)
+
+    def _setup(self) -> None:
+        self._handlers = {
+            AddSegment: self._add_segment, PutStart: self._put_start, PutEnd: self._put_end,
+            PutRevoke: self._put_revoke, ReclaimAbandoned: self._reclaim_abandoned,
+            ReadBegin: self._read_begin, ReadEnd: self._read_end, Remove: self._remove,
+            SegmentLost: self._segment_lost,
+        }
+        self.objects = _Objects(self)
+        self.segments = _Ledgers(self)
+
+    def _columns(self) -> tuple:
+        return (self._st, self._nrep, self._tok, self._len, self._reads,
+                self._s0, self._s1, self._o0, self._o1)
+
+    def _grow(self, size: int) -> None:
+        grow(self._columns(), size)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, event) -> tuple:
+        """Apply one event (the events of ``publish.master_step``)."""
+        try:
+            handler = self._handlers[type(event)]
+        except KeyError:
+            raise TypeError(f"not a master event: {event!r}") from None
+        return handler(event)
+
+    def _add_segment(self, ev: AddSegment) -> tuple:
+        if ev.segment in self._ledgers:
+            return _refused(errors.InvalidArgument(f"segment {ev.segment!r} already joined"))
+        if ev.capacity <= 0:
+            return _refused(errors.InvalidArgument("segment capacity must be positive"))
+        self._join(ev.segment, ev.capacity, ev.capacity)
+        return ()
+
+    def _join(self, name: str, capacity: int, free: int) -> Ledger:
+        ledger = Ledger(name, len(self._by_id), capacity, free)
+        self._ledgers[name] = ledger
+        self._by_id.append(ledger)
+        self._names.append(name)
+        return ledger
+
+    def _put_start(self, ev: PutStart) -> tuple:
+        """Spec ``PutStart``: the key is absent and every replica fits on a live segment."""
+        key = ev.key
+        row = self.rows.index.get(key)
+        if row is not None and self._st[row]:
+            return _refused(errors.KeyExists(f"key {key!r} exists or is being put"))
+        length, placement = ev.length, ev.placement
+        if length <= 0 or not placement:
+            return _refused(errors.InvalidArgument("empty object or placement"))
+        n = len(placement)
+        if n > 1 and len({r.segment for r in placement}) != n:
+            return _refused(errors.InvalidArgument("two replicas on one segment"))
+        ledgers, chosen = self._ledgers, []
+        for r in placement:
+            ledger = ledgers.get(r.segment)
+            if ledger is None or not ledger.live:
+                return _refused(errors.SegmentUnavailable(f"segment {r.segment!r} is not live"))
+            # r.length == length from here on, as the first test says
+            if r.length != length or ledger.free < length or r.offset < 0 \
+                    or r.offset + length > ledger.capacity:
+                return _refused(errors.NoSpace(
+                    f"segment {r.segment!r} cannot hold {length} bytes"))
+            chosen.append(ledger)
+        token = self.next_token
+        self.next_token = token + 1
+        row = self.rows.acquire(key, 1)
+        self._st[row] = PENDING
+        self._tok[row] = token
+        self._len[row] = length
+        for ledger in chosen:
+            ledger.free -= length
+        if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
+            r0, r1 = placement
+            self._nrep[row] = 2
+            self._s0[row], self._o0[row] = chosen[0].id, r0.offset
+            self._s1[row], self._o1[row] = chosen[1].id, r1.offset
+            self.count += 1
+            return (PutGranted(key, token, tuple(placement)),
+                    AssignRegion(r0.segment, r0.offset, length, key, token),
+                    AssignRegion(r1.segment, r1.offset, length, key, token))
+        self._place(row, [(l.id, r.offset) for l, r in zip(chosen, placement)])
+        self.count += 1
+        replicas = tuple(placement)
+        return (PutGranted(key, token, replicas),) + tuple(
+            AssignRegion(r.segment, r.offset, length, key, token) for r in replicas)
+
+    def _pending_row(self, key, token: int) -> Optional[int]:
+        """Spec ``TokenOwns(k, t)``: the row of the pending object ``token`` owns."""
+        row = self.rows.index.get(key)
+        if row is not None and self._st[row] == PENDING and self._tok[row] == token:
+            return row
+        return None
+
+    def _put_end(self, ev: PutEnd) -> tuple:
+        """Spec ``PutEnd``: publish only if ``TokenOwns(k, t)``; else StaleToken."""
+        row = self._pending_row(ev.key, ev.token)
+        if row is None:
+            return _refused(errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
+        self._st[row] = PUBLISHED
+        return (Published(ev.key, ev.token),)
+
+    def _put_revoke(self, ev) -> tuple:
+        """Spec ``PutRevoke``: free the allocation if ``token`` still owns it."""
+        row = self._pending_row(ev.key, ev.token)
+        if row is None:
+            return _refused(errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
+        return (Revoked(ev.key, ev.token),) + self._drop(row, ev.key)
+
+    #: Spec ``ReclaimAbandoned``: the writer fell silent; free its allocation.
+    _reclaim_abandoned = _put_revoke
+
+    def _read_begin(self, ev: ReadBegin) -> tuple:
+        """Spec ``ReadBegin``: only a published object is readable; pin it."""
+        key = ev.key
+        row = self.rows.index.get(key)
+        if row is None or self._st[row] != PUBLISHED:
+            return _refused(errors.KeyNotFound(f"{key!r}"))
+        self._reads[row] += 1
+        length = self._len[row]
+        return (ReadGranted(key, self._tok[row], self._replicas(row, length), length),)
+
+    def _read_end(self, ev: ReadEnd) -> tuple:
+        """Spec ``ReadEnd``: unpin; a read of an object that is gone changes nothing."""
+        row = self.rows.index.get(ev.key)
+        if row is None or not self._st[row] or self._tok[row] != ev.token \
+                or self._reads[row] == 0:
+            return _refused(errors.StaleToken(f"no read of {ev.key!r} with token {ev.token}"))
+        self._reads[row] -= 1
+        return ()
+
+    def _remove(self, ev: Remove) -> tuple:
+        """Spec ``Remove``: published and unpinned only."""
+        key = ev.key
+        row = self.rows.index.get(key)
+        status = 0 if row is None else self._st[row]
+        if not status:
+            return _refused(errors.KeyNotFound(f"{key!r}"))
+        if status != PUBLISHED:
+            return _refused(errors.NotPublished(f"{key!r} is being put"))
+        reads = self._reads[row]
+        if reads:
+            return _refused(errors.ObjectBusy(f"{key!r} has {reads} reader(s)"))
+        return (Removed(key, self._tok[row]),) + self._drop(row, key)
+
+    def _segment_lost(self, ev: SegmentLost) -> tuple:
+        """Spec ``SegmentLost``: revoke pending objects with a replica there, drop
+        the replica from published ones, forget published ones left with none."""
+        ledger = self._ledgers.get(ev.segment)
+        if ledger is None or not ledger.live:
+            return _refused(errors.SegmentUnavailable(f"segment {ev.segment!r} is not live"))
+        ledger.free, ledger.live = 0, False
+        sid, by_id, keys = ledger.id, self._by_id, self.rows.keys
+        effects: list = []
+        for row in self._rows_on(sid):
+            placed = self._placed(row)
+            kept = [(s, o) for s, o in placed if s != sid]
+            if self._st[row] == PENDING or not kept:
+                key, token, length = keys[row], self._tok[row], self._len[row]
+                effects.append(Revoked(key, token) if self._st[row] == PENDING
+                               else Removed(key, token))
+                for s, o in kept:
+                    by_id[s].free += length
+                    effects.append(FreeRegion(by_id[s].name, o, token, length))
+                self._clear(row)
+            else:
+                self._place(row, kept)
+        return tuple(effects)
+
+    # ------------------------------------------------------------------ rows
+
+    def _place(self, row: int, placed: Sequence[tuple[int, int]]) -> None:
+        """Store ``(segment id, offset)`` replicas in the row, or its overflow entry."""
+        n = len(placed)
+        if n <= INLINE and all(s < SEGMENT_ID_LIMIT for s, _ in placed):
+            self._nrep[row] = n
+            if n:
+                self._s0[row], self._o0[row] = placed[0]
+            if n == 2:
+                self._s1[row], self._o1[row] = placed[1]
+            self._extra.pop(row, None)
+        else:
+            self._nrep[row] = OVERFLOW
+            self._extra[row] = tuple(placed)
+
+    def _placed(self, row: int) -> list[tuple[int, int]]:
+        n = self._nrep[row]
+        if n == OVERFLOW:
+            return list(self._extra[row])
+        out = []
+        if n:
+            out.append((self._s0[row], self._o0[row]))
+        if n == 2:
+            out.append((self._s1[row], self._o1[row]))
+        return out
+
+    def _replicas(self, row: int, length: int) -> tuple:
+        n = self._nrep[row]
+        names = self._names
+        if n == 2:
+            return (Replica(names[self._s0[row]], self._o0[row], length),
+                    Replica(names[self._s1[row]], self._o1[row], length))
+        if n == 1:
+            return (Replica(names[self._s0[row]], self._o0[row], length),)
+        return tuple(Replica(names[s], o, length) for s, o in self._placed(row))
+
+    def _drop(self, row: int, key) -> tuple:
+        """Free the object's replicas (spec ``FreeObjects``) and its row."""
+        token, length, by_id = self._tok[row], self._len[row], self._by_id
+        frees = []
+        for s, o in self._placed(row):
+            ledger = by_id[s]
+            ledger.free += length
+            frees.append(FreeRegion(ledger.name, o, token, length))
+        self._clear(row)
+        return tuple(frees)
+
+    def _clear(self, row: int) -> None:
+        self._st[row] = 0
+        self._nrep[row] = 0
+        self._reads[row] = 0
+        self._extra.pop(row, None)
+        self.count -= 1
+        self.rows.release(row, self.BIT)
+
+    def _rows_on(self, sid: int) -> list[int]:
+        """Rows with a replica on segment ``sid``, in row order (one vectorised scan)."""
+        size = self.rows.size
+        hits: list[int] = []
+        if size and sid < SEGMENT_ID_LIMIT:
+            nrep = np.frombuffer(self._nrep, np.uint8, size)
+            s0 = np.frombuffer(self._s0, np.uint16, size)
+            s1 = np.frombuffer(self._s1, np.uint16, size)
+            on = ((nrep == 1) | (nrep == 2)) & (s0 == sid) | (nrep == 2) & (s1 == sid)
+            hits = np.flatnonzero(on).tolist()
+            del nrep, s0, s1, on
+        hits += [row for row, placed in self._extra.items() if any(s == sid for s, _ in placed)]
+        return sorted(hits)
+
+    # ------------------------------------------------------------------ reading
+
+    def record(self, key) -> Optional[ObjectRecord]:
+        """``dir[key]`` as the reference's :class:`ObjectRecord`, or None."""
+        row = self.rows.index.get(key)
+        if row is None or not self._st[row]:
+            return None
+        return self._record(row)
+
+    def _record(self, row: int) -> ObjectRecord:
+        length = self._len[row]
+        return ObjectRecord(_STATUS[self._st[row]], self._tok[row], self._replicas(row, length),
+                            length, self._reads[row])
+
+    def published(self, key) -> bool:
+        """Whether ``key`` names a published object (spec ``Readable(k)``)."""
+        row = self.rows.index.get(key)
+        return row is not None and self._st[row] == PUBLISHED
+
+    def _items(self) -> Iterator[tuple]:
+        st = self._st
+        for key, row in self.rows.index.items():
+            if st[row]:
+                yield key, row
+
+    def reference(self) -> Directory:
+        """The equal frozen :class:`Directory` (O(n); for checks)."""
+        return Directory(map_of((key, self._record(row)) for key, row in self._items()),
+                         immutables.Map({l.name: l.value() for l in self._by_id}),
+                         self.next_token)
+
+    def copy(self) -> "DirectoryCore":
+        """An independent copy (with its own rows, shared with nothing)."""
+        new = DirectoryCore.__new__(DirectoryCore)
+        new.rows = self.rows.copy()
+        new.next_token, new.count = self.next_token, self.count
+        (new._st, new._nrep, new._tok, new._len, new._reads,
+         new._s0, new._s1, new._o0, new._o1) = (col[:] for col in self._columns())
+        new._extra = dict(self._extra)
+        new._by_id = [Ledger(l.name, l.id, l.capacity, l.free, l.live) for l in self._by_id]
+        new._ledgers = {l.name: l for l in new._by_id}
+        new._names = list(self._names)
+        new._setup()
+        new.rows.attach(new._grow)
+        return new
+
+    # ------------------------------------------------------------------ bulk construction
+
+    @classmethod
+    def restored(cls, capacities: Mapping[str, int],
+                 objects: Iterable[tuple[bytes, int, int, tuple]], next_token: int,
+                 rows: Optional[Rows] = None) -> "DirectoryCore":
+        """:func:`kvproto.statemachines.publish.restored` as a core: every
+        ``(key, token, length, replicas)`` published on its replicas on live
+        segments (others dropped; an object left with none is not listed), the
+        segments of ``capacities`` live with those bytes taken, tokens from
+        ``next_token``. A replica whose length is not its object's is refused
+        with ``ValueError`` (the protocol never makes one)."""
+        ids = {name: i for i, name in enumerate(capacities)}
+        used = [0] * len(ids)
+        listed: dict = {}
+        for key, token, length, replicas in objects:
+            kept = []
+            for r in replicas:
+                s = ids.get(r.segment)
+                if s is not None:
+                    if r.length != length:
+                        raise ValueError(f"replica of {key!r} has length {r.length}, not {length}")
+                    kept.append((s, r.offset))
+                    used[s] += length
+            if kept:
+                listed[key] = (token, length, kept)
+                next_token = max(next_token, token + 1)
+        width = max((len(k) for _, _, k in listed.values()), default=1)
+        n = len(listed)
+        sids = np.full((n, width), -1, np.int64)
+        offs = np.zeros((n, width), np.int64)
+        for i, (_, _, kept) in enumerate(listed.values()):
+            for j, (s, o) in enumerate(kept):
+                sids[i, j], offs[i, j] = s, o
+        tokens = np.fromiter((t for t, _, _ in listed.values()), np.int64, n)
+        lengths = np.fromiter((l for _, l, _ in listed.values()), np.int64, n)
+        return cls._build(capacities, list(listed), tokens, lengths, sids, offs, next_token,
+                          used, rows)
+
+    @classmethod
+    def from_columns(cls, capacities: Mapping[str, int], segments: Sequence[str],
+                     keys: bytes, key_offsets, tokens, lengths, replica_segments,
+                     replica_offsets, next_token: int,
+                     rows: Optional[Rows] = None) -> "DirectoryCore":
+        """:meth:`restored` from columns, as a columnar index frame decodes:
+        object ``i`` has key ``keys[key_offsets[i]:key_offsets[i + 1]]``, token
+        ``tokens[i]``, length ``lengths[i]`` and replicas ``(segments[j],
+        replica_offsets[i, c])`` for each ``j = replica_segments[i, c] >= 0``.
+        Keys must be distinct. No Python object is made per object but its
+        key and row."""
+        tokens = np.asarray(tokens, np.int64)
+        lengths = np.asarray(lengths, np.int64)
+        rsegs = np.asarray(replica_segments, np.int64)
+        roffs = np.asarray(replica_offsets, np.int64)
+        if rsegs.ndim == 1:
+            rsegs, roffs = rsegs[:, None], roffs[:, None]
+        ids = {name: i for i, name in enumerate(capacities)}
+        lut = np.full(len(segments) + 1, -1, np.int64)   # the last entry maps -1 to -1
+        for j, name in enumerate(segments):
+            lut[j] = ids.get(name, -1)
+        sids = lut[rsegs]
+        kept = sids >= 0
+        used = np.zeros(len(ids), np.int64)
+        np.add.at(used, sids[kept], np.broadcast_to(lengths[:, None], sids.shape)[kept])
+        if kept.all():
+            offs, listed = roffs, kept[:, 0]
+        else:
+            order = np.argsort(~kept, axis=1, kind="stable")   # kept replicas first, in order
+            sids = np.take_along_axis(sids, order, 1)
+            offs = np.take_along_axis(roffs, order, 1)
+            listed = kept.any(1)
+        names = _slices(keys, np.asarray(key_offsets, np.int64), listed)
+        if not listed.all():
+            tokens, lengths, sids, offs = tokens[listed], lengths[listed], sids[listed], offs[listed]
+        if len(tokens):
+            next_token = max(next_token, int(tokens.max()) + 1)
+        return cls._build(capacities, names, tokens, lengths, sids, offs, next_token,
+                          used.tolist(), rows)
+
+    @classmethod
+    def _build(cls, capacities, keys: list, tokens, lengths, sids, offs, next_token: int,
+               used: Sequence[int], rows: Optional[Rows]) -> "DirectoryCore":
+        """A directory of published objects at rows ``0..n-1``: ``sids``/``offs``
+        (n x width, kept replicas first, -1 after) in the ids of ``capacities``."""
+        core = cls(rows)
+        for (name, capacity), u in zip(capacities.items(), used):
+            core._join(name, capacity, capacity - u)
+        if any(l.free < 0 for l in core._by_id):
+            raise ValueError("recovered objects exceed a segment's capacity")
+        n = len(keys)
+        core.rows.bulk(keys, cls.BIT)
+        core.count, core.next_token = n, next_token
+        if not n:
+            return core
+        width = sids.shape[1]
+        nrep = (sids >= 0).sum(1)
+        inline = (nrep <= INLINE) & (sids[:, :min(width, INLINE)] < SEGMENT_ID_LIMIT).all(1)
+        cols = {"_st": np.full(n, PUBLISHED, np.int8), "_tok": tokens, "_len": lengths,
+                "_nrep": np.where(inline, nrep, OVERFLOW).astype(np.uint8),
+                "_s0": np.where(inline, sids[:, 0], 0).astype(np.uint16),
+                "_o0": np.where(inline, offs[:, 0], 0)}
+        if width > 1:
+            cols["_s1"] = np.where(inline & (nrep > 1), sids[:, 1], 0).astype(np.uint16)
+            cols["_o1"] = np.where(inline & (nrep > 1), offs[:, 1], 0)
+        for name, values in cols.items():
+            col = getattr(core, name)
+            setattr(core, name, array(col.typecode, np.ascontiguousarray(
+                values, np.dtype(col.typecode)).tobytes()))
+        for row in np.flatnonzero(~inline).tolist():
+            core._extra[row] = tuple((s, o) for s, o in zip(sids[row].tolist(), offs[row].tolist())
+                                     if s >= 0)
+        core._grow(len(core.rows.owners))
+        return core
+
+
+def _slices(blob: bytes, offsets: np.ndarray, listed: np.ndarray) -> list[bytes]:
+    """``blob[offsets[i]:offsets[i + 1]]`` for each listed ``i``. The bounds are
+    taken one at a time (no list of n ints outlives the loop to leave the
+    allocator's arenas fragmented under the keys)."""
+    starts, ends = offsets[:-1], offsets[1:]
+    if listed.all():
+        widths = ends - starts
+        if len(widths) and widths[0] > 0 and (widths == widths[0]).all():
+            w, first = int(widths[0]), int(starts[0])
+            return [blob[i:i + w] for i in range(first, first + w * len(widths), w)]
+    else:
+        starts, ends = starts[listed], ends[listed]
+    return [blob[a:b] for a, b in zip(array("q", starts.tobytes()), array("q", ends.tobytes()))]
+
+
+def restored(capacities: Mapping[str, int], objects: Iterable[tuple[bytes, int, int, tuple]],
+             next_token: int) -> DirectoryCore:
+    """:meth:`DirectoryCore.restored` (the drop-in for ``publish.restored``)."""
+    return DirectoryCore.restored(capacities, objects, next_token)
+
+
+# --------------------------------------------------------------------------
+# Read views with the frozen Directory's shape
+# --------------------------------------------------------------------------
+
+
+class _Objects(Mapping):
+    """``key -> ObjectRecord`` over a :class:`DirectoryCore` (records built on access)."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: DirectoryCore) -> None:
+        self._core = core
+
+    def __getitem__(self, key) -> ObjectRecord:
+        record = self._core.record(key)
+        if record is None:
+            raise KeyError(key)
+        return record
+
+    def get(self, key, default=None):
+        record = self._core.record(key)
+        return default if record is None else record
+
+    def __contains__(self, key) -> bool:
+        row = self._core.rows.index.get(key)
+        return row is not None and self._core._st[row] != 0
+
+    def __len__(self) -> int:
+        return self._core.count
+
+    def __iter__(self) -> Iterator:
+        return (key for key, _ in self._core._items())
+
+    def items(self):
+        core = self._core
+        return [(key, core._record(row)) for key, row in core._items()]
+
+    def values(self):
+        core = self._core
+        return [core._record(row) for _, row in core._items()]
+
+
+class _Ledgers(Mapping):
+    """``segment -> SegmentLedger`` over a :class:`DirectoryCore`."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: DirectoryCore) -> None:
+        self._core = core
+
+    def __getitem__(self, name: str) -> SegmentLedger:
+        return self._core._ledgers[name].value()
+
+    def __contains__(self, name) -> bool:
+        return name in self._core._ledgers
+
+    def __len__(self) -> int:
+        return len(self._core._ledgers)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._core._ledgers)

@@ -1,0 +1,556 @@
+"""The master's read leases of ``spec/Lease.tla`` as a mutable, compact core.
+
+Reference machine: :class:`kvproto.statemachines.lease.LeaseTable` stepped by
+:func:`kvproto.statemachines.lease.master_step`. :class:`LeaseCore` takes the
+same events (``Tick``, ``Put``, ``Grant``, ``Renew``, ``Release``, ``Remove``,
+``Evict``, ``Disown``), returns the same effects, refuses with the same single
+``Refused`` effect and changes nothing then; :func:`restored_table` is the
+spec's ``Takeover`` (every object inherited, no lease known, inherited objects
+leased until ``quiet_until``). :meth:`LeaseCore.reference` gives the equal
+frozen ``LeaseTable``.
+
+Layout. Per cached object, columns indexed by the rows of
+:class:`~kvproto.cores.rows.Rows` — in the master the same rows as the
+directory's, so an object costs a few column entries here and no Python
+object: flags (cached, inherited, region is its own), size, region token and
+last use. A region that names its own object, ``(key, token)`` as the runtime's
+do, is stored as its token; any other region (the spec's shared slots) goes in
+a dict. Leases — the reads in flight, few — are small records in a dict, with
+an expiry heap, so a :class:`~kvproto.statemachines.lease.Tick` costs
+O(leases it ends) (the reference walks every lease).
+
+Eviction order (the runtime's policy; the spec allows evicting any unleased
+object): :meth:`LeaseCore.eviction_candidates` yields the unleased cached
+objects by last use (the master clock of the object's put, last grant or
+renewal, or :meth:`LeaseCore.touch`), least recent first, ties by row, exact;
+it selects them in batches with a vectorised partial sort, O(n) per batch, the
+batches growing eightfold. :func:`kvproto.statemachines.lease.plan_eviction`
+takes them with its watermark semantics unchanged.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from typing import Optional
+
+import immutables
+import numpy as np
+
+from kvproto import errors
+from kvproto.cores.directory import PUBLISHED, DirectoryCore
+from kvproto.cores.rows import Rows, grow
+from kvproto.statemachines.lease import (
+    CachedObject, Cached, Disown, Evict, Grant, Lease, LeaseEnded, LeaseGranted,
+    LeaseReleased, LeaseRenewed, LeaseTable, Put, Reclaimed, Refused, Release, Remove, Renew,
+    Tick,
+)
+from kvproto.statemachines.maps import map_of
+
+#: flag bits per row
+CACHED, INHERITED, OWN_REGION = 1, 2, 4
+_OWN = CACHED | OWN_REGION
+_INT64 = (-(1 << 63), 1 << 63)
+
+
+def _refused(error: errors.KvError) -> tuple:
+    return (Refused(error),)
+
+
+class _Lease:
+    """One reader's lease, mutable (``seq`` names its current heap entry)."""
+
+    __slots__ = ("key", "row", "region", "expires", "seq")
+
+    def __init__(self, key, row: int, region, expires, seq: int):
+        self.key, self.row, self.region, self.expires, self.seq = key, row, region, expires, seq
+
+
+class LeaseCore:
+    """The master's lease table: ``step(event) -> effects``, mutating in place.
+
+    ``rows`` may be shared with the directory (:class:`~kvproto.cores.directory.DirectoryCore`);
+    this core holds a row with owner bit :attr:`BIT`. Read it through
+    :attr:`objects`, :attr:`regions`, :attr:`leases` and :attr:`by_key`
+    (built on access) and :attr:`now`, :attr:`ttl`, :attr:`used`,
+    :attr:`quiet_until`, as one reads the frozen ``LeaseTable``.
+    """
+
+    BIT = 2
+
+    __slots__ = ("rows", "ttl", "now", "quiet_until", "used", "count", "_flags", "_size",
+                 "_rtok", "_last", "_regions", "_region_of", "_leases", "_holders", "_heap",
+                 "_seq", "_handlers", "objects", "regions", "leases", "by_key")
+
+    def __init__(self, ttl, rows: Optional[Rows] = None, *, now=0, quiet_until=0) -> None:
+        if ttl <= 0:
+            raise ValueError("ttl must be positive")
+        self.rows = Rows() if rows is None else rows
+        self.ttl, self.now, self.quiet_until = ttl, now, quiet_until
+        self.used = 0
+        self.count = 0
+        self._flags = array("B")
+        self._size = array("q")
+        self._rtok = array("q")            # the token of an OWN_REGION region (key, token)
+        self._last = array("d")            # recency: master time of put, grant, renewal, touch
+        self._regions: dict = {}           # region -> row, regions that are not (key, token)
+        self._region_of: dict = {}         # row -> region, the same
+        self._leases: dict = {}            # holder -> _Lease
+        self._holders: dict = {}           # row -> {holder: None}
+        self._heap: list = []              # (expires, seq, holder); stale entries skipped
+        self._seq = 0
+        self._setup()
+        self.rows.attach(self._grow)
+
+    def _setup(self) -> None:
+        self._handlers = {
+            Tick: self._tick, Put: self._put, Grant: self._grant, Renew: self._renew,
+            Release: self._release, Remove: self._remove, Evict: self._evict,
+            Disown: self._disown,
+        }
+        self.objects = _Objects(self)
+        self.regions = _Regions(self)
+        self.leases = _Leases(self)
+        self.by_key = _ByKey(self)
+
+    def _columns(self) -> tuple:
+        return (self._flags, self._size, self._rtok, self._last)
+
+    def _grow(self, size: int) -> None:
+        grow(self._columns(), size)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, event) -> tuple:
+        """Apply one event (the events of ``lease.master_step``)."""
+        try:
+            handler = self._handlers[type(event)]
+        except KeyError:
+            raise TypeError(f"not a lease event: {event!r}") from None
+        return handler(event)
+
+    def _tick(self, ev: Tick) -> tuple:
+        """Spec ``Tick``: the clock never goes back; leases with ``expires <= now`` end."""
+        now = ev.now
+        if now < self.now:
+            return _refused(errors.InvalidArgument(
+                f"master clock went back from {self.now} to {now}"))
+        if now == self.now:
+            return ()
+        self.now = now
+        heap, leases = self._heap, self._leases
+        ended = []
+        while heap and heap[0][0] <= now:
+            _, seq, holder = heapq.heappop(heap)
+            lease = leases.get(holder)
+            if lease is None or lease.seq != seq:
+                continue                   # released or renewed since
+            self._forget(holder, lease)
+            ended.append(LeaseEnded(holder, lease.key))
+        return tuple(ended)
+
+    def _put(self, ev: Put, inherited: bool = False) -> tuple:
+        """Spec ``Put``: the key is not cached and the region is free."""
+        key, region, size = ev.key, ev.region, ev.size
+        row = self.rows.index.get(key)
+        if row is not None and self._flags[row] & CACHED:
+            return _refused(errors.KeyExists(f"{key!r} is cached"))
+        if self._region_row(region) is not None:
+            return _refused(errors.NoSpace(f"region {region!r} holds another object"))
+        if size <= 0:
+            return _refused(errors.InvalidArgument("object size must be positive"))
+        row = self.rows.acquire(key, self.BIT)
+        flags = CACHED | (INHERITED if inherited else 0)
+        if type(region) is tuple and len(region) == 2 and region[0] == key \
+                and type(region[1]) is int and _INT64[0] <= region[1] < _INT64[1]:
+            flags |= OWN_REGION
+            self._rtok[row] = region[1]
+        else:
+            self._regions[region] = row
+            self._region_of[row] = region
+        self._flags[row] = flags
+        self._size[row] = size
+        self._last[row] = self.now
+        self.used += size
+        self.count += 1
+        return (Cached(key, region),)
+
+    def _grant(self, ev: Grant) -> tuple:
+        """Spec ``Grant``: a lease on a cached object expiring at ``now + ttl``, or a miss."""
+        holder, key = ev.holder, ev.key
+        if holder in self._leases:
+            return _refused(errors.LeaseHeld(f"{holder!r} already holds a lease"))
+        row = self.rows.index.get(key)
+        if row is None or not self._flags[row] & CACHED:
+            return _refused(errors.KeyNotFound(f"{key!r}"))
+        expires = self.now + self.ttl
+        region = self._region(row)
+        self._seq += 1
+        self._leases[holder] = _Lease(key, row, region, expires, self._seq)
+        holders = self._holders.get(row)
+        if holders is None:
+            self._holders[row] = {holder: None}
+        else:
+            holders[holder] = None
+        heapq.heappush(self._heap, (expires, self._seq, holder))
+        self._last[row] = self.now
+        return (LeaseGranted(holder, key, region, expires, self.ttl),)
+
+    def _renew(self, ev: Renew) -> tuple:
+        """Spec ``Renew``: only an unexpired lease is extended (to ``now + ttl``)."""
+        lease = self._leases.get(ev.holder)
+        if lease is None or lease.expires <= self.now:
+            return _refused(errors.LeaseExpired(f"{ev.holder!r} holds no unexpired lease"))
+        self._seq += 1
+        lease.expires, lease.seq = self.now + self.ttl, self._seq
+        heapq.heappush(self._heap, (lease.expires, self._seq, ev.holder))
+        self._last[lease.row] = self.now
+        return (LeaseRenewed(ev.holder, lease.key, lease.expires),)
+
+    def _release(self, ev: Release) -> tuple:
+        """Spec ``Release``: the lease ends; the object is not touched."""
+        lease = self._leases.get(ev.holder)
+        if lease is None:
+            return _refused(errors.LeaseExpired(f"{ev.holder!r} holds no lease"))
+        self._forget(ev.holder, lease)
+        return (LeaseReleased(ev.holder, lease.key),)
+
+    def _forget(self, holder, lease: _Lease) -> None:
+        del self._leases[holder]
+        holders = self._holders[lease.row]
+        del holders[holder]
+        if not holders:
+            del self._holders[lease.row]
+
+    def _leased_by(self, row: int) -> int:
+        """How many unexpired leases are on ``row`` (0 when none)."""
+        holders = self._holders.get(row)
+        if not holders:
+            return 0
+        leases, now = self._leases, self.now
+        return len(holders) if any(leases[h].expires > now for h in holders) else 0
+
+    def _reclaimable(self, key, row: Optional[int]) -> Optional[errors.KvError]:
+        """Why ``key`` may not be reclaimed now (spec ``Leased(k)``), or None."""
+        if row is None or not self._flags[row] & CACHED:
+            return errors.KeyNotFound(f"{key!r}")
+        held = self._leased_by(row)
+        if held:
+            return errors.ObjectLeased(f"{key!r} has {held} unexpired lease(s)")
+        if row not in self._holders and self._flags[row] & INHERITED \
+                and self.now < self.quiet_until:
+            return errors.ObjectLeased(
+                f"{key!r} may still be leased by the previous master "
+                f"({self.quiet_until - self.now} more)")
+        return None
+
+    def _reclaim(self, key, evicted: bool) -> tuple:
+        row = self.rows.index.get(key)
+        err = self._reclaimable(key, row)
+        if err is not None:
+            return _refused(err)
+        region, size = self._region(row), self._size[row]
+        if not self._flags[row] & OWN_REGION:
+            del self._regions[region], self._region_of[row]
+        self._flags[row] = 0
+        self.used -= size
+        self.count -= 1
+        self.rows.release(row, self.BIT)
+        return (Reclaimed(key, region, size, evicted),)
+
+    def _remove(self, ev: Remove) -> tuple:
+        """Spec ``Remove``: refused with ``ObjectLeased`` while ``Leased(k)``."""
+        return self._reclaim(ev.key, evicted=False)
+
+    def _evict(self, ev: Evict) -> tuple:
+        """Spec ``Evict``: like ``Remove``; which object is the policy's choice."""
+        return self._reclaim(ev.key, evicted=True)
+
+    def _disown(self, ev: Disown) -> tuple:
+        """An operator's forced remove: ``key`` stops counting as inherited."""
+        row = self.rows.index.get(ev.key)
+        if row is None or not self._flags[row] & CACHED:
+            return _refused(errors.KeyNotFound(f"{ev.key!r}"))
+        self._flags[row] &= ~INHERITED
+        return ()
+
+    # ------------------------------------------------------------------ regions
+
+    def _region(self, row: int):
+        if self._flags[row] & OWN_REGION:
+            return (self.rows.keys[row], self._rtok[row])
+        return self._region_of[row]
+
+    def _region_row(self, region) -> Optional[int]:
+        """The row of the cached object in ``region``, or None."""
+        row = self._regions.get(region)
+        if row is not None:
+            return row
+        if type(region) is tuple and len(region) == 2:
+            row = self.rows.index.get(region[0])
+            if row is not None and self._flags[row] & _OWN == _OWN \
+                    and self._rtok[row] == region[1]:
+                return row
+        return None
+
+    # ------------------------------------------------------------------ queries
+
+    def is_leased(self, key: Hashable) -> bool:
+        """Spec ``Leased(k)``: an unexpired lease, or inherited before ``quiet_until``."""
+        row = self.rows.index.get(key)
+        if row is None or not self._flags[row] & CACHED:
+            return False
+        if row in self._holders:
+            return self._leased_by(row) > 0
+        return bool(self._flags[row] & INHERITED) and self.now < self.quiet_until
+
+    def is_inherited(self, key: Hashable) -> bool:
+        """Whether ``key`` counts as leased only because a previous master may have leased it."""
+        row = self.rows.index.get(key)
+        return row is not None and self._flags[row] & (CACHED | INHERITED) == CACHED | INHERITED \
+            and self.now < self.quiet_until
+
+    def inherited_quiet(self) -> bool:
+        """Whether objects this master inherited still count as leased."""
+        return self.now < self.quiet_until
+
+    def holders(self, key: Hashable) -> tuple:
+        """The holders of ``key``'s leases."""
+        row = self.rows.index.get(key)
+        return tuple(self._holders.get(row, ())) if row is not None else ()
+
+    @property
+    def earliest(self):
+        """The earliest expiry of a lease held, or None."""
+        return min((l.expires for l in self._leases.values()), default=None)
+
+    def touch(self, key: Hashable) -> None:
+        """Mark ``key`` used now for the eviction order (a read without a lease);
+        not protocol state."""
+        row = self.rows.index.get(key)
+        if row is not None and self._flags[row] & CACHED:
+            self._last[row] = self.now
+
+    def eviction_candidates(self) -> Iterator[tuple[Hashable, int]]:
+        """``(key, size)`` of the cached objects with no unexpired lease that are
+        not inherited-and-quiet, least recently used first, ties by row, as
+        they stand when iteration starts (take what is needed, e.g. with
+        ``lease.plan_eviction``, before stepping the table again)."""
+        if not self.count:
+            return
+        flags = np.frombuffer(self._flags, np.uint8)
+        mask = (flags & CACHED) != 0
+        if self.now < self.quiet_until:
+            mask &= (flags & INHERITED) == 0
+        leased = [row for row in self._holders if self._leased_by(row)]
+        mask[leased] = False
+        rows = np.flatnonzero(mask)
+        last = np.frombuffer(self._last, np.float64)[rows]
+        del flags, mask
+        done, batch = 0, 256
+        while done < len(rows):
+            if batch < len(rows):
+                bound = np.partition(last, batch - 1)[batch - 1]
+                chosen = np.flatnonzero(last <= bound)
+            else:
+                chosen = np.arange(len(rows))
+            chosen = chosen[np.lexsort((rows[chosen], last[chosen]))]
+            for row in rows[chosen[done:]].tolist():
+                if self._flags[row] & CACHED:
+                    yield self.rows.keys[row], self._size[row]
+            done, batch = len(chosen), batch * 8
+
+    # ------------------------------------------------------------------ checks
+
+    def reference(self) -> LeaseTable:
+        """The equal frozen :class:`LeaseTable` (O(n); for checks)."""
+        objects, regions, last = [], [], []
+        keys, flags = self.rows.keys, self._flags
+        for key, row in self.rows.index.items():
+            f = flags[row]
+            if f & CACHED:
+                region = self._region(row)
+                objects.append((key, CachedObject(region, self._size[row], bool(f & INHERITED))))
+                regions.append((region, key))
+                last.append((key, self._last[row]))
+        by_key: dict = {}
+        for holder, lease in self._leases.items():
+            by_key.setdefault(keys[lease.row], {})[holder] = True
+        return LeaseTable(
+            ttl=self.ttl, now=self.now, objects=map_of(objects), regions=map_of(regions),
+            leases=immutables.Map({h: Lease(h, l.key, l.region, l.expires)
+                                   for h, l in self._leases.items()}),
+            by_key=immutables.Map({k: immutables.Map(hs) for k, hs in by_key.items()}),
+            used=self.used, quiet_until=self.quiet_until, earliest=self.earliest,
+            last_used=map_of(last))
+
+    def copy(self) -> "LeaseCore":
+        """An independent copy (with its own rows, shared with nothing)."""
+        new = LeaseCore.__new__(LeaseCore)
+        new.rows = self.rows.copy()
+        new.ttl, new.now, new.quiet_until = self.ttl, self.now, self.quiet_until
+        new.used, new.count, new._seq = self.used, self.count, self._seq
+        new._flags, new._size, new._rtok, new._last = (col[:] for col in self._columns())
+        new._regions, new._region_of = dict(self._regions), dict(self._region_of)
+        new._leases = {h: _Lease(l.key, l.row, l.region, l.expires, l.seq)
+                       for h, l in self._leases.items()}
+        new._holders = {row: dict(hs) for row, hs in self._holders.items()}
+        new._heap = list(self._heap)
+        new._setup()
+        new.rows.attach(new._grow)
+        return new
+
+    # ------------------------------------------------------------------ takeover
+
+    @classmethod
+    def restored(cls, ttl, now, objects: Iterable[tuple[Hashable, Hashable, int]], quiet=None,
+                 rows: Optional[Rows] = None) -> "LeaseCore":
+        """Spec ``Takeover`` (:func:`kvproto.statemachines.lease.restored_table`):
+        every ``(key, region, size)`` cached and inherited, no lease known,
+        inherited objects leased until ``now + quiet`` (default ``ttl``)."""
+        core = cls(ttl, rows, now=now, quiet_until=now + (ttl if quiet is None else quiet))
+        for key, region, size in objects:
+            effects = core._put(Put(key, region, size), inherited=True)
+            if effects and type(effects[0]) is Refused:
+                raise ValueError(f"recovered object {key!r} repeats a key or region, or is empty")
+        return core
+
+    @classmethod
+    def inherit(cls, directory: DirectoryCore, ttl, now, quiet=None) -> "LeaseCore":
+        """:meth:`restored` of every published object of ``directory`` (a
+        :class:`~kvproto.cores.directory.DirectoryCore`), sharing its rows, as the
+        runtime master takes over: region ``(key, token)``, size ``length`` times
+        its replicas. Vectorised: no Python object per object."""
+        core = cls(ttl, directory.rows, now=now,
+                   quiet_until=now + (ttl if quiet is None else quiet))
+        size = len(directory.rows.owners)
+        published = np.frombuffer(directory._st, np.int8, size) == PUBLISHED
+        nrep = np.frombuffer(directory._nrep, np.uint8, size).astype(np.int64)
+        for row, placed in directory._extra.items():
+            nrep[row] = len(placed)
+        sizes = np.where(published, np.frombuffer(directory._len, np.int64, size) * nrep, 0)
+        flags = np.where(published, CACHED | INHERITED | OWN_REGION, 0).astype(np.uint8)
+        tokens = np.where(published, np.frombuffer(directory._tok, np.int64, size), 0)
+        owners = np.frombuffer(directory.rows.owners, np.uint8)
+        owners[published] |= cls.BIT
+        del owners
+        core._flags = array("B", flags.tobytes())
+        core._size = array("q", sizes.tobytes())
+        core._rtok = array("q", tokens.tobytes())
+        core._last = array("d", np.full(size, float(now)).tobytes())
+        core.used, core.count = int(sizes.sum()), int(published.sum())
+        core._setup()
+        return core
+
+
+def new_table(ttl) -> LeaseCore:
+    """The drop-in for ``lease.new_table``."""
+    return LeaseCore(ttl)
+
+
+def restored_table(ttl, now, objects: Iterable[tuple[Hashable, Hashable, int]],
+                   quiet=None) -> LeaseCore:
+    """The drop-in for ``lease.restored_table`` (spec ``Takeover``)."""
+    return LeaseCore.restored(ttl, now, objects, quiet)
+
+
+# --------------------------------------------------------------------------
+# Read views with the frozen LeaseTable's shape
+# --------------------------------------------------------------------------
+
+
+class _View(Mapping):
+    __slots__ = ("_core",)
+
+    def __init__(self, core: LeaseCore) -> None:
+        self._core = core
+
+
+class _Objects(_View):
+    """``key -> CachedObject``."""
+
+    __slots__ = ()
+
+    def _row(self, key) -> Optional[int]:
+        row = self._core.rows.index.get(key)
+        return row if row is not None and self._core._flags[row] & CACHED else None
+
+    def __getitem__(self, key) -> CachedObject:
+        row = self._row(key)
+        if row is None:
+            raise KeyError(key)
+        core = self._core
+        return CachedObject(core._region(row), core._size[row],
+                            bool(core._flags[row] & INHERITED))
+
+    def __contains__(self, key) -> bool:
+        return self._row(key) is not None
+
+    def __len__(self) -> int:
+        return self._core.count
+
+    def __iter__(self) -> Iterator:
+        flags = self._core._flags
+        return (key for key, row in self._core.rows.index.items() if flags[row] & CACHED)
+
+
+class _Regions(_View):
+    """``region -> key``."""
+
+    __slots__ = ()
+
+    def __getitem__(self, region):
+        row = self._core._region_row(region)
+        if row is None:
+            raise KeyError(region)
+        return self._core.rows.keys[row]
+
+    def __contains__(self, region) -> bool:
+        return self._core._region_row(region) is not None
+
+    def __len__(self) -> int:
+        return self._core.count
+
+    def __iter__(self) -> Iterator:
+        core = self._core
+        flags = core._flags
+        return (core._region(row) for row in core.rows.index.values() if flags[row] & CACHED)
+
+
+class _Leases(_View):
+    """``holder -> Lease``."""
+
+    __slots__ = ()
+
+    def __getitem__(self, holder) -> Lease:
+        l = self._core._leases[holder]
+        return Lease(holder, l.key, l.region, l.expires)
+
+    def __contains__(self, holder) -> bool:
+        return holder in self._core._leases
+
+    def __len__(self) -> int:
+        return len(self._core._leases)
+
+    def __iter__(self) -> Iterator:
+        return iter(list(self._core._leases))
+
+
+class _ByKey(_View):
+    """``key -> (holder, ...)``, keys with leases only."""
+
+    __slots__ = ()
+
+    def __getitem__(self, key) -> tuple:
+        holders = self._core.holders(key)
+        if not holders:
+            raise KeyError(key)
+        return holders
+
+    def __len__(self) -> int:
+        return len(self._core._holders)
+
+    def __iter__(self) -> Iterator:
+        keys = self._core.rows.keys
+        return iter([keys[row] for row in self._core._holders])

@@ -1,0 +1,122 @@
+"""Row numbers for keys, shared by the cores whose columns they index.
+
+A core keeps one row per key in flat columns (:mod:`array` arrays, one value
+per row); :class:`Rows` hands out the row numbers. Two cores may share one
+:class:`Rows` — the master's directory and its lease table do, since every
+published object is cached — so a key has one row in both and each core marks
+the rows it holds with its own owner bit; a row is free again once no core
+holds it, and free rows are reused last-in first-out.
+
+Per key the only Python objects are the key itself and its row ``int``: a dict
+key -> row, and a numpy object array row -> key (8 bytes a row). Neither is
+walked by the cyclic garbage collector — the dict is untracked while its keys
+and values are atomic (bytes, str, int), and numpy does not expose an array's
+elements to it — so a full collection does not visit ten million keys, as it
+would through a list (about 0.1 s). Keys must not be containers that could
+close a reference cycle (the protocol's are bytes and strings).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Callable, Hashable, Iterable, Optional
+
+import numpy as np
+
+
+def grow(columns: Iterable[array], size: int) -> None:
+    """Extend each column with zeros up to ``size`` rows."""
+    for col in columns:
+        missing = size - len(col)
+        if missing > 0:
+            col.frombytes(bytes(missing * col.itemsize))
+
+
+class Rows:
+    """Keys to row numbers and back, with a free list and per-row owner bits.
+
+    ``index`` maps key -> row, ``keys`` row -> key (None for a free row). Cores
+    that number their columns by these rows :meth:`attach` a grow callback:
+    whenever a new row passes the allocated size, every attached core grows
+    its columns (by an eighth, so appends cost O(1) amortised and a column
+    carries at most 12.5% slack)."""
+
+    __slots__ = ("index", "keys", "owners", "free", "size", "_growers")
+
+    def __init__(self) -> None:
+        self.index: dict = {}
+        self.keys = np.empty(0, object)
+        self.owners = array("B")
+        self.free = array("q")
+        self.size = 0                      # rows allocated (held or free)
+        self._growers: list[Callable[[int], None]] = []
+
+    def attach(self, grower: Callable[[int], None]) -> None:
+        """Call ``grower(size)`` now and whenever the row space grows."""
+        self._growers.append(grower)
+        grower(len(self.owners))
+
+    def _extend(self, needed: int) -> None:
+        capacity = max(needed, len(self.owners) + (len(self.owners) >> 3) + 64)
+        grow((self.owners,), capacity)
+        keys = np.empty(capacity, object)
+        keys[:len(self.keys)] = self.keys
+        self.keys = keys
+        for grower in self._growers:
+            grower(capacity)
+
+    def acquire(self, key: Hashable, bit: int) -> int:
+        """The row of ``key``, allocated if it has none; ``bit`` now holds it."""
+        row = self.index.get(key)
+        if row is not None:
+            self.owners[row] |= bit
+            return row
+        if self.free:
+            row = self.free.pop()
+        else:
+            row = self.size
+            self.size += 1
+            if row >= len(self.owners):
+                self._extend(row + 1)
+        self.index[key] = row
+        self.keys[row] = key
+        self.owners[row] = bit
+        return row
+
+    def release(self, row: int, bit: int) -> None:
+        """``bit`` no longer holds ``row``; the row is free once nothing does."""
+        left = self.owners[row] & ~bit
+        self.owners[row] = left
+        if not left:
+            del self.index[self.keys[row]]
+            self.keys[row] = None
+            self.free.append(row)
+
+    def row(self, key: Hashable) -> Optional[int]:
+        return self.index.get(key)
+
+    def bulk(self, keys: list, bit: int) -> None:
+        """Fill an empty :class:`Rows` with ``keys`` at rows ``0..n-1``, all
+        held by ``bit``. Keys must be distinct."""
+        if self.size:
+            raise ValueError("bulk filling needs empty rows")
+        n = len(keys)
+        rows = range(n)
+        self.index = dict(zip(keys, rows))
+        if len(self.index) != n:
+            raise ValueError("a key repeats")
+        self.keys = np.fromiter(keys, object, n)
+        self.size = n
+        self.owners = array("B", bytes([bit])) * n if n else array("B")
+        for grower in self._growers:
+            grower(n)
+
+    def copy(self) -> "Rows":
+        """An independent copy, with no attached cores."""
+        new = Rows()
+        new.index = dict(self.index)
+        new.keys = self.keys.copy()
+        new.owners = array("B", self.owners)
+        new.free = array("q", self.free)
+        new.size = self.size
+        return new

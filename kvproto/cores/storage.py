@@ -1,0 +1,310 @@
+"""A storage node's region table and object index as one mutable, compact core.
+
+Reference machines: :class:`kvproto.statemachines.publish.RegionTable` stepped
+by :func:`kvproto.statemachines.publish.storage_step` (which token owns which
+region of the segment, ``spec/Publish.tla``), and
+:class:`kvproto.statemachines.failover.StorageNode` stepped by
+:func:`kvproto.statemachines.failover.storage_step` (the term fence and the
+object index, ``spec/Failover.tla``). :class:`StorageNodeCore` takes the events
+of both (their types are disjoint) through one ``step``, returns the same
+effects and refuses with the same single ``Refused`` effect, changing nothing.
+:meth:`StorageNodeCore.reference` gives both frozen values.
+
+Layout: regions by offset and index entries by key, each a
+:class:`~kvproto.cores.rows.Rows` numbering flat columns (token, length,
+written; term, published, publishing term, offset, length, token). A checksum
+other than 0 is kept in a small dict.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Mapping
+from typing import Optional
+
+import immutables
+import numpy as np
+
+from kvproto import errors
+from kvproto.cores.rows import Rows, grow
+from kvproto.statemachines import failover as fm
+from kvproto.statemachines.maps import map_of
+from kvproto.statemachines.publish import (
+    Accepted, AssignRegion, FreeRegion, ReadReplica, Refused, Region, RegionTable, WriteReplica,
+)
+
+
+def _refused(error: errors.KvError) -> tuple:
+    return (Refused(error),)
+
+
+class StorageNodeCore:
+    """One storage node's region table (publish) and fence + index (failover).
+
+    Read it through :attr:`regions` (offset -> :class:`Region`), :attr:`index`
+    (key -> :class:`~kvproto.statemachines.failover.IndexEntry`), built on
+    access, and :attr:`segment`, :attr:`term`.
+    """
+
+    __slots__ = ("segment", "term", "_reg", "_r_key", "_r_tok", "_r_len", "_r_done",
+                 "_idx", "_i_term", "_i_pub", "_i_by", "_i_off", "_i_len", "_i_tok",
+                 "_checksums", "_handlers", "regions", "index")
+
+    def __init__(self, segment: str = "", term: int = 0) -> None:
+        self.segment, self.term = segment, term
+        self._reg = Rows()                  # offset -> region row
+        self._r_key: dict = {}              # region row -> the object's key
+        self._r_tok, self._r_len, self._r_done = array("q"), array("q"), array("b")
+        self._idx = Rows()                  # key -> index row
+        self._i_term, self._i_pub, self._i_by = array("q"), array("b"), array("q")
+        self._i_off, self._i_len, self._i_tok = array("q"), array("q"), array("q")
+        self._checksums: dict = {}          # index row -> checksum, when not 0
+        self._setup()
+
+    def _setup(self) -> None:
+        self._handlers = {
+            AssignRegion: self._assign, FreeRegion: self._free, WriteReplica: self._write,
+            ReadReplica: self._read, fm.Fence: self._fence,
+            fm.StampedAllocate: self._allocate, fm.StampedPublish: self._publish,
+            fm.StampedRead: self._stamped_read, fm.IndexRequest: self._index_request,
+            fm.PurgeUnpublished: self._purge, fm.StampedFree: self._stamped_free,
+        }
+        self.regions = _Regions(self)
+        self.index = _Index(self)
+        self._reg.attach(lambda size: grow((self._r_tok, self._r_len, self._r_done), size))
+        self._idx.attach(lambda size: grow(self._index_columns(), size))
+
+    def _index_columns(self) -> tuple:
+        return (self._i_term, self._i_pub, self._i_by, self._i_off, self._i_len, self._i_tok)
+
+    def step(self, event) -> tuple:
+        """Apply one event (those of ``publish.storage_step`` and ``failover.storage_step``)."""
+        try:
+            handler = self._handlers[type(event)]
+        except KeyError:
+            raise TypeError(f"not a storage event: {event!r}") from None
+        return handler(event)
+
+    def restart(self, segment: str) -> None:
+        """Start over under a new segment id: no region, no index; the fence
+        keeps the highest term seen."""
+        term = self.term
+        self.__init__(segment, term)
+
+    # ------------------------------------------------------------------ regions (publish)
+
+    def _assign(self, ev: AssignRegion) -> tuple:
+        """Master -> storage: ``token`` now owns the region at ``offset``."""
+        if ev.offset in self._reg.index:
+            return _refused(errors.RegionMismatch(f"offset {ev.offset} is already owned"))
+        row = self._reg.acquire(ev.offset, 1)
+        self._r_key[row] = ev.key
+        self._r_tok[row], self._r_len[row], self._r_done[row] = ev.token, ev.length, 0
+        return ()
+
+    def _owned(self, ev) -> Optional[int]:
+        """The region row at ``ev.offset`` if ``ev.token`` owns it."""
+        row = self._reg.index.get(ev.offset)
+        if row is None or self._r_tok[row] != ev.token:
+            return None
+        return row
+
+    def _not_owned(self, ev) -> tuple:
+        return _refused(errors.RegionMismatch(
+            f"{self.segment}@{ev.offset} is not owned by token {ev.token}"))
+
+    def _free(self, ev: FreeRegion) -> tuple:
+        row = self._owned(ev)
+        if row is None:
+            return self._not_owned(ev)
+        del self._r_key[row]
+        self._reg.release(row, 1)
+        return ()
+
+    def _write(self, ev: WriteReplica) -> tuple:
+        """Spec ``WriteReplica``: once, by the owning token."""
+        row = self._owned(ev)
+        if row is None:
+            return self._not_owned(ev)
+        if self._r_done[row]:
+            return _refused(errors.RegionMismatch(f"{self.segment}@{ev.offset} is already written"))
+        self._r_done[row] = 1
+        return (Accepted(self.segment, ev.offset, ev.token),)
+
+    def _read(self, ev: ReadReplica) -> tuple:
+        row = self._owned(ev)
+        if row is None:
+            return self._not_owned(ev)
+        if not self._r_done[row]:
+            return _refused(errors.RegionMismatch(f"{self.segment}@{ev.offset} is incomplete"))
+        return (Accepted(self.segment, ev.offset, ev.token),)
+
+    def region(self, offset: int) -> Optional[Region]:
+        row = self._reg.index.get(offset)
+        if row is None:
+            return None
+        return Region(self._r_key[row], self._r_tok[row], self._r_len[row], bool(self._r_done[row]))
+
+    # ------------------------------------------------------------------ fence and index (failover)
+
+    def _stale(self, term: int) -> tuple:
+        return _refused(errors.StaleTerm(f"term {term} is below {self.term}"))
+
+    def _fence(self, ev: fm.Fence) -> tuple:
+        """Spec ``Fence`` (node side)."""
+        if ev.term < self.term:
+            return self._stale(ev.term)
+        self.term = ev.term
+        return (fm.FenceAck(ev.term),)
+
+    def _allocate(self, ev: fm.StampedAllocate) -> tuple:
+        """Spec ``Allocate`` (node side): the region check, then the term fence."""
+        if ev.key in self._idx.index:
+            return _refused(errors.KeyExists(f"{ev.key!r} is held here"))
+        if ev.term < self.term:
+            return self._stale(ev.term)
+        row = self._idx.acquire(ev.key, 1)
+        self._i_term[row], self._i_pub[row], self._i_by[row] = ev.term, 0, 0
+        self._i_off[row], self._i_len[row], self._i_tok[row] = ev.offset, ev.length, ev.token
+        self.term = max(self.term, ev.term)
+        return (fm.StorageAccepted(ev.key, ev.term),)
+
+    def _publish(self, ev: fm.StampedPublish) -> tuple:
+        """Spec ``Publish`` (node side)."""
+        row = self._idx.index.get(ev.key)
+        if row is None or self._i_pub[row]:
+            return _refused(errors.NotPublished(f"{ev.key!r} is not an open allocation here"))
+        if ev.term < self.term:
+            return self._stale(ev.term)
+        self._i_pub[row], self._i_by[row] = 1, ev.term
+        if ev.checksum:
+            self._checksums[row] = ev.checksum
+        self.term = max(self.term, ev.term)
+        return (fm.StorageAccepted(ev.key, ev.term),)
+
+    def _stamped_read(self, ev: fm.StampedRead) -> tuple:
+        """Spec ``Read`` (node side): the fence first, then the entry or a miss."""
+        if ev.term < self.term:
+            return self._stale(ev.term)
+        entry = self.entry(ev.key)
+        if entry is None:
+            return _refused(errors.KeyNotFound(f"{ev.key!r}"))
+        return (fm.ReadReturned(ev.key, entry),)
+
+    def _index_request(self, ev: fm.IndexRequest) -> tuple:
+        """A recovering master asks for the index (O(n): it is copied out)."""
+        if ev.term < self.term:
+            return self._stale(ev.term)
+        return (fm.IndexReturned(self.index_map()),)
+
+    def _purge(self, ev: fm.PurgeUnpublished) -> tuple:
+        """Drop unpublished allocations of terms below ``below`` (one vectorised scan)."""
+        size = len(self._i_pub)
+        rows: list = []
+        if self._idx.index and size:
+            held = np.frombuffer(self._idx.owners, np.uint8, size) != 0
+            pub = np.frombuffer(self._i_pub, np.int8, size)
+            term = np.frombuffer(self._i_term, np.int64, size)
+            rows = np.flatnonzero(held & (pub == 0) & (term < ev.below)).tolist()
+            del held, pub, term
+        keys = self._idx.keys
+        gone = sorted((keys[row], row) for row in rows)
+        freed = sum(self._i_len[row] for row in rows)
+        for _, row in gone:
+            self._drop_entry(row)
+        return (fm.Purged(tuple(k for k, _ in gone), freed),)
+
+    def _stamped_free(self, ev: fm.StampedFree) -> tuple:
+        """Spec ``Remove`` (node side): the entry of allocation ``token`` goes."""
+        row = self._idx.index.get(ev.key)
+        if row is None or self._i_tok[row] != ev.token:
+            return _refused(errors.StaleToken(f"{ev.key!r} is not held here with token {ev.token}"))
+        if ev.term < self.term:
+            return self._stale(ev.term)
+        self._drop_entry(row)
+        self.term = max(self.term, ev.term)
+        return (fm.StorageAccepted(ev.key, ev.term),)
+
+    def _drop_entry(self, row: int) -> None:
+        self._checksums.pop(row, None)
+        self._idx.release(row, 1)
+
+    def entry(self, key) -> Optional[fm.IndexEntry]:
+        row = self._idx.index.get(key)
+        return None if row is None else self._entry(row)
+
+    def _entry(self, row: int) -> fm.IndexEntry:
+        return fm.IndexEntry(self._i_term[row], bool(self._i_pub[row]), self._i_by[row],
+                             self._i_off[row], self._i_len[row], self._checksums.get(row, 0),
+                             self._i_tok[row])
+
+    def index_map(self) -> immutables.Map:
+        """The index as the reference's persistent map (O(n))."""
+        return map_of((key, self._entry(row)) for key, row in self._idx.index.items())
+
+    # ------------------------------------------------------------------ checks
+
+    def reference(self) -> tuple[RegionTable, fm.StorageNode]:
+        """The equal frozen values: ``(RegionTable, StorageNode)`` (O(n); for checks)."""
+        regions = map_of((off, self.region(off)) for off in self._reg.index)
+        return RegionTable(self.segment, regions), fm.StorageNode(self.term, self.index_map())
+
+    def copy(self) -> "StorageNodeCore":
+        """An independent copy."""
+        new = StorageNodeCore.__new__(StorageNodeCore)
+        new.segment, new.term = self.segment, self.term
+        new._reg, new._idx = self._reg.copy(), self._idx.copy()
+        new._r_key, new._checksums = dict(self._r_key), dict(self._checksums)
+        new._r_tok, new._r_len, new._r_done = self._r_tok[:], self._r_len[:], self._r_done[:]
+        (new._i_term, new._i_pub, new._i_by, new._i_off, new._i_len,
+         new._i_tok) = (col[:] for col in self._index_columns())
+        new._setup()
+        return new
+
+
+class _Regions(Mapping):
+    """``offset -> Region``."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: StorageNodeCore) -> None:
+        self._core = core
+
+    def __getitem__(self, offset) -> Region:
+        region = self._core.region(offset)
+        if region is None:
+            raise KeyError(offset)
+        return region
+
+    def __contains__(self, offset) -> bool:
+        return offset in self._core._reg.index
+
+    def __len__(self) -> int:
+        return len(self._core._reg.index)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._core._reg.index)
+
+
+class _Index(Mapping):
+    """``key -> IndexEntry``."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: StorageNodeCore) -> None:
+        self._core = core
+
+    def __getitem__(self, key) -> fm.IndexEntry:
+        entry = self._core.entry(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
+
+    def __contains__(self, key) -> bool:
+        return key in self._core._idx.index
+
+    def __len__(self) -> int:
+        return len(self._core._idx.index)
+
+    def __iter__(self) -> Iterator:
+        return iter(self._core._idx.index)

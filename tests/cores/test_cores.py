@@ -1,0 +1,69 @@
+"""What the differential test's populations do not reach: eviction order over
+thousands of candidates (several selection batches), segment ids past the
+16-bit columns, and the row dicts staying out of the garbage collector."""
+
+import gc
+import random
+
+from kvproto.cores.directory import DirectoryCore, SEGMENT_ID_LIMIT
+from kvproto.cores.leases import LeaseCore
+from kvproto.statemachines import lease as L, publish as P
+
+
+def test_eviction_candidates_are_least_recently_used_first_over_many_batches():
+    rng = random.Random(7)
+    core, ref = LeaseCore(1000), L.new_table(1000)
+
+    def step(event):
+        nonlocal ref
+        ref, _ = L.master_step(ref, event)
+        core.step(event)
+
+    keys = [f"k{i}" for i in range(5000)]
+    for i, key in enumerate(keys):
+        step(L.Put(key, (key, i), rng.randint(1, 100)))
+    for t in range(1, 400):
+        step(L.Tick(t))
+        for key in rng.sample(keys, 8):
+            step(L.Grant(("reader", t, key), key))
+        for holder in rng.sample(list(ref.leases), min(6, len(ref.leases))):
+            step(L.Release(holder))
+    mine = list(core.eviction_candidates())
+    theirs = list(L.eviction_candidates(ref))
+    assert len(mine) > 256 * 8 and sorted(mine) == sorted(theirs)
+    last = [ref.last_used[k] for k, _ in mine]
+    assert last == sorted(last)
+    assert not any(core.is_leased(k) for k, _ in mine)
+    assert core.reference() == ref
+
+
+def test_segment_ids_past_the_columns_take_the_overflow_path():
+    capacities = {f"s{i}": 1 << 20 for i in range(SEGMENT_ID_LIMIT + 2)}
+    core, ref = DirectoryCore.restored(capacities, [], 1), P.restored(capacities, [], 1)
+
+    def step(event):
+        nonlocal ref
+        ref, expected = P.master_step(ref, event)
+        assert core.step(event) == expected
+
+    far, near = f"s{SEGMENT_ID_LIMIT + 1}", "s3"
+    step(P.PutStart(b"k", 10, (P.Replica(near, 0, 10), P.Replica(far, 0, 10))))
+    assert core._extra                     # the replica on `far` is not in the columns
+    step(P.PutEnd(b"k", 1))
+    step(P.ReadBegin(b"k"))
+    step(P.SegmentLost(far))
+    step(P.ReadBegin(b"k"))
+    assert core.reference() == ref
+
+
+def test_row_dicts_stay_out_of_the_garbage_collector():
+    core = DirectoryCore()
+    leases = LeaseCore(5, rows=core.rows)
+    core.step(P.AddSegment("s", 1 << 30))
+    for i in range(1000):
+        key = b"key-%d" % i
+        grant = core.step(P.PutStart(key, 1, (P.Replica("s", i, 1),)))[0]
+        core.step(P.PutEnd(key, grant.token))
+        leases.step(L.Put(key, (key, grant.token), 1))
+    assert not gc.is_tracked(core.rows.index) and not gc.is_tracked(core.rows.keys)
+    assert len(core.rows.index) == 1000 == core.count == leases.count

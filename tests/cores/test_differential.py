@@ -1,0 +1,644 @@
+"""The fast cores against their reference machines, step by step, far beyond
+what TLC enumerates: hundreds of keys, two dozen segments, random lengths and
+replica counts (past the inline two), writers that stop or time out, segments
+lost, pins and leases with time, takeovers, terms and stale stamps. Each
+machine feeds every event to the reference and to the core and requires the
+same effects (refusals by type and message) and ``core.reference()`` equal to
+the reference state after every step.
+
+Two effect sequences are compared as multisets, not in order: the expiries of
+one ``Tick`` and the objects of one ``SegmentLost`` (each object's own
+effects stay in order). The reference emits them in its hash map's order,
+which is not protocol.
+
+The last tests apply a mutation the reference would refuse to each core and
+require this check to fail."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, event, settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test,
+)
+
+from kvproto import errors
+from kvproto.cores.directory import PENDING, DirectoryCore
+from kvproto.cores.leases import LeaseCore
+from kvproto.cores.storage import StorageNodeCore
+from kvproto.statemachines import failover as F, lease as L, publish as P
+from kvproto.statemachines.refusal import Refused
+
+SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
+#: CI: short runs; soak: bursts of seeded steps make thousands of steps an example
+RUNS = settings(max_examples=400 if SOAK else 20, stateful_step_count=100 if SOAK else 120,
+                deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
+BURST = 300
+
+KEYS = [b"prefix/%017d" % i for i in range(300)] + [b"", b"k", b"a-longer-key-" * 4]
+SEGMENTS = [f"seg-{i}" for i in range(24)]
+GONE = ["gone-0", "gone-1"]                                 # never joined
+
+
+def _norm(effect):
+    if isinstance(effect, Refused):
+        return ("refused", type(effect.error), str(effect.error))
+    return effect
+
+
+def _groups(effects) -> Counter:
+    """``SegmentLost`` effects as a multiset of per-object runs."""
+    runs: list = []
+    for e in effects:
+        if isinstance(e, (P.Revoked, P.Removed)) or not runs:
+            runs.append([])
+        runs[-1].append(e)
+    return Counter(tuple(r) for r in runs)
+
+
+def assert_same(expected: tuple, got: tuple, order: str = "exact") -> None:
+    """Equal effects; ``order`` "objects": as a multiset of per-object runs
+    (``SegmentLost``), "none": as a multiset (``Tick``)."""
+    expected, got = tuple(map(_norm, expected)), tuple(map(_norm, got))
+    if order == "objects":
+        assert _groups(expected) == _groups(got), (expected, got)
+    elif order == "none":
+        assert Counter(expected) == Counter(got), (expected, got)
+    else:
+        assert expected == got
+
+
+class Choose:
+    """The machines' random choices: drawn from Hypothesis (each step
+    shrinkable) or, in a soak burst, from a PRNG seeded by one draw."""
+
+    def __init__(self, data=None, seed=None) -> None:
+        self.data, self.rng = data, None if seed is None else random.Random(seed)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi) if self.rng else self.data.draw(st.integers(lo, hi))
+
+    def float(self, lo: float, hi: float) -> float:
+        return self.rng.uniform(lo, hi) if self.rng else \
+            self.data.draw(st.floats(lo, hi, allow_nan=False))
+
+    def one(self, options):
+        options = list(options)
+        return self.rng.choice(options) if self.rng else self.data.draw(st.sampled_from(options))
+
+    def some(self, options, lo: int, hi: int, unique: bool = True) -> list:
+        options = list(options)
+        if self.rng:
+            n = self.rng.randint(lo, min(hi, len(options)) if unique else hi)
+            return self.rng.sample(options, n) if unique else \
+                [self.rng.choice(options) for _ in range(n)]
+        return self.data.draw(st.lists(st.sampled_from(options), min_size=lo, max_size=hi,
+                                       unique=unique))
+
+    def rare(self, one_in: int = 10) -> bool:
+        return self.int(0, one_in - 1) == 0
+
+    def mostly(self, usual: list, other: list, one_in: int = 5):
+        """One of ``usual`` (when there is one) but one time in ``one_in`` one of ``other``."""
+        return self.one(usual) if usual and not self.rare(one_in) else self.one(other)
+
+
+class Differential(RuleBasedStateMachine):
+    """A reference and a core stepped alike. Subclasses list their actions
+    (methods taking a :class:`Choose`) in ``ACTIONS`` and set up both sides in
+    ``begin``."""
+
+    ACTIONS: tuple = ()
+
+    @initialize(data=st.data())
+    def start(self, data):
+        self.begin(Choose(data))
+
+    @rule(data=st.data())
+    def act(self, data):
+        choose = Choose(data)
+        name = choose.one(self.ACTIONS)
+        event(name)
+        getattr(self, name)(choose)
+
+    @precondition(lambda self: SOAK)
+    @rule(seed=st.integers(0, 2 ** 32 - 1))
+    def burst(self, seed):
+        """``BURST`` steps chosen by a PRNG (soak only)."""
+        choose = Choose(seed=seed)
+        for _ in range(BURST):
+            getattr(self, choose.one(self.ACTIONS))(choose)
+
+
+# --------------------------------------------------------------------------
+# The master's directory
+# --------------------------------------------------------------------------
+
+
+def random_objects(c: Choose, segments: list, unique: bool):
+    objects = []
+    for _ in range(c.int(0, 250 if SOAK else 80)):
+        key, length = c.one(KEYS), c.int(1, 64)
+        replicas = tuple(P.Replica(s, c.int(0, 1 << 20), length)
+                         for s in c.some(segments + GONE, 1, 4))
+        objects.append((key, c.int(1, 5000), length, replicas))
+    if unique:
+        objects = list({o[0]: o for o in objects}.values())
+    return objects
+
+
+def columns_of(objects, segments: list):
+    """The columnar frame of ``objects`` (as an index frame would decode)."""
+    frame = segments + GONE
+    width = max((len(o[3]) for o in objects), default=1)
+    rsegs = np.full((len(objects), width), -1, np.int64)
+    roffs = np.zeros((len(objects), width), np.int64)
+    for i, (_, _, _, replicas) in enumerate(objects):
+        for j, r in enumerate(replicas):
+            rsegs[i, j], roffs[i, j] = frame.index(r.segment), r.offset
+    offsets = np.cumsum([0] + [len(o[0]) for o in objects])
+    return dict(segments=frame, keys=b"".join(o[0] for o in objects), key_offsets=offsets,
+                tokens=[o[1] for o in objects], lengths=[o[2] for o in objects],
+                replica_segments=rsegs, replica_offsets=roffs)
+
+
+class DirectoryDiff(Differential):
+    """publish.Directory + master_step against DirectoryCore."""
+
+    ACTIONS = ("add_segment", "put_start", "put_start", "put_start", "put_start", "put_end",
+               "put_end", "put_end", "put_revoke", "reclaim_abandoned", "read_begin",
+               "read_end", "remove", "segment_lost")
+
+    def begin(self, c: Choose):
+        segments = c.some(SEGMENTS, 1, len(SEGMENTS))
+        self.ref, self.core = P.Directory(), DirectoryCore()
+        how = c.one(["empty", "restored", "columns"])
+        if how != "empty":
+            capacities = {s: c.one([1 << 30, 4096]) for s in segments}
+            objects = random_objects(c, segments, unique=how == "columns")
+            next_token = c.int(1, 9000)
+            try:
+                ref = P.restored(capacities, objects, next_token)
+            except ValueError:
+                ref = None
+            try:
+                if how == "restored":
+                    core = DirectoryCore.restored(capacities, objects, next_token)
+                else:
+                    core = DirectoryCore.from_columns(capacities, **columns_of(objects, segments),
+                                                      next_token=next_token)
+            except ValueError:
+                core = None
+            assert (ref is None) == (core is None)
+            if ref is not None:
+                self.ref, self.core = ref, core
+                assert self.core.reference() == self.ref
+                return
+        for s in segments:
+            self.step(P.AddSegment(s, c.one([64, 4096, 1 << 30, 1 << 30])))
+
+    def step(self, event):
+        self.ref, expected = P.master_step(self.ref, event)
+        got = self.core.step(event)
+        assert_same(expected, got, "objects" if isinstance(event, P.SegmentLost) else "exact")
+        assert self.core.reference() == self.ref
+
+    def key_in(self, c: Choose, status) -> bytes:
+        return c.mostly([k for k, r in self.ref.objects.items() if r.status is status], KEYS)
+
+    def token_for(self, c: Choose, key) -> int:
+        """The key's token mostly, another one sometimes."""
+        record = self.ref.objects.get(key)
+        if record is not None and not c.rare(5):
+            return record.token
+        return c.int(0, self.ref.next_token + 1)
+
+    def add_segment(self, c: Choose):
+        self.step(P.AddSegment(c.one(SEGMENTS + GONE), c.int(-1, 1 << 16)))
+
+    def put_start(self, c: Choose):
+        key, length = c.one(KEYS), c.int(1, 64)
+        live = [s for s, l in self.ref.segments.items() if l.live]
+        pool = live if live and not c.rare() else SEGMENTS + GONE
+        placement = []
+        for s in c.some(pool, 1, 4, unique=not c.rare(20)):
+            ledger = self.ref.segments.get(s)
+            room = max(0, (ledger.capacity if ledger else 64) - length)
+            offset = c.int(0, room) if not c.rare(20) else room + 1
+            placement.append(P.Replica(s, offset, length if not c.rare(20) else length + 1))
+        if c.rare(30):
+            length = c.one([0, -1])
+        self.step(P.PutStart(key, length, tuple(placement)))
+
+    def put_end(self, c: Choose):
+        key = self.key_in(c, P.Status.PENDING)
+        self.step(P.PutEnd(key, self.token_for(c, key)))
+
+    def put_revoke(self, c: Choose):
+        key = self.key_in(c, P.Status.PENDING)
+        self.step(P.PutRevoke(key, self.token_for(c, key)))
+
+    def reclaim_abandoned(self, c: Choose):
+        """A writer timed out."""
+        key = self.key_in(c, P.Status.PENDING)
+        self.step(P.ReclaimAbandoned(key, self.token_for(c, key)))
+
+    def read_begin(self, c: Choose):
+        self.step(P.ReadBegin(self.key_in(c, P.Status.PUBLISHED)))
+
+    def read_end(self, c: Choose):
+        pinned = [k for k, r in self.ref.objects.items() if r.reads]
+        key = c.mostly(pinned, KEYS, 4)
+        self.step(P.ReadEnd(key, self.token_for(c, key)))
+
+    def remove(self, c: Choose):
+        self.step(P.Remove(self.key_in(c, P.Status.PUBLISHED)))
+
+    def segment_lost(self, c: Choose):
+        """A segment dies; a node joins with a new one (as a restarted node does)."""
+        if c.rare(8):
+            self.step(P.SegmentLost(c.one(SEGMENTS + GONE)))
+            fresh = [s for s in SEGMENTS if s not in self.ref.segments]
+            if fresh:
+                self.step(P.AddSegment(fresh[0], 1 << 30))
+
+
+# --------------------------------------------------------------------------
+# The master's lease table
+# --------------------------------------------------------------------------
+
+LKEYS = [f"k{i}" for i in range(500)]
+SLOTS = [f"slot-{i}" for i in range(60)]
+HOLDERS = [("client", i) for i in range(40)]
+
+
+class LeaseDiff(Differential):
+    """lease.LeaseTable + master_step against LeaseCore, with the runtime's own
+    regions ``(key, token)``, the spec's shared slots, and takeovers."""
+
+    ACTIONS = ("tick", "tick", "put", "put", "put", "put", "put", "grant", "grant", "renew",
+               "release", "remove", "evict", "disown", "takeover", "queries", "eviction")
+
+    def begin(self, c: Choose):
+        ttl, now = c.one([1, 5, 40, 2.5]), c.one([0, 100, 7.25])
+        self.ref, self.core = L.LeaseTable(ttl=ttl, now=now), LeaseCore(ttl, now=now)
+
+    def step(self, event):
+        self.ref, expected = L.master_step(self.ref, event)
+        got = self.core.step(event)
+        assert_same(expected, got, "none" if isinstance(event, L.Tick) else "exact")
+        assert self.core.reference() == self.ref
+
+    def cached(self, c: Choose):
+        return c.mostly(list(self.ref.objects), LKEYS)
+
+    def holder(self, c: Choose):
+        return c.mostly(list(self.ref.leases), HOLDERS)
+
+    def tick(self, c: Choose):
+        if c.rare(15):
+            self.step(L.Tick(self.ref.now - 1))
+        else:
+            self.step(L.Tick(self.ref.now + (c.int(0, 50) if c.rare(2) else c.float(0, 10))))
+
+    def put(self, c: Choose):
+        key, token = c.one(LKEYS), c.int(1, 50)
+        kind = c.one(["own", "own", "slot", "taken", "float"])
+        if kind == "own":
+            region = (key, token)
+        elif kind == "slot":
+            region = c.one(SLOTS)
+        elif kind == "taken" and self.ref.regions:
+            region = c.one(sorted(self.ref.regions, key=repr))
+        else:
+            region = (key, float(token))        # equal to (key, token): the dict's path
+        self.step(L.Put(key, region, c.int(1, 1 << 20) if not c.rare(30) else 0))
+
+    def grant(self, c: Choose):
+        self.step(L.Grant(c.one(HOLDERS), self.cached(c)))
+
+    def renew(self, c: Choose):
+        self.step(L.Renew(self.holder(c)))
+
+    def release(self, c: Choose):
+        self.step(L.Release(self.holder(c)))
+
+    def remove(self, c: Choose):
+        self.step(L.Remove(self.cached(c)))
+
+    def evict(self, c: Choose):
+        self.step(L.Evict(self.cached(c)))
+
+    def disown(self, c: Choose):
+        self.step(L.Disown(self.cached(c)))
+
+    def takeover(self, c: Choose):
+        """Spec ``Takeover``: a new master's table with the old one's objects, inherited."""
+        quiet = c.one([None, 0, 3, 0.5, 100])
+        objects = [(k, o.region, o.size) for k, o in self.ref.objects.items()]
+        ttl, now = self.ref.ttl, self.ref.now
+        self.ref = L.restored_table(ttl, now, objects, quiet)
+        self.core = LeaseCore.restored(ttl, now, objects, quiet)
+        assert self.core.reference() == self.ref
+
+    def queries(self, c: Choose):
+        key = self.cached(c)
+        assert self.core.is_leased(key) == L.is_leased(self.ref, key)
+        assert self.core.is_inherited(key) == L.is_inherited(self.ref, key)
+        assert self.core.inherited_quiet() == L.inherited_quiet(self.ref)
+        assert set(self.core.holders(key)) == set(self.ref.by_key.get(key, ()))
+
+    def eviction(self, c: Choose):
+        """The same candidates, least recently used first (ties may differ), and
+        the watermark plan frees the same target."""
+        mine = list(self.core.eviction_candidates())
+        theirs = list(L.eviction_candidates(self.ref))
+        assert Counter(mine) == Counter(theirs)
+        last = self.ref.last_used
+        order = [last.get(k, 0) for k, _ in mine]
+        assert order == sorted(order)
+        high = c.float(0.1, 1.0)
+        capacity = max(1, int(self.ref.used / c.float(0.05, 1.5)))
+        plans = [L.plan_eviction(self.ref.used, capacity, iter(candidates), high_watermark=high,
+                                 free_fraction=high / 2) for candidates in (mine, theirs)]
+        assert (plans[0].target, plans[0].short) == (plans[1].target, plans[1].short)
+
+
+# --------------------------------------------------------------------------
+# The master: directory and lease table on shared rows, as the runtime uses them
+# --------------------------------------------------------------------------
+
+
+class MasterDiff(Differential):
+    """Both master tables on one set of rows, stepped as the runtime master
+    steps them (a published object is cached with region ``(key, token)``; a
+    remove asks the lease table first; a takeover restores both in bulk)."""
+
+    TTL = 10
+    ACTIONS = ("put", "put", "put", "leased_read", "leased_read", "time_passes", "remove",
+               "evict", "segment_lost", "takeover")
+
+    def begin(self, c: Choose):
+        self.ref, self.dir = P.Directory(), DirectoryCore()
+        self.lref, self.lease = L.new_table(self.TTL), LeaseCore(self.TTL, rows=self.dir.rows)
+        for s in SEGMENTS[:c.int(2, 12)]:
+            self.dstep(P.AddSegment(s, 1 << 30))
+
+    def dstep(self, event):
+        self.ref, expected = P.master_step(self.ref, event)
+        got = self.dir.step(event)
+        assert_same(expected, got, "objects" if isinstance(event, P.SegmentLost) else "exact")
+        for e in expected:
+            if isinstance(e, P.Published):
+                record = self.ref.objects[e.key]
+                self.lstep(L.Put(e.key, (e.key, e.token), record.length * len(record.replicas)))
+            elif isinstance(e, P.Removed):
+                for holder in list(self.lref.by_key.get(e.key, ())):
+                    self.lstep(L.Release(holder))
+                self.lstep(L.Remove(e.key))
+        return expected
+
+    def lstep(self, event):
+        self.lref, expected = L.master_step(self.lref, event)
+        got = self.lease.step(event)
+        assert_same(expected, got, "none" if isinstance(event, L.Tick) else "exact")
+        return expected
+
+    def check(self):
+        assert self.dir.reference() == self.ref
+        assert self.lease.reference() == self.lref
+
+    def put(self, c: Choose):
+        key, n, length = c.one(KEYS), c.int(1, 3), c.int(1, 4096)
+        live = [s for s, l in self.ref.segments.items() if l.live]
+        if len(live) < n:
+            return
+        effects = self.dstep(P.PutStart(key, length, tuple(
+            P.Replica(s, c.int(0, 1 << 29), length) for s in c.some(live, n, n))))
+        if isinstance(effects[0], P.PutGranted) and not c.rare(4):
+            self.dstep(P.PutEnd(key, effects[0].token))
+        self.check()
+
+    def leased_read(self, c: Choose):
+        keys = list(self.ref.objects)
+        if not keys:
+            return
+        key = c.one(keys)
+        effects = self.dstep(P.ReadBegin(key))
+        if isinstance(effects[0], P.ReadGranted):
+            self.dstep(P.ReadEnd(key, effects[0].token))
+            self.lstep(L.Grant(c.one(HOLDERS), key))
+        self.check()
+
+    def time_passes(self, c: Choose):
+        self.lstep(L.Tick(self.lref.now + c.int(0, 8)))
+        held = list(self.lref.leases)
+        if held:
+            holder = c.one(held)
+            self.lstep(L.Renew(holder) if c.rare(2) else L.Release(holder))
+        self.check()
+
+    def remove(self, c: Choose):
+        keys = list(self.ref.objects)
+        if not keys:
+            return
+        key = c.one(keys)
+        _, effects = L.master_step(self.lref, L.Remove(key))     # asked, not committed
+        if key in self.lref.objects and isinstance(effects[0], Refused):
+            assert_same(effects, self.lease.step(L.Remove(key)))
+        else:
+            self.dstep(P.Remove(key))
+        self.check()
+
+    def evict(self, c: Choose):
+        """Past the watermark of a capacity a little above what is used."""
+        if not c.rare(3):
+            return
+        high = c.float(0.5, 0.95)
+        capacity = max(1, int(self.lref.used * c.float(1.0, 2.0)))
+        plan = L.plan_eviction(self.lref.used, capacity, self.lease.eviction_candidates(),
+                               high_watermark=high, free_fraction=0.05)
+        for key in plan.keys:
+            self.dstep(P.Remove(key))
+        self.check()
+
+    def segment_lost(self, c: Choose):
+        live = [s for s, l in self.ref.segments.items() if l.live]
+        if live and c.rare(4):
+            self.dstep(P.SegmentLost(c.one(live)))
+            fresh = [s for s in SEGMENTS if s not in self.ref.segments]
+            if fresh:
+                self.dstep(P.AddSegment(fresh[0], 1 << 30))
+            self.check()
+
+    def takeover(self, c: Choose):
+        """A new master rebuilds both tables in bulk from the published objects."""
+        if not c.rare(3):
+            return
+        quiet = c.one([0, 5, 30])
+        capacities = {s: l.capacity for s, l in self.ref.segments.items() if l.live}
+        objects = [(k, r.token, r.length, r.replicas) for k, r in self.ref.objects.items()
+                   if r.status is P.Status.PUBLISHED]
+        now = self.lref.now
+        self.ref = P.restored(capacities, objects, self.ref.next_token)
+        self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),
+                                              next_token=self.dir.next_token)
+        self.lref = L.restored_table(self.TTL, now, [
+            (k, (k, r.token), r.length * len(r.replicas)) for k, r in self.ref.objects.items()],
+            quiet)
+        self.lease = LeaseCore.inherit(self.dir, self.TTL, now, quiet)
+        self.check()
+
+
+# --------------------------------------------------------------------------
+# A storage node: region table and index
+# --------------------------------------------------------------------------
+
+OFFSETS = list(range(0, 200 * 4096, 4096))
+NODE = "node-0"
+
+
+class StorageDiff(Differential):
+    """publish.RegionTable + failover.StorageNode and their storage_steps
+    against StorageNodeCore."""
+
+    ACTIONS = ("assign", "assign", "assign", "free", "write", "write", "read", "fence",
+               "allocate", "allocate", "allocate", "publish", "publish", "stamped_read",
+               "index_request", "purge", "stamped_free", "restart")
+
+    def begin(self, c: Choose):
+        self.table, self.node = P.RegionTable(NODE), F.StorageNode()
+        self.core = StorageNodeCore(NODE)
+
+    def step(self, event):
+        if isinstance(event, (P.AssignRegion, P.FreeRegion, P.WriteReplica, P.ReadReplica)):
+            self.table, expected = P.storage_step(self.table, event)
+        else:
+            self.node, expected = F.storage_step(self.node, event)
+        got = self.core.step(event)
+        assert_same(expected, got)
+        assert self.core.reference() == (self.table, self.node)
+
+    def region(self, c: Choose):
+        """An offset, mostly one with a region, and mostly its token."""
+        offset = c.mostly(list(self.table.regions), OFFSETS)
+        region = self.table.regions.get(offset)
+        return offset, region.token if region is not None and not c.rare(5) else c.int(1, 400)
+
+    def key(self, c: Choose):
+        return c.mostly(list(self.node.index), KEYS)
+
+    def term(self, c: Choose) -> int:
+        """Mostly the node's term or the next; sometimes a stale or a later one."""
+        t = self.node.term
+        return max(0, c.mostly([t, t, t + 1], [t - 2, t - 1, t + 2], 4))
+
+    def assign(self, c: Choose):
+        self.step(P.AssignRegion(NODE, c.one(OFFSETS), c.int(1, 4096), c.one(KEYS), c.int(1, 400)))
+
+    def free(self, c: Choose):
+        self.step(P.FreeRegion(NODE, *self.region(c), 1))
+
+    def write(self, c: Choose):
+        self.step(P.WriteReplica(NODE, *self.region(c)))
+
+    def read(self, c: Choose):
+        self.step(P.ReadReplica(NODE, *self.region(c)))
+
+    def fence(self, c: Choose):
+        self.step(F.Fence(self.term(c)))
+
+    def allocate(self, c: Choose):
+        self.step(F.StampedAllocate(NODE, c.one(KEYS), self.term(c), c.one(OFFSETS),
+                                    c.int(1, 4096), c.int(0, 400)))
+
+    def publish(self, c: Choose):
+        self.step(F.StampedPublish(NODE, self.key(c), self.term(c), c.one([0, 7, (1 << 64) - 1])))
+
+    def stamped_read(self, c: Choose):
+        self.step(F.StampedRead(NODE, self.key(c), self.term(c)))
+
+    def index_request(self, c: Choose):
+        if c.rare(5):
+            self.step(F.IndexRequest(self.term(c)))
+
+    def purge(self, c: Choose):
+        if c.rare(4):
+            self.step(F.PurgeUnpublished(NODE, self.term(c)))
+
+    def stamped_free(self, c: Choose):
+        key = self.key(c)
+        entry = self.node.index.get(key)
+        token = entry.token if entry is not None and not c.rare(5) else c.int(0, 400)
+        self.step(F.StampedFree(NODE, key, self.term(c), token))
+
+    def restart(self, c: Choose):
+        """The node starts over under a new segment id, keeping its term."""
+        if c.rare(50):
+            segment = f"node-{c.int(1, 9)}"
+            self.table, self.node = P.RegionTable(segment), F.StorageNode(self.node.term)
+            self.core.restart(segment)
+            assert self.core.reference() == (self.table, self.node)
+
+
+for machine in (DirectoryDiff, LeaseDiff, MasterDiff, StorageDiff):
+    machine.TestCase.settings = RUNS
+TestDirectory = DirectoryDiff.TestCase
+TestLeases = LeaseDiff.TestCase
+TestMaster = MasterDiff.TestCase
+TestStorage = StorageDiff.TestCase
+
+
+# --------------------------------------------------------------------------
+# Mutants: a core that breaks a rule the reference keeps fails the check
+# --------------------------------------------------------------------------
+
+HUNT = settings(max_examples=300, stateful_step_count=60, deadline=None, derandomize=True,
+                database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+def test_a_put_end_that_ignores_the_token_is_caught(monkeypatch):
+    """PutEnd publishes the pending object whatever token is presented."""
+    def any_attempt_owns(self, key, token):
+        row = self.rows.index.get(key)
+        return row if row is not None and self._st[row] == PENDING else None
+
+    monkeypatch.setattr(DirectoryCore, "_pending_row", any_attempt_owns)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectoryDiff, settings=HUNT)
+
+
+def test_a_remove_that_ignores_inherited_leases_is_caught(monkeypatch):
+    """Remove and Evict only look at this master's leases, not at the
+    previous master's (the inherited objects before ``quiet_until``)."""
+    def leases_only(self, key, row):
+        if row is None or not self._flags[row] & 1:
+            return errors.KeyNotFound(f"{key!r}")
+        held = self._leased_by(row)
+        return errors.ObjectLeased(f"{key!r} has {held} unexpired lease(s)") if held else None
+
+    monkeypatch.setattr(LeaseCore, "_reclaimable", leases_only)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(LeaseDiff, settings=HUNT)
+
+
+def test_an_allocation_that_ignores_the_fence_is_caught(monkeypatch):
+    """A storage node that records an allocation stamped with a stale term."""
+    original = StorageNodeCore._allocate
+
+    def no_fence(self, ev):
+        term = self.term
+        self.term = min(term, ev.term)
+        try:
+            return original(self, ev)
+        finally:
+            self.term = max(term, self.term)
+
+    monkeypatch.setattr(StorageNodeCore, "_allocate", no_fence)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(StorageDiff, settings=HUNT)
