@@ -213,6 +213,7 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
             got = local.get(key)
             if bytes(got) != src.tobytes() or bytes(net.get(key)) != src.tobytes():
                 raise AssertionError(f"wrong bytes read back for {mib} MiB")
+            local.flush_releases()
             net.remove(key)
             rows.append({
                 "size": f"{mib} MiB",

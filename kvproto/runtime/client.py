@@ -914,6 +914,13 @@ class Client:
                 raise first_error
         return results
 
+    def flush_releases(self) -> None:
+        """Release now the leases this client's reads took and still holds back
+        (they otherwise go with its next request or within a heartbeat), e.g.
+        before another client removes what this one read."""
+        with self._lock:
+            self._release_now()
+
     def _release_now(self) -> None:
         """Send the held-back lease releases (fire-and-forget, so they reach the
         master before this client's next request on the same connection)."""

@@ -134,3 +134,13 @@ def test_a_gets_lease_is_released_with_the_next_request_or_when_the_client_goes_
                 assert time.monotonic() < deadline, "the quiet client never released its lease"
                 time.sleep(0.02)
         assert not a._unreleased
+
+
+def test_flush_releases_lets_another_client_remove_at_once():
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=30.0) as cluster:
+        a, b = cluster.client(), cluster.client()
+        a.put(b"k", b"v" * 1000)
+        a.get(b"k")
+        a.flush_releases()                                  # not left to the heartbeat thread
+        assert not a._unreleased
+        b.remove(b"k")
