@@ -450,3 +450,13 @@ def test_the_demo_passes_and_says_what_it_checked(capsys):
     assert "never published" in out and "writer timeout" in out
     assert "GB/s" not in out
     assert out.rstrip().endswith("demo passed")
+
+
+def test_kvproto_bench_runs_its_payload_and_metadata_sections():
+    """A short run of the sections the README names, end to end."""
+    out = subprocess.run([sys.executable, "-m", "kvproto", "bench", "--only", "payload,metadata",
+                          "--sizes", "1", "--repeat", "2", "--meta-keys", "64",
+                          "--memory-objects", "0"],
+                         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 MiB" in out.stdout and "batch 128" in out.stdout
