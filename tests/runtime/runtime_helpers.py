@@ -4,7 +4,6 @@ A uniquely named module (not ``conftest``) so test files can import it."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ from pathlib import Path
 import zmq
 
 import kvproto
+from kvproto.checking.chaos.cluster import child_env  # noqa: F401 (the tests import it from here)
 from kvproto.runtime import wire
 
 REPO = Path(kvproto.__file__).resolve().parent.parent
@@ -54,13 +54,6 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close(linger=0)
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 class Child:
