@@ -268,21 +268,27 @@ class LocalSegment:
         self._maps.append(mm)
         return mm
 
-    def read(self, offset: int, length: int, token: int, nonce: int) -> Optional[memoryview]:
-        """Copy the region out (one memcpy) if it is complete and stays so during
-        the copy; else ``None``."""
+    def _seqlocked(self, offset: int, length: int, token: int, nonce: int, copy) -> bool:
+        """The seqlock of every read: ``copy(src)`` (``src`` the region's bytes)
+        runs only if the region is complete, and the result counts only if it
+        still is afterwards (same generation word, same segment nonce)."""
         if offset < 0 or offset % self.page_size or offset + length > self.capacity:
-            return None
+            return False
         gens = self._gens
         idx = HEADER_WORDS + offset // self.page_size
         want = gen_word(token, True)
         if int(gens[1]) != nonce or int(gens[idx]) != want:
+            return False
+        copy(self._data[offset:offset + length])
+        return int(gens[idx]) == want and int(gens[1]) == nonce
+
+    def read(self, offset: int, length: int, token: int, nonce: int) -> Optional[memoryview]:
+        """Copy the region out (one memcpy) if it is complete and stays so during
+        the copy; else ``None``."""
+        out = []
+        if not self._seqlocked(offset, length, token, nonce, lambda src: out.append(src.copy())):
             return None
-        out = np.empty(length, dtype=np.uint8)
-        out[:] = self._data[offset:offset + length]
-        if int(gens[idx]) != want or int(gens[1]) != nonce:
-            return None
-        return memoryview(out)
+        return memoryview(out[0])
 
     @property
     def array(self) -> np.ndarray:
@@ -311,29 +317,14 @@ class LocalSegment:
         """Let ``consume(src)`` copy the region out itself (a DMA), ``src`` a
         read-only view of it: True if the region was complete before and after
         (the seqlock, as for :meth:`read`); ``consume`` runs only if it was before."""
-        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
-            return False
-        gens = self._gens
-        idx = HEADER_WORDS + offset // self.page_size
-        want = gen_word(token, True)
-        if int(gens[1]) != nonce or int(gens[idx]) != want:
-            return False
-        consume(memoryview(self._data[offset:offset + length]))
-        return int(gens[idx]) == want and int(gens[1]) == nonce
+        return self._seqlocked(offset, length, token, nonce, lambda src: consume(memoryview(src)))
 
     def read_into(self, offset: int, length: int, token: int, nonce: int, dest: memoryview) -> bool:
         """:meth:`read` into ``dest`` (the caller's memory, at least ``length``
         bytes): True if the region was complete and stayed so during the copy;
         on False ``dest``'s first ``length`` bytes are undefined."""
-        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
-            return False
-        gens = self._gens
-        idx = HEADER_WORDS + offset // self.page_size
-        want = gen_word(token, True)
-        if int(gens[1]) != nonce or int(gens[idx]) != want:
-            return False
-        np.frombuffer(dest, dtype=np.uint8, count=length)[:] = self._data[offset:offset + length]
-        return int(gens[idx]) == want and int(gens[1]) == nonce
+        return self._seqlocked(offset, length, token, nonce,
+                               lambda src: np.copyto(np.frombuffer(dest, dtype=np.uint8, count=length), src))
 
     def close(self) -> None:
         self._data = None
