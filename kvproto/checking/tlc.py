@@ -293,13 +293,16 @@ def tlc_command(model: Model, *, metadir: Path, dump_dot: Path | None = None, wo
     most models check in a second or two, where the optimising compiler's own
     work costs more than it gains (about a third of the CPU time of checking
     every model under spec/; within a few percent either way on the models
-    that take a minute). One worker collects garbage on its own thread.
+    that take a minute). One worker collects garbage on its own thread. The
+    JVM's temporary directory is the run's own ``metadir``: SANY copies the
+    standard modules it reads from the jar there, and runs sharing ``/tmp``
+    (parallel tests) would otherwise parse each other's half-written copies.
     """
     java = shutil.which("java")
     if java is None:
         raise FileNotFoundError("java is not on PATH (TLC needs Java 11 or later)")
     gc = "-XX:+UseSerialGC" if workers == 1 else "-XX:+UseParallelGC"
-    cmd = [java, gc, "-XX:TieredStopAtLevel=1", "-cp", str(find_jar()), "tlc2.TLC",
+    cmd = [java, gc, "-XX:TieredStopAtLevel=1", f"-Djava.io.tmpdir={metadir}", "-cp", str(find_jar()), "tlc2.TLC",
            "-workers", str(workers), "-metadir", str(metadir), "-config", model.cfg.name]
     if not model.check_deadlock:
         cmd.append("-deadlock")
