@@ -6,6 +6,7 @@ installed or does not load."""
 from __future__ import annotations
 
 import ctypes
+import time
 
 import pytest
 
@@ -41,6 +42,9 @@ def script(s, buf: ctypes.Array, cfg):
     r = out.append
     # out of space first: Mooncake evicts unleased objects when an allocation fails
     r(s.put("big", b"x" * (2 * SEGMENT)))
+    # Mooncake's master evicts on a background pass after a failed allocation;
+    # let that pass run while the store is empty, or it may take "a" below
+    time.sleep(1.0)
     r(s.put("a", b"first"))
     r(s.put("a", b"second"))                    # re-put: 0, the first bytes stay
     r(s.put_batch(["b", "c"], [b"bb", b"ccc"]))
