@@ -42,11 +42,24 @@ class Context:
 
     def whole(self) -> bool:
         """Two masters alive and none stopped, every storage node registered."""
+        return not self.broken()
+
+    def broken(self) -> str:
+        """Why the cluster is not whole ("" when it is)."""
         c = self.cluster
-        return (len([m for m in c.masters if m.alive()]) >= 2
-                and all(s.alive() for s in c.storage)
-                and not c.proxy.call("stats")["stopped"]
-                and c.live_segments() >= len(c.storage))
+        masters = len([m for m in c.masters if m.alive()])
+        if masters < 2:
+            return f"{masters} master(s) alive"
+        dead = [s.name for s in c.storage if not s.alive()]
+        if dead:
+            return f"storage node(s) {', '.join(dead)} dead"
+        stopped = c.proxy.call("stats")["stopped"]
+        if stopped:
+            return f"pid(s) {stopped} stopped by the proxy"
+        live = c.live_segments()
+        if live < len(c.storage):
+            return f"{live} of {len(c.storage)} segments live at the open master"
+        return ""
 
 
 class Cell:

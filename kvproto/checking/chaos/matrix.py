@@ -208,6 +208,8 @@ class _CellRun:
         self.rule_ids: list[int] = []
         self._any_fired = False
         self.armed_at = -1e9
+        #: why the cluster was last found not whole, when the cell needs it whole
+        self.not_whole = ""
         self.began = time.monotonic()
         self._mark = time.monotonic()
 
@@ -263,9 +265,12 @@ class _CellRun:
         cell = self.cell
         if self.rule_ids and (cell.once or not self._spent()):
             return
-        if now - self.began < cell.first_after or now - self.armed_at < cell.period \
-                or (cell.whole and not self.ctx.whole()):
+        if now - self.began < cell.first_after or now - self.armed_at < cell.period:
             return
+        if cell.whole:
+            self.not_whole = self.ctx.broken()
+            if self.not_whole:
+                return
         rules = cell.rules(self.ctx)
         if os.environ.get("KVPROTO_CHAOS_DEBUG"):
             self.m.say(f"  {self.tag}: arming {rules}")
@@ -326,6 +331,9 @@ class _CellRun:
         for name, n in proxy.call("clear")["fired"].items():
             self.report.faults_by[name.split(":", 1)[1]] += n
         self.report.faults = sum(self.report.faults_by.values())
+        if self.cell.injects and not self.report.faults:
+            self.report.note(f"no fault fired: armed {self.ctx.armed} time(s)"
+                             + (f"; last found not whole: {self.not_whole}" if self.not_whole else ""))
         proxy.call("events")
 
     def quiesce(self) -> None:
