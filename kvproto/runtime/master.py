@@ -752,12 +752,8 @@ class MasterCore:
         return 0, {"items": items}
 
     def _op_exists(self, body, reply_to, request_id):
-        objects = self.directory.objects
-        items = []
-        for key in body["keys"]:
-            record = objects.get(key)
-            items.append(wire.ok_item(record is not None and record.status is Status.PUBLISHED))
-        return 0, {"items": items}
+        published = self.directory.published
+        return 0, {"items": [wire.ok_item(published(key)) for key in body["keys"]]}
 
     def _op_list(self, body, reply_to, request_id):
         """Published keys in key order (a read of the directory; nothing changes):
