@@ -11,8 +11,9 @@ node running as separate processes on loopback TCP, next to
 Gets are measured twice: over the network (``local_reads=False``) and through
 the storage node's shared memory (one memcpy, the same-host path).
 
-Metadata: batched puts (start + write + end) and gets of 4 KiB objects, batch
-sizes 1 and 128, in keys/s; and the master's memory per stored object, measured
+Metadata: batched puts (start + write + end), gets and exists of 4 KiB
+objects, batch sizes 1 and 128, in keys/s, next to raw pyzmq moving the same
+bytes in the same round trips; and the master's memory per stored object, measured
 as the growth of a process holding the publish machine's directory with one
 million published objects.
 
@@ -229,33 +230,70 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
 
 
 def metadata_bench(keys: int) -> list[dict]:
+    """4 KiB put, get and exists in keys/s at batch 1 and 128, next to raw pyzmq
+    moving the same bytes in the same number of round trips (one request of
+    ``batch`` x 4 KiB and its acknowledgement; one request and ``batch`` x 4 KiB
+    back; for exists, ``batch`` 24-byte keys each way)."""
     from kvproto.runtime.client import Client
 
+    raw, sock = _start_raw()
     procs, address = _start_store("256MiB")
     rows = []
+
+    def rate(fn, rounds: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(rounds):
+            fn(i)
+        return keys / (time.perf_counter() - t0)
+
     try:
         client = Client(address, timeout=60.0)
         blob = np.zeros(4096, dtype=np.uint8)
         for batch in (1, 128):
-            names = [f"meta/{batch}/{i}".encode() for i in range(keys)]
+            names = [f"meta/{batch}/{i:016d}".encode() for i in range(keys)]
             chunks = [names[i:i + batch] for i in range(0, keys, batch)]
-            t0 = time.perf_counter()
-            for chunk in chunks:
-                failed = [e for e in client.put_many([(k, blob) for k in chunk]) if e is not None]
+            rounds = len(chunks)
+
+            def put(i):
+                failed = [e for e in client.put_many([(k, blob) for k in chunks[i]]) if e is not None]
                 if failed:
                     raise failed[0]
-            put_rate = keys / (time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for chunk in chunks:
-                if any(v is None for v in client.get_many(chunk)):
+
+            def get(i):
+                if any(v is None for v in client.get_many(chunks[i])):
                     raise AssertionError("a put key was missing")
-            get_rate = keys / (time.perf_counter() - t0)
+
+            def exists(i):
+                if not all(client.exists_many(chunks[i])):
+                    raise AssertionError("a put key was missing")
+
+            payload = bytes(4096 * len(chunks[0]))
+            keyblob = b"".join(chunks[0])
+
+            def raw_put(i):
+                sock.send_multipart([b"put", payload], copy=False)
+                sock.recv()
+
+            def raw_get(i):
+                sock.send_multipart([b"get", str(len(payload)).encode()])
+                sock.recv(copy=False)
+
+            def raw_exists(i):
+                sock.send_multipart([b"get", str(len(keyblob)).encode(), keyblob])
+                sock.recv(copy=False)
+
+            row = {"batch": batch, "put_keys_s": rate(put, rounds),
+                   "get_keys_s": rate(get, rounds),
+                   "exists_keys_s": rate(exists, rounds),
+                   "raw_put_keys_s": rate(raw_put, rounds),
+                   "raw_get_keys_s": rate(raw_get, rounds),
+                   "raw_exists_keys_s": rate(raw_exists, rounds)}
             for k in names:
                 client.remove(k)
-            rows.append({"batch": batch, "put_keys_s": put_rate, "get_keys_s": get_rate})
+            rows.append(row)
         client.close()
     finally:
-        _stop(procs)
+        _stop(procs, raw, sock)
     return rows
 
 
@@ -546,9 +584,12 @@ def main(args: argparse.Namespace) -> int:
         print()
     if "metadata" in only:
         meta = metadata_bench(args.meta_keys)
-        print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end)")
+        print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end), "
+              "next to raw pyzmq with the same bytes and round trips")
         for r in meta:
-            print(f"  batch {r['batch']:>3}: put {r['put_keys_s']:10,.0f}   get {r['get_keys_s']:10,.0f}")
+            print(f"  batch {r['batch']:>3}:" + "".join(
+                f"   {op} {r[op + '_keys_s']:,.0f} (raw {r['raw_' + op + '_keys_s']:,.0f}, "
+                f"{r[op + '_keys_s'] / r['raw_' + op + '_keys_s']:.3f})" for op in ("put", "get", "exists")))
     if args.xfer_count and "transfers" in only:
         x = transfer_bench(args.xfer_count, args.xfer_repeat)
         print(f"\n64 KiB gets/s over loopback TCP (medians of {args.xfer_repeat} runs of "

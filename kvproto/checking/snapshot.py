@@ -23,6 +23,7 @@ request is counted), the clock, the garbage-collection helper
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -55,6 +56,8 @@ def snapshot(value: Any, exclude: frozenset = OBSERVATIONS, _seen: frozenset = f
         return value
     if isinstance(value, (bytearray, memoryview)):
         return hashlib.blake2b(value, digest_size=16).digest()
+    if isinstance(value, array):       # a fast core's columns
+        return (value.typecode, hashlib.blake2b(value.tobytes(), digest_size=16).digest())
     if callable(value) and not hasattr(value, "__dict__") and not hasattr(value, "__slots__"):
         return None
     if id(value) in _seen:
@@ -69,6 +72,8 @@ def snapshot(value: Any, exclude: frozenset = OBSERVATIONS, _seen: frozenset = f
     if isinstance(value, set):
         return ("set", frozenset(value))
     if hasattr(value, "tobytes") and hasattr(value, "dtype"):       # numpy arrays
+        if value.dtype == object:      # e.g. a core's row -> key column
+            return ("objects", value.tolist())
         return hashlib.blake2b(value.tobytes(), digest_size=16).digest()
     fields: dict[str, Any] = {}
     for name in _field_names(value):

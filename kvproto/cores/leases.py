@@ -315,6 +315,11 @@ class LeaseCore:
         """Whether objects this master inherited still count as leased."""
         return self.now < self.quiet_until
 
+    def reclaimable(self, key: Hashable) -> Optional[errors.KvError]:
+        """The error ``Remove(key)`` or ``Evict(key)`` would be refused with
+        now (``KeyNotFound``, ``ObjectLeased``), or None; steps nothing."""
+        return self._reclaimable(key, self.rows.index.get(key))
+
     def holders(self, key: Hashable) -> tuple:
         """The holders of ``key``'s leases."""
         row = self.rows.index.get(key)

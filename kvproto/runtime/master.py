@@ -1,5 +1,10 @@
-"""The master: one :class:`~kvproto.statemachines.publish.Directory`, stepped only
-by :func:`~kvproto.statemachines.publish.master_step`.
+"""The master: one directory and one lease table, changed only by stepping them.
+
+They are the fast cores :class:`~kvproto.cores.directory.DirectoryCore` and
+:class:`~kvproto.cores.leases.LeaseCore` (mutable, columnar), held to the frozen
+reference machines :func:`~kvproto.statemachines.publish.master_step` and
+:func:`~kvproto.statemachines.lease.master_step` by the conformance graphs and
+a differential test (docs/cores.md).
 
 Split in two:
 
@@ -64,7 +69,7 @@ import time
 import attrs
 import immutables
 import msgpack
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import zmq
@@ -72,10 +77,12 @@ import zmq
 from kvproto import errors
 from kvproto.runtime import collector, wire
 from kvproto.runtime.allocator import Placer
+from kvproto.cores.directory import DirectoryCore
+from kvproto.cores.leases import LeaseCore
 from kvproto.statemachines.publish import (
-    AddSegment, AssignRegion, Directory, FreeRegion, MasterEvent, PutEnd, PutGranted,
+    AddSegment, AssignRegion, FreeRegion, MasterEvent, PutEnd, PutGranted,
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
-    Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status, master_step, restored,
+    Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status,
 )
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.maps import map_of
@@ -216,20 +223,21 @@ class MasterCore:
             raise ValueError("lease_ttl must be positive")
         if not 0 <= free_fraction <= high_watermark <= 1:
             raise ValueError("need 0 <= free_fraction <= high_watermark <= 1")
-        #: the lease table (spec/Lease.tla), replaced only by ``lease.master_step``;
-        #: its clock is this master's clock, fed as ``Tick`` events
-        self.leases = lm.new_table(float(lease_ttl))
+        #: the directory (spec/Publish.tla), changed only by its ``step``: the
+        #: fast core held to ``publish.master_step`` (docs/cores.md)
+        self.directory = DirectoryCore()
+        #: the lease table (spec/Lease.tla) on the directory's rows, changed only
+        #: by its ``step`` (held to ``lease.master_step``); its clock is this
+        #: master's clock, fed as ``Tick`` events; it also keeps the eviction
+        #: recency (last put, grant, renewal or read)
+        self.leases = LeaseCore(float(lease_ttl), rows=self.directory.rows)
         self.high_watermark = float(high_watermark)
         self.free_fraction = float(free_fraction)
         self._next_lease = 1   # re-based on the term in take_term: ids unique across terms
-        #: eviction recency: published key -> bytes on all replicas, least
-        #: recently used (published, leased or renewed) first; O(1) per touch
-        self._lru: "OrderedDict[bytes, int]" = OrderedDict()
         self._evicting = False
         self.writer_timeout = float(writer_timeout)
         self.storage_timeout = float(storage_timeout)
         self.clock = clock
-        self.directory = Directory()
         self.placer = Placer()
         self.segments: dict[str, SegmentInfo] = {}
         self.sessions: dict[str, ClientSession] = {}
@@ -249,8 +257,6 @@ class MasterCore:
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
         self.failover = fm.Master()
         self.fence_timeout = float(fence_timeout)
-        #: keeps full collections short as the directory grows (collector.Freezer)
-        self.freezer = collector.Freezer()
         self._round: Optional[FenceRound] = None
         self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
@@ -271,11 +277,10 @@ class MasterCore:
 
     def _step(self, event: MasterEvent) -> tuple[Optional[errors.KvError], tuple]:
         """Feed one event; carry out its effects. Refused -> (error, effects), no change."""
-        new, effects = master_step(self.directory, event)
+        effects = self.directory.step(event)
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
-        self.directory = new
         self._carry_out(effects)
         return None, effects
 
@@ -369,20 +374,18 @@ class MasterCore:
         """Feed the master's clock (``Tick``), then ``event``, to the lease
         machine; commit only an accepted step."""
         self._ltick()
-        new, effects = lm.master_step(self.leases, event)
+        effects = self.leases.step(event)
         if effects and isinstance(effects[0], lm.Refused):
             return effects[0].error, effects
-        self.leases = new
         return None, effects
 
     def _ltick(self) -> None:
         now = self.clock()
         if now <= self.leases.now:
             return
-        new, effects = lm.master_step(self.leases, lm.Tick(now))
+        effects = self.leases.step(lm.Tick(now))
         if effects and isinstance(effects[0], lm.Refused):
             return
-        self.leases = new
         self.counters["lease_expiries"] += len(effects)
 
     def _lease_put(self, key: bytes, token: int) -> None:
@@ -393,18 +396,14 @@ class MasterCore:
         err, _ = self._lstep(lm.Put(key, (key, token), size))
         if err is not None:  # cannot happen while the tables agree
             log.error("lease table refused Put(%r): %s", key, err)
-            return
-        self._lru[key] = size
-        self._lru.move_to_end(key)
 
     def _lease_drop(self, key: bytes) -> None:
         """The object is gone from the directory (removed, evicted or lost with
         its segments): end its leases (``Release``; the bytes are gone) and
         ``Remove`` it from the lease table, so the two tables agree."""
-        self._lru.pop(key, None)
         if key not in self.leases.objects:
             return
-        for holder in list(self.leases.by_key.get(key, ())):
+        for holder in self.leases.holders(key):
             self._lstep(lm.Release(holder))
         err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
         if err is not None:
@@ -418,12 +417,6 @@ class MasterCore:
                 used += ledger.capacity - ledger.free
         return used, capacity
 
-    def _lru_candidates(self):
-        table = self.leases
-        for key, size in self._lru.items():
-            if not lm.is_leased(table, key):
-                yield key, size
-
     def evict(self) -> int:
         """The eviction policy: past the high watermark of the ledger's used
         space, remove published, unleased objects, least recently used first
@@ -433,13 +426,12 @@ class MasterCore:
         if capacity <= 0 or not lm.over_watermark(used, capacity, self.high_watermark):
             return 0
         self._ltick()
-        plan = lm.plan_eviction(used, capacity, self._lru_candidates(), high_watermark=self.high_watermark,
+        plan = lm.plan_eviction(used, capacity, self.leases.eviction_candidates(), high_watermark=self.high_watermark,
                                 free_fraction=self.free_fraction)
         done = 0
         for key in plan.keys:
             # the lease machine must agree (Evict refused under a lease) ...
-            _, effects = lm.master_step(self.leases, lm.Evict(key))
-            if effects and isinstance(effects[0], lm.Refused):
+            if self.leases.reclaimable(key) is not None:
                 continue
             # ... and so must the publish machine (a pinned object is busy)
             self._evicting = True
@@ -677,6 +669,7 @@ class MasterCore:
             self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
         session = self._session(client, create=True)
         items, segments = [], {}
+        self._ltick()
         for key in body["keys"]:
             err, effects = self._step(ReadBegin(key))
             if err is not None:
@@ -686,8 +679,7 @@ class MasterCore:
             grant = effects[0]
             assert isinstance(grant, ReadGranted)
             self.counters["reads"] += 1
-            if key in self._lru:
-                self._lru.move_to_end(key)
+            self.leases.touch(key)
             item = {"token": grant.token, "length": grant.length,
                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
             if leased:
@@ -744,9 +736,6 @@ class MasterCore:
             err, effects = self._lstep(lm.Renew((client, lease_id)))
             if err is None:
                 self.counters["lease_renewals"] += 1
-                key = effects[0].key
-                if key in self._lru:
-                    self._lru.move_to_end(key)
                 items.append(wire.ok_item({"ttl": self.leases.ttl}))
             else:
                 self.counters["lease_renewals_refused"] += 1
@@ -763,12 +752,8 @@ class MasterCore:
         return 0, {"items": items}
 
     def _op_exists(self, body, reply_to, request_id):
-        objects = self.directory.objects
-        items = []
-        for key in body["keys"]:
-            record = objects.get(key)
-            items.append(wire.ok_item(record is not None and record.status is Status.PUBLISHED))
-        return 0, {"items": items}
+        published = self.directory.published
+        return 0, {"items": [wire.ok_item(published(key)) for key in body["keys"]]}
 
     def _op_list(self, body, reply_to, request_id):
         """Published keys in key order (a read of the directory; nothing changes):
@@ -792,17 +777,16 @@ class MasterCore:
         for key in body["keys"]:
             self._ltick()
             if key in self.leases.objects:
-                _, effects = lm.master_step(self.leases, lm.Remove(key))
-                if effects and isinstance(effects[0], lm.Refused):
-                    err = effects[0].error
+                err = self.leases.reclaimable(key)
+                if err is not None:
                     if not force or not isinstance(err, errors.ObjectLeased):
                         self.counters["leased_refusals"] += 1
                         items.append(wire.error_item(err))
                         continue
                     log.warning("forced remove of %r ends %d unexpired lease(s)%s",
-                                key, len(self.leases.by_key.get(key, ())),
-                                " and the previous master's" if lm.is_inherited(self.leases, key) else "")
-                    for holder in list(self.leases.by_key.get(key, ())):
+                                key, len(self.leases.holders(key)),
+                                " and the previous master's" if self.leases.is_inherited(key) else "")
+                    for holder in self.leases.holders(key):
                         self._lstep(lm.Release(holder))
                     self._lstep(lm.Disown(key))
                     self.counters["removes_forced"] += 1
@@ -997,7 +981,6 @@ class MasterCore:
             return
         with collector.paused(sum(len(index) for index in rnd.indexes.values())):
             self._recover(rnd, now)
-        self.freezer.grown(len(self.directory.objects))
 
     def _recover(self, rnd: FenceRound, now: float) -> None:
         fenced_at, term = now, self.failover.term
@@ -1016,7 +999,8 @@ class MasterCore:
         next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
         objects = [(key, e.token, e.length, tuple(Replica(n, off, e.length) for n, off in e.replicas))
                    for key, e in new.directory.items()]
-        self.directory = restored({s: rnd.infos[s]["capacity"] for s in live}, objects, next_token)
+        self.directory = DirectoryCore.restored({s: rnd.infos[s]["capacity"] for s in live},
+                                                objects, next_token)
         # the failover machine's copy of the directory has served its purpose
         self.failover = attrs.evolve(new, directory=immutables.Map())
         used: dict[str, list] = {s: [] for s in live}
@@ -1036,14 +1020,12 @@ class MasterCore:
             self.segments[s] = SegmentInfo(info, now)   # seen: at the end of recovery, below
         # the lease table caches every recovered object, with no lease known
         # (spec Takeover): each counts as leased for one TTL and a margin, the
-        # longest an old master's lease may still run; recency in key order
-        sizes = [(key, (key, record.token), record.length * len(record.replicas))
-                 for key, record in self.directory.objects.items()]
+        # longest an old master's lease may still run; all equally recent (ties
+        # by row)
         ttl = self.leases.ttl
-        self.leases = lm.restored_table(ttl, max(self.leases.now, self.clock()), sizes,
+        self.leases = LeaseCore.inherit(self.directory, ttl, max(self.leases.now, self.clock()),
                                         quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
                                         + self.INHERIT_MARGIN_S)
-        self._lru = OrderedDict((key, size) for key, _, size in sizes)
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
         for s in live:
@@ -1106,7 +1088,6 @@ class MasterCore:
 
     def tick(self) -> None:
         """Expire silent clients and storage nodes (cheap when nothing is due)."""
-        self.freezer.grown(len(self.directory.objects))
         if self.failover.phase is not fm.Phase.OPEN:
             self._maybe_recover()
             return

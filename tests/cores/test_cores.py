@@ -67,3 +67,20 @@ def test_row_dicts_stay_out_of_the_garbage_collector():
         leases.step(L.Put(key, (key, grant.token), 1))
     assert not gc.is_tracked(core.rows.index) and not gc.is_tracked(core.rows.keys)
     assert len(core.rows.index) == 1000 == core.count == leases.count
+
+
+def test_reclaimable_names_the_refusal_remove_would_give_and_steps_nothing():
+    core = LeaseCore(5.0)
+    core.step(L.Put("k", ("k", 1), 10))
+    core.step(L.Grant("h", "k"))
+    for key in ("k", "absent"):
+        before = core.reference()
+        err = core.reclaimable(key)
+        assert core.reference() == before
+        refused = core.copy().step(L.Remove(key))
+        assert type(refused[0]) is L.Refused and type(refused[0].error) is type(err)
+        assert str(refused[0].error) == str(err)
+    core.step(L.Release("h"))
+    assert core.reclaimable("k") is None and core.copy().step(L.Evict("k"))[0].key == "k"
+    inherited = LeaseCore.restored(5.0, 0.0, [("j", ("j", 1), 10)])
+    assert "previous master" in str(inherited.reclaimable("j"))
