@@ -239,7 +239,7 @@ class StorageTarget(Target):
         return storage_snapshot(self.core)
 
     def pools(self) -> dict:
-        at = list(self.core.table.regions.items())[:12]
+        at = list(self.core.node.regions.items())[:12]
         regions = [r for _, r in at]
         offsets = [o for o, _ in at] + [0, self.PAGE, self.CAPACITY - self.PAGE, self.CAPACITY]
         tokens = [r.token for r in regions] + [1, 10]
@@ -256,7 +256,7 @@ class StorageTarget(Target):
         core = self.core
         try:
             core.handle("stats", {}, [])
-            done = [(o, r) for o, r in core.table.regions.items() if r.done]
+            done = [(o, r) for o, r in core.node.regions.items() if r.done]
             if done:
                 offset, r = done[0]
                 body, out = core.handle("read", {"segment": core.segment, "offset": offset,

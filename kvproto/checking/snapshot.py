@@ -3,17 +3,20 @@
 :func:`snapshot` turns an object into plain, comparable values: every field
 it holds, recursively (dicts, lists, sets, ``__slots__`` and ``__dict__``
 objects), with frozen values (attrs-frozen machine states, ``immutables.Map``,
-tuples of them) kept as they are, since they cannot change in place. It sees
-every field the core has, not a list someone has to keep up to date: a field
-added to a core is covered the day it is added.
+tuples of them) kept as they are, since they cannot change in place, and a
+fast core (:mod:`kvproto.cores`) taken as its ``reference()``, the equal frozen
+value (its rows and columns are layout, not state). It sees every field the
+core has, not a list someone has to keep up to date: a field added to a core
+is covered the day it is added.
 
 * :func:`master_snapshot`: a :class:`~kvproto.runtime.master.MasterCore` —
   the directory, the lease table, the client sessions (attempts and pins), the
   allocators' free extents, the registered segments, the failover phase, the
   commands and replies waiting for storage nodes, the id counters;
 * :func:`storage_snapshot`: a :class:`~kvproto.runtime.storage.StorageCore` —
-  the region table, the failover index and fence, the transfer tables, the
-  highest token seen, and the segment's bytes and generation words.
+  the region table, the failover index and fence (its ``StorageNodeCore``),
+  the direct writers' table, the transfer tables, the highest token seen, and
+  the segment's bytes and generation words.
 
 Left out, as observations rather than protocol state: ``counters`` (a refused
 request is counted), the clock, the garbage-collection helper
@@ -54,6 +57,8 @@ def snapshot(value: Any, exclude: frozenset = OBSERVATIONS, _seen: frozenset = f
         return value
     if _frozen(value):
         return value
+    if _core(value):
+        return snapshot(value.reference(), exclude, _seen)
     if isinstance(value, (bytearray, memoryview)):
         return hashlib.blake2b(value, digest_size=16).digest()
     if isinstance(value, array):       # a fast core's columns
@@ -89,6 +94,12 @@ def snapshot(value: Any, exclude: frozenset = OBSERVATIONS, _seen: frozenset = f
             continue
         fields[name] = snapshot(field, exclude, seen)
     return (type(value).__name__, fields)
+
+
+def _core(value: Any) -> bool:
+    """A fast core: mutable, compared through its frozen ``reference()``."""
+    cls = type(value)
+    return cls.__module__.startswith("kvproto.cores.") and callable(getattr(cls, "reference", None))
 
 
 def _is_state(value: Any) -> bool:

@@ -199,20 +199,31 @@ class StorageNodeCore:
 
     def _purge(self, ev: fm.PurgeUnpublished) -> tuple:
         """Drop unpublished allocations of terms below ``below`` (one vectorised scan)."""
+        gone = self._unpublished_rows(ev.below)
+        freed = sum(self._i_len[row] for _, row in gone)
+        for _, row in gone:
+            self._drop_entry(row)
+        return (fm.Purged(tuple(k for k, _ in gone), freed),)
+
+    def _unpublished_rows(self, below: int) -> list:
+        """``(key, row)`` of the unpublished allocations of terms below
+        ``below``, by key (one vectorised scan)."""
         size = len(self._i_pub)
         rows: list = []
         if self._idx.index and size:
             held = np.frombuffer(self._idx.owners, np.uint8, size) != 0
             pub = np.frombuffer(self._i_pub, np.int8, size)
             term = np.frombuffer(self._i_term, np.int64, size)
-            rows = np.flatnonzero(held & (pub == 0) & (term < ev.below)).tolist()
+            rows = np.flatnonzero(held & (pub == 0) & (term < below)).tolist()
             del held, pub, term
         keys = self._idx.keys
-        gone = sorted((keys[row], row) for row in rows)
-        freed = sum(self._i_len[row] for row in rows)
-        for _, row in gone:
-            self._drop_entry(row)
-        return (fm.Purged(tuple(k for k, _ in gone), freed),)
+        return sorted((keys[row], row) for row in rows)
+
+    def unpublished(self, below: int) -> list[tuple]:
+        """``(key, IndexEntry)`` of what ``PurgeUnpublished(below)`` would drop,
+        by key: a read view (the step's ``Purged`` names only the keys, and a
+        node frees their regions after it)."""
+        return [(key, self._entry(row)) for key, row in self._unpublished_rows(below)]
 
     def _stamped_free(self, ev: fm.StampedFree) -> tuple:
         """Spec ``Remove`` (node side): the entry of allocation ``token`` goes."""

@@ -314,7 +314,7 @@ def storage_snapshot(core) -> dict:
     only figures kept as they change or O(1) to read (the ``stats`` request
     also sums the regions, which costs as much as the node holds objects)."""
     return {"segment": core.segment, "endpoint": core.endpoint, "capacity": core.memory.capacity,
-            "term": core.term, "indexed": len(core.fence.index), "regions": len(core.table.regions),
+            "term": core.term, "indexed": len(core.node.index), "regions": len(core.node.regions),
             "transfers": core.xfer_records(), "counters": dict(core.counters)}
 
 

@@ -9,16 +9,16 @@ describes the region:
 * ``token << 1`` — assigned to ``token``, bytes not (or being) written;
 * ``token << 1 | 1`` — written by ``token``: the bytes are complete.
 
-The node changes a word only together with its :class:`RegionTable` (after
-``storage_step`` accepted the event): AssignRegion sets ``token << 1``, a write
-sets ``token << 1`` before its memcpy and ``token << 1 | 1`` after it, and
-FreeRegion sets 0. Tokens are never reused within one master's life, and the
+The node changes a word only together with its region table (the regions of
+its ``StorageNodeCore``, for an event the table accepts): AssignRegion sets
+``token << 1``, a write sets ``token << 1`` before its memcpy and
+``token << 1 | 1`` after it, and FreeRegion sets 0. Tokens are never reused within one master's life, and the
 nonce changes whenever the node starts over under a new segment id, so the pair
 ``(nonce, word)`` works as a seqlock generation with no ABA: a reader on the
 same host copies the region out in one memcpy and keeps the copy only if the
 nonce and the word equal ``(descriptor nonce, token << 1 | 1)`` both before and
 after the copy. Otherwise it falls back to a network read, where
-``storage_step(ReadReplica)`` decides.
+``ReadReplica`` decides.
 
 In a correct run the check never fails: the reader holds a pin from
 ``ReadBegin``, so the region can be neither freed nor reassigned while it

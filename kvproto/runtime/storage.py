@@ -1,12 +1,22 @@
-"""A storage node: one segment, one :class:`~kvproto.statemachines.publish.RegionTable`.
+"""A storage node: one segment, one :class:`~kvproto.cores.storage.StorageNodeCore`.
 
-:class:`StorageCore` holds the table and replaces it only with what
-:func:`~kvproto.statemachines.publish.storage_step` returns. Every ``assign``,
-``free``, ``write`` and ``read`` is first stepped; only an accepted event touches
-memory: a write's bytes are copied into the segment (one memcpy from the
-received frame) after ``WriteReplica`` was accepted, and a read is answered with
-a zero-copy frame of the segment after ``ReadReplica`` was accepted. A refused
-event answers the typed error and changes nothing (no byte is written).
+:class:`StorageCore` keeps the segment's region table (``spec/Publish.tla``)
+and its term fence and object index (``spec/Failover.tla``) in one fast core,
+:class:`~kvproto.cores.storage.StorageNodeCore`, held to the reference machines
+``publish.storage_step`` and ``failover.storage_step`` (``docs/cores.md``), and
+changes them only by stepping it. Every ``assign``, ``free``, ``write`` and
+``read`` is first stepped; only an accepted event touches memory: a write's
+bytes are copied into the segment (one memcpy from the received frame) after
+``WriteReplica`` was accepted, and a read is answered with a zero-copy frame of
+the segment after ``ReadReplica`` was accepted. A refused event answers the
+typed error and changes nothing (no byte is written). The core commits every
+event it accepts, so where one request is several events that hold together
+(an ``assign`` is ``StampedAllocate``, ``AssignRegion`` and maybe
+``GrantDirect``; a direct writer's ``publish`` is ``PublishDirect``,
+``WriteReplica`` and ``StampedPublish``), the node first asks the core whether
+each would be accepted (its ``regions``, ``index`` and ``term``), steps a
+refused one alone for its error, and steps them all only when none can be
+refused.
 Segment bytes live in POSIX shared memory with a generation table for
 lock-free same-host reads (:mod:`kvproto.runtime.shm`).
 
@@ -66,6 +76,7 @@ from typing import Callable, Optional
 import zmq
 
 from kvproto import errors
+from kvproto.cores.storage import StorageNodeCore
 from kvproto.runtime import collector, wire
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id, writer_alive
@@ -73,7 +84,7 @@ from kvproto.runtime.units import parse_size
 from kvproto.statemachines import directwrite as dw
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.publish import (
-    AssignRegion, FreeRegion, ReadReplica, Refused, RegionTable, WriteReplica, storage_step,
+    AssignRegion, FreeRegion, ReadReplica, Refused, WriteReplica,
 )
 from kvproto.statemachines.timeout import (
     Land, NodeTransfers, Start, StorageCancel, node_step,
@@ -101,12 +112,12 @@ class StorageCore:
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
-        self.table = RegionTable(segment)
-        #: the failover fence and object index (``spec/Failover.tla``), replaced
-        #: only by ``failover.storage_step``: the highest term seen, and per key
-        #: the allocation's term, token, region, and whether (and in which term)
-        #: it was published
-        self.fence = fm.StorageNode()
+        #: the region table (``spec/Publish.tla``: which token owns which region)
+        #: and the failover fence and object index (``spec/Failover.tla``: the
+        #: highest term seen, and per key the allocation's term, token, region,
+        #: and whether, and in which term, it was published), changed only by
+        #: its ``step``
+        self.node = StorageNodeCore(segment)
         #: the highest token any region of this segment carried: its
         #: generation words name tokens, so a new master issues only higher
         #: ones (a same-host reader holding a freed region's token must miss)
@@ -127,20 +138,19 @@ class StorageCore:
 
     @property
     def segment(self) -> str:
-        return self.table.segment
+        return self.node.segment
 
     def restart(self, segment: str) -> None:
         """Start over under a new segment id (the old segment is lost); the
         fence keeps the highest term seen, the index is emptied with the bytes."""
         self.memory.reset()
-        self.table = RegionTable(segment)
-        self.fence = fm.StorageNode(self.fence.term)
+        self.node.restart(segment)
         self.direct = dw.DirectTable()
         self.draining.clear()
 
     @property
     def term(self) -> int:
-        return self.fence.term
+        return self.node.term
 
     def registration(self) -> dict:
         """What a master needs to know of this node's segment (``register``,
@@ -154,46 +164,51 @@ class StorageCore:
         """Allocations this segment still holds (regions, index entries, regions
         draining for direct writers): a master that did not fence it does not
         know them, so the node must start over before it joins such a master."""
-        return len(self.table.regions) + len(self.fence.index) + len(self.direct.regions)
+        return len(self.node.regions) + len(self.node.index) + len(self.direct.regions)
 
-    def _fstep(self, event):
-        """``failover.storage_step`` without committing: ``(node, effects, error)``."""
-        node, effects = fm.storage_step(self.fence, event)
-        if effects and isinstance(effects[0], fm.Refused):
-            if isinstance(effects[0].error, errors.StaleTerm):
-                self.counters["stale_terms"] += 1
-            else:
-                self.counters["refused"] += 1
-            return None, effects, effects[0].error
-        return node, effects, None
+    def _step(self, event):
+        """Step the core (an accepted event is committed): ``(effects, error)``;
+        a refusal is counted (``stale_terms`` or ``refused``) and changes nothing."""
+        effects = self.node.step(event)
+        if effects and isinstance(effects[0], Refused):
+            err = effects[0].error
+            self.counters["stale_terms" if isinstance(err, errors.StaleTerm) else "refused"] += 1
+            return effects, err
+        return effects, None
+
+    def _refusal(self, event) -> errors.KvError:
+        """Step ``event``, which the core's views say it refuses: its error
+        (counted); nothing changes."""
+        _, err = self._step(event)
+        if err is None:
+            raise errors.InternalError(f"{type(event).__name__} was accepted where refused")
+        return err
+
+    def _commit(self, event) -> tuple:
+        """Step ``event``, which the core's views say it accepts: its effects."""
+        effects, err = self._step(event)
+        if err is not None:
+            raise errors.InternalError(f"{type(event).__name__} was refused where accepted: {err}")
+        return effects
 
     def _check_term(self, body: dict) -> None:
         """Spec ``NodeAccepts``: a request stamped below the fence is refused."""
-        if not fm.node_accepts(self.fence, body["term"]):
+        if not fm.node_accepts(self.node, body["term"]):
             self.counters["stale_terms"] += 1
-            raise errors.StaleTerm(f"term {body['term']} is below {self.fence.term}")
+            raise errors.StaleTerm(f"term {body['term']} is below {self.node.term}")
 
     def fence_to(self, term: int) -> bool:
         """Spec ``Fence`` (node side): learn ``term``; False if it is below the fence."""
-        node, _, err = self._fstep(fm.Fence(term))
+        _, err = self._step(fm.Fence(term))
         if err is not None:
             return False
-        self.fence = node
         self.counters["fences"] += 1
         return True
 
     def _check_segment(self, body: dict) -> None:
-        if body["segment"] != self.table.segment:
-            raise errors.SegmentUnavailable(f"this node serves segment {self.table.segment!r}, "
+        if body["segment"] != self.node.segment:
+            raise errors.SegmentUnavailable(f"this node serves segment {self.node.segment!r}, "
                                             f"not {body['segment']!r}")
-
-    def _step(self, event):
-        """``storage_step`` without committing: ``(new_table, error)``."""
-        table, effects = storage_step(self.table, event)
-        if effects and isinstance(effects[0], Refused):
-            self.counters["refused"] += 1
-            return None, effects[0].error
-        return table, None
 
     # ------------------------------------------------------------------ tracked transfers
 
@@ -309,19 +324,26 @@ class StorageCore:
                 results.append(wire.error_item(errors.InvalidArgument(
                     f"region {offset}+{length} is not a page-aligned part of the segment")))
                 continue
-            fence, _, err = self._fstep(fm.StampedAllocate(self.segment, key, term, offset, length, token))
-            if err is None:
-                table, err = self._step(AssignRegion(self.segment, offset, length, key, token))
-            dtable = self.direct
-            if err is None and offset in direct:
+            allocate = fm.StampedAllocate(self.segment, key, term, offset, length, token)
+            assign = AssignRegion(self.segment, offset, length, key, token)
+            node, dtable, err = self.node, self.direct, None
+            # asked of the core, stepped only if every step is accepted: a
+            # refused one is stepped alone, for its error (it changes nothing)
+            if key in node.index or term < node.term:      # held here, or a stale term
+                err = self._refusal(allocate)
+            elif offset in node.regions:                   # already owned
+                err = self._refusal(assign)
+            elif offset in direct:
                 dtable, _, err = self._dstep(dw.GrantDirect(offset, token, direct[offset]))
-            elif err is None and offset in dtable.regions:
+            elif offset in dtable.regions:
                 err = errors.RegionMismatch(f"region {offset} is still draining for a direct writer")
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
+            self._commit(allocate)
+            self._commit(assign)
             mem.set_word(offset, gen_word(token, False))
-            self.table, self.fence, self.direct = table, fence, dtable
+            self.direct = dtable
             self.counters["direct_granted"] += offset in direct
             self.tokens_seen = max(self.tokens_seen, token)
             self.counters["assigned"] += 1
@@ -330,10 +352,9 @@ class StorageCore:
 
     def _free_region(self, offset: int, token: int, length: int,
                      keep_word: bool = False) -> Optional[errors.KvError]:
-        table, err = self._step(FreeRegion(self.segment, offset, token, length))
+        _, err = self._step(FreeRegion(self.segment, offset, token, length))
         if err is not None:
             return err
-        self.table = table
         if not keep_word:
             self.memory.set_word(offset, 0)
         self.counters["freed"] += 1
@@ -344,15 +365,19 @@ class StorageCore:
         it (``StampedFree``). A direct writer's region whose writer may still
         write it drains instead (``FreeDirect``): its item is ``[0, "draining"]``,
         and the master keeps it out until this node reports it drained."""
-        results = []
+        node, term, results = self.node, body["term"], []
         for offset, token, length in body["regions"]:
-            region = self.table.regions.get(offset)
-            fence = None
+            region = node.region(offset)
+            free = None
             if region is not None and region.token == token:
-                fence, _, _ = self._fstep(fm.StampedFree(self.segment, region.key, body["term"], token))
+                free = fm.StampedFree(self.segment, region.key, term, token)
+                entry = node.entry(region.key)
+                if entry is None or entry.token != token or term < node.term:
+                    self._refusal(free)   # not held here with that token, or a stale term
+                    free = None
             err, draining = self._release(offset, token, length)
-            if err is None and fence is not None:
-                self.fence = fence
+            if err is None and free is not None:
+                self._commit(free)
             results.append(wire.error_item(err) if err is not None
                            else wire.ok_item("draining" if draining else None))
         return {"results": results}, []
@@ -398,33 +423,38 @@ class StorageCore:
     def _op_publish(self, body, payloads):
         """``StampedPublish``: the master published the object; its region must
         hold that allocation, completely written."""
-        results = []
+        node, term, results = self.node, body["term"], []
         for offset, key, token in body["regions"]:
-            region = self.table.regions.get(offset)
+            region = node.region(offset)
             direct = self.direct.regions.get(offset)
-            dtable, table = self.direct, self.table
+            dtable, write = self.direct, False
             if direct is not None and direct.token == token and region is not None \
                     and region.token == token and region.key == key:
                 # a direct write: published only once its writer reported it
                 self._observe(offset, token)
                 dtable, _, err = self._dstep(dw.PublishDirect(offset, token))
-                if err is None and not region.done:
-                    table, err = self._step(WriteReplica(self.segment, offset, token))
                 if err is not None:
                     self.counters["refused"] += 1
                     results.append(wire.error_item(err))
                     continue
-                region = table.regions[offset]
-            if region is None or region.token != token or region.key != key or not region.done:
+                # WriteReplica by the token that owns the unwritten region: accepted
+                write = not region.done
+            if region is None or region.token != token or region.key != key \
+                    or not (region.done or write):
                 self.counters["refused"] += 1
                 results.append(wire.error_item(errors.StaleToken(
                     f"region {offset} does not hold a written {key!r} with token {token}")))
                 continue
-            fence, _, err = self._fstep(fm.StampedPublish(self.segment, key, body["term"]))
-            if err is not None:
-                results.append(wire.error_item(err))
+            publish = fm.StampedPublish(self.segment, key, term)
+            entry = node.entry(key)
+            if entry is None or entry.published or term < node.term:
+                # not an open allocation here, or a stale term
+                results.append(wire.error_item(self._refusal(publish)))
                 continue
-            self.fence, self.direct, self.table = fence, dtable, table
+            if write:
+                self._commit(WriteReplica(self.segment, offset, token))
+            self._commit(publish)
+            self.direct = dtable
             self.counters["published"] += 1
             self.counters["direct_published"] += direct is not None and direct.token == token
             results.append(wire.ok_item())
@@ -434,29 +464,29 @@ class StorageCore:
         """``Fence`` then ``IndexRequest``: learn the new term, answer the index
         as one payload frame of ``[key, offset, length, token, term, published, by]``."""
         if not self.fence_to(body["term"]):
-            raise errors.StaleTerm(f"term {body['term']} is below {self.fence.term}")
-        _, effects, err = self._fstep(fm.IndexRequest(body["term"]))
+            raise errors.StaleTerm(f"term {body['term']} is below {self.node.term}")
+        effects, err = self._step(fm.IndexRequest(body["term"]))
         if err is not None:
             raise err
         index = effects[0].index
         with collector.paused(len(index)):
             rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
             frame = wire.pack(rows)
-        return {**self.registration(), "term": self.fence.term, "objects": len(rows),
+        return {**self.registration(), "term": self.node.term, "objects": len(rows),
                 "next_token": self.tokens_seen + 1,
                 "draining": [[off, n] for off, n in sorted(self.draining.items())]}, [frame]
 
     def _op_purge(self, body, payloads):
         """``PurgeUnpublished``: drop unpublished allocations of older terms and
         free their regions."""
-        before = self.fence.index
-        fence, effects, err = self._fstep(fm.PurgeUnpublished(self.segment, body["below"]))
+        # the entries the purge drops (it answers only their keys): their regions go after
+        doomed = dict(self.node.unpublished(body["below"]))
+        effects, err = self._step(fm.PurgeUnpublished(self.segment, body["below"]))
         if err is not None:
             raise err
         purged = effects[0]
-        self.fence = fence
         for key in purged.keys:
-            e = before[key]
+            e = doomed[key]
             self._release(e.offset, e.token, e.length)
         self.counters["purged"] += len(purged.keys)
         self.counters["bytes_purged"] += purged.freed
@@ -467,14 +497,14 @@ class StorageCore:
         above every one this node has been assigned, under a term it accepts:
         its ``assign`` may still be on its way (the master does not wait for
         the node before granting; it sends the assign first, on its own
-        connection). Any other write is judged at once by ``storage_step``."""
-        if not fm.node_accepts(self.fence, body["term"]):
+        connection). Any other write is judged at once (``WriteReplica``)."""
+        node = self.node
+        if not fm.node_accepts(node, body["term"]):
             return False
-        regions = self.table.regions
         for offset, token in (((r[0], r[1]) for r in body["regions"]) if "regions" in body
                               else ((body["offset"], body["token"]),)):
             if token > self.tokens_seen:
-                region = regions.get(offset)
+                region = node.region(offset)
                 if region is None or region.token != token:
                     return True
         return False
@@ -502,18 +532,19 @@ class StorageCore:
         return {}, []
 
     def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
-        """``WriteReplica``, then the one memcpy from the received frame."""
-        table, err = self._step(WriteReplica(self.segment, offset, token))
-        if err is not None:
-            raise err
-        region = self.table.regions[offset]
+        """``WriteReplica`` and the one memcpy from the received frame; a
+        payload of the wrong length is refused before the step (nothing changes)."""
+        write = WriteReplica(self.segment, offset, token)
+        region = self.node.region(offset)
+        if region is None or region.token != token or region.done:   # not owned, or written
+            raise self._refusal(write)
         if len(payload) != region.length:
             raise errors.InvalidArgument(f"write of {len(payload)} bytes to a region of {region.length}")
         mem = self.memory
         mem.set_word(offset, gen_word(token, False))   # seqlock: in flux
         mem.data[offset:offset + region.length] = payload  # the one memcpy
         mem.set_word(offset, gen_word(token, True))
-        self.table = table
+        self._commit(write)
         self._observe(offset, token)   # a direct writer's region written over the network
         self.counters["writes"] += 1
         self.counters["bytes_written"] += region.length
@@ -523,7 +554,7 @@ class StorageCore:
         _, err = self._step(ReadReplica(self.segment, offset, token))
         if err is not None:
             raise err
-        region = self.table.regions[offset]
+        region = self.node.region(offset)
         if body["length"] != region.length:
             raise errors.InvalidArgument(f"read of {body['length']} bytes of a region of {region.length}")
         # defence in depth: the region's reuse generation (the per-page word the
@@ -536,11 +567,12 @@ class StorageCore:
         return {}, [self.memory.view(offset, region.length)]
 
     def stats(self) -> dict:
-        index = self.fence.index
-        return {"segment": self.segment, "capacity": self.memory.capacity, "term": self.fence.term,
-                "indexed": len(index), "published": sum(1 for e in index.values() if e.published),
-                "regions": len(self.table.regions),
-                "used": sum(r.length for r in self.table.regions.values()),
+        node = self.node
+        return {"segment": self.segment, "capacity": self.memory.capacity, "term": node.term,
+                "indexed": len(node.index),
+                "published": sum(1 for e in node.index.values() if e.published),
+                "regions": len(node.regions),
+                "used": sum(r.length for r in node.regions.values()),
                 "counters": dict(self.counters)}
 
 
@@ -645,7 +677,6 @@ class StorageServer:
         self._outq: list = []      # (due, seq, frames): delayed data replies
         self._awaiting: list = []  # (due, identity, request): writes before their assign
         self._seq = itertools.count()
-        self._freezer = collector.Freezer()
         #: ``observe(op, seconds)`` after each request is served (metrics; None: off)
         self.observe = None
 
@@ -753,7 +784,6 @@ class StorageServer:
     def _timers(self) -> None:
         if self.refused is not None:
             return
-        self._freezer.grown(len(self.core.fence.index))
         if self.core.draining:
             drained = self.core.drain()
             if drained and self.registered.is_set():

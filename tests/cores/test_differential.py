@@ -568,8 +568,12 @@ class StorageDiff(Differential):
             self.step(F.IndexRequest(self.term(c)))
 
     def purge(self, c: Choose):
+        """The purge, and first the core's view of what it drops."""
         if c.rare(4):
-            self.step(F.PurgeUnpublished(NODE, self.term(c)))
+            below = self.term(c)
+            _, keys, _ = F.purge_unpublished(self.node.index, below)
+            assert self.core.unpublished(below) == [(k, self.node.index[k]) for k in keys]
+            self.step(F.PurgeUnpublished(NODE, below))
 
     def stamped_free(self, c: Choose):
         key = self.key(c)

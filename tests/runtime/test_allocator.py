@@ -176,11 +176,11 @@ class Harness:
                 pos += length
             assert pos == alloc.capacity
             node = self.nodes[seg]
-            stored = {off: (reg.key, reg.token) for off, reg in node.table.regions.items()}
+            stored = {off: (reg.key, reg.token) for off, reg in node.node.regions.items()}
             expected = {r.offset: (k, rec.token) for k, rec in d.objects.items()
                         for r in rec.replicas if r.segment == seg}
             assert stored == expected, seg
-            for off, reg in node.table.regions.items():
+            for off, reg in node.node.regions.items():
                 assert node.memory.word(off) == gen_word(reg.token, reg.done)
                 rec = d.objects[reg.key]
                 if rec.status is Status.PUBLISHED:

@@ -319,7 +319,7 @@ class FailoverCores(RuleBasedStateMachine):
         for seg, _, _ in p.grant["replicas"]:
             if seg not in c.live:
                 continue
-            if c.nodes[seg].fence.term > p.term:
+            if c.nodes[seg].node.term > p.term:
                 assert failed and isinstance(failed.pop(0), errors.StaleTerm)
         assert failed == []
 
@@ -413,7 +413,7 @@ class FailoverCores(RuleBasedStateMachine):
         key, seg, off, length, token, term = data.draw(st.sampled_from(self.descriptors))
         got = self.c.read(seg, off, length, token, term)
         self.check_read(key, got)
-        if seg in self.c.live and term < self.c.nodes[seg].fence.term:
+        if seg in self.c.live and term < self.c.nodes[seg].node.term:
             assert isinstance(got, errors.StaleTerm)
 
     # -- masters -----------------------------------------------------------------
@@ -434,7 +434,7 @@ class FailoverCores(RuleBasedStateMachine):
         if how != "during":
             c.live -= set(lose)
         survivors = [s for s in live if s not in lose]
-        purge_count = len([e for s in survivors for e in c.nodes[s].fence.index.values()
+        purge_count = len([e for s in survivors for e in c.nodes[s].node.index.values()
                            if not e.published])
         new = c.failover(listed, lose if how == "during" else ())
         # an object whose every replica was lost is gone (a miss from now on)
@@ -451,7 +451,7 @@ class FailoverCores(RuleBasedStateMachine):
         assert last["recovered"] == len(new.directory.objects)
         assert set(new.segments) == set(survivors)
         for s in survivors:
-            assert c.nodes[s].fence.term == c.coord
+            assert c.nodes[s].node.term == c.coord
 
     @precondition(lambda self: self.paused)
     @rule(data=st.data(), key=st.sampled_from(KEYS), length=LENGTHS)
@@ -483,7 +483,7 @@ class FailoverCores(RuleBasedStateMachine):
         for seg, cop, cbody, status in delivered:
             assert cbody["term"] == term
             if status is not None:
-                assert term < c.nodes[seg].fence.term
+                assert term < c.nodes[seg].node.term
                 assert status == errors.StaleTerm.code, (cop, status)
                 refused = True
         if refused:
@@ -513,7 +513,7 @@ class FailoverCores(RuleBasedStateMachine):
         c = self.c
         if c is None:
             return
-        terms = [c.nodes[s].fence.term for s in c.live]
+        terms = [c.nodes[s].node.term for s in c.live]
         able = [m for m in self.cores()
                 if m.failover.phase is OPEN and any(m.failover.term >= t for t in terms)]
         assert able == [c.active]
@@ -530,10 +530,10 @@ class FailoverCores(RuleBasedStateMachine):
                 if rec.status is not Status.PUBLISHED:
                     continue
                 node = c.nodes[r.segment]
-                entry = node.fence.index.get(key)
+                entry = node.node.index.get(key)
                 assert entry is not None and entry.published and entry.token == rec.token, (key, entry)
                 assert entry.offset == r.offset
-                region = node.table.regions.get(r.offset)
+                region = node.node.regions.get(r.offset)
                 assert region is not None and region.token == rec.token and region.done
 
     @invariant()
@@ -543,7 +543,7 @@ class FailoverCores(RuleBasedStateMachine):
             return
         term = c.active.failover.term
         for s in c.live:
-            for key, e in c.nodes[s].fence.index.items():
+            for key, e in c.nodes[s].node.index.items():
                 assert e.published or e.term == term, (s, key, e)
 
     @invariant()
@@ -576,12 +576,12 @@ class FailoverCores(RuleBasedStateMachine):
         assert core.counters["evictions"] == 0
         for s in c.live:
             node = c.nodes[s]
-            regions = {off: (r.key, r.token) for off, r in node.table.regions.items()}
-            index = {e.offset: (k, e.token) for k, e in node.fence.index.items()}
+            regions = {off: (r.key, r.token) for off, r in node.node.regions.items()}
+            index = {e.offset: (k, e.token) for k, e in node.node.index.items()}
             assert regions == index, s
-            for off, r in node.table.regions.items():
+            for off, r in node.node.regions.items():
                 assert node.memory.word(off) == gen_word(r.token, r.done)
-                if node.fence.index[r.key].published:
+                if node.node.index[r.key].published:
                     assert r.done
             listed = {r.offset: (k, rec.token) for k, rec in core.directory.objects.items()
                       for r in rec.replicas if r.segment == s}
@@ -641,7 +641,7 @@ def test_purge_frees_the_space_for_a_put_of_the_same_size(cluster):
     last = new.stats()["failover"]["last"]
     assert (last["purged"], last["bytes_purged"], last["recovered"]) == (1, 8 * PAGE, 0)
     node = c.nodes["n0"]
-    assert len(node.table.regions) == 0 and len(node.fence.index) == 0 and node.memory.word(0) == 0
+    assert len(node.node.regions) == 0 and len(node.node.index) == 0 and node.memory.word(0) == 0
     err, grant2 = c.put(b"big", value(b"big", 2, 8 * PAGE))
     assert err is None and grant2["replicas"] == [["n0", 0, 8 * PAGE]]
     assert grant2["token"] > grant["token"]
@@ -684,7 +684,7 @@ def test_a_replica_lost_during_the_fence_leaves_the_other_one_listed(cluster):
     (status, body), delivered = c.call(new, "remove", {"keys": [b"k"]})
     assert wire.item_result(body["items"][0])[0] is None
     assert [(s, op, st_) for s, op, _, st_ in delivered] == [("n0", "free", 0)]
-    assert len(c.nodes["n0"].fence.index) == 0 and len(c.nodes["n0"].table.regions) == 0
+    assert len(c.nodes["n0"].node.index) == 0 and len(c.nodes["n0"].node.regions) == 0
 
 
 def test_a_freed_token_is_never_issued_again_by_the_next_master(cluster):

@@ -85,7 +85,7 @@ def test_master_rejects_bad_frames_and_keeps_serving(cluster, raw):
 def storage_state(node) -> dict:
     s = node.core.stats()
     counters = {k: v for k, v in s["counters"].items() if k not in ("rejected", "refused", "stale_terms")}
-    return {**s, "counters": counters, "table": node.core.table, "fence": node.core.fence,
+    return {**s, "counters": counters, "node": node.core.node.reference(),
             "memory": bytes(node.memory.data)}
 
 

@@ -327,7 +327,7 @@ def test_a_fenced_node_refuses_the_old_master_which_steps_down():
             with pytest.raises(errors.StaleTerm):
                 node.handle(op, {"segment": "seg", "term": 1, "offset": 0, "token": 1, **extra}, payloads)
         assert node.counters["stale_terms"] == 3
-        assert len(node.table.regions) == 0 and len(node.fence.index) == 0
+        assert len(node.node.regions) == 0 and len(node.node.index) == 0
     finally:
         memory.close()
 

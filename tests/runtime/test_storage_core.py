@@ -1,0 +1,171 @@
+"""The storage node runs on the fast core (``StorageNodeCore``), without sockets.
+
+The core commits every event it accepts, so a request made of several events
+(``assign``: ``StampedAllocate`` + ``AssignRegion`` + ``GrantDirect``; a direct
+writer's ``publish``: ``PublishDirect`` + ``WriteReplica`` + ``StampedPublish``)
+must step none of them when one is refused. Each refused request here leaves
+``core.reference()`` as it was, and the accepted ones leave it equal to the
+frozen reference machines stepped with the same events.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvproto import errors
+from kvproto.cores.storage import StorageNodeCore
+from kvproto.runtime.shm import SegmentMemory, WriterLock, gen_word
+from kvproto.runtime.storage import StorageCore
+from kvproto.statemachines import failover as F
+from kvproto.statemachines import publish as P
+
+SEG, PAGE = "seg", 4096
+A, B, C, D = 0, PAGE, 2 * PAGE, 3 * PAGE
+
+
+@pytest.fixture
+def node():
+    memory = SegmentMemory(1 << 20, PAGE)
+    node = StorageCore(memory, SEG)
+    assert node.fence_to(1)
+    try:
+        yield node
+    finally:
+        memory.close()
+
+
+def call(node, op, payloads=(), **body):
+    return node.handle(op, {"segment": SEG, "term": 1, **body}, list(payloads))
+
+
+def item_code(reply) -> int:
+    (item,) = reply[0]["results"]
+    return item[0]
+
+
+def write(node, offset, token, data):
+    return call(node, "write", [memoryview(data)], offset=offset, token=token)
+
+
+class Reference:
+    """The frozen machines the core is held to, stepped with the node's events."""
+
+    def __init__(self) -> None:
+        self.table, self.node = P.RegionTable(SEG), F.StorageNode()
+
+    def step(self, *events) -> None:
+        for ev in events:
+            if isinstance(ev, (P.AssignRegion, P.FreeRegion, P.WriteReplica)):
+                self.table, _ = P.storage_step(self.table, ev)
+            else:
+                self.node, _ = F.storage_step(self.node, ev)
+
+    def state(self):
+        return self.table, self.node
+
+
+def test_the_node_state_is_the_fast_core_and_equals_the_reference_machines(node):
+    assert type(node.node) is StorageNodeCore
+    assert not hasattr(node, "table") and not hasattr(node, "fence")
+    ref = Reference()
+    ref.step(F.Fence(1))
+    assert call(node, "assign", regions=[[A, 10, b"a", 7], [B, 20, b"b", 8]])[0]["results"] == \
+        [[0, None], [0, None]]
+    ref.step(F.StampedAllocate(SEG, b"a", 1, A, 10, 7), P.AssignRegion(SEG, A, 10, b"a", 7),
+             F.StampedAllocate(SEG, b"b", 1, B, 20, 8), P.AssignRegion(SEG, B, 20, b"b", 8))
+    write(node, A, 7, b"x" * 10)
+    write(node, B, 8, b"y" * 20)
+    ref.step(P.WriteReplica(SEG, A, 7), P.WriteReplica(SEG, B, 8))
+    assert item_code(call(node, "publish", regions=[[A, b"a", 7]])) == 0
+    ref.step(F.StampedPublish(SEG, b"a", 1))
+    assert item_code(call(node, "free", regions=[[B, 8, 20]])) == 0
+    ref.step(P.FreeRegion(SEG, B, 8, 20), F.StampedFree(SEG, b"b", 1, 8))
+    assert node.node.reference() == ref.state()
+    stats = node.stats()
+    assert (stats["indexed"], stats["published"], stats["regions"], stats["used"]) == (1, 1, 1, 10)
+
+
+def test_refused_requests_leave_the_core_unchanged(node):
+    assert call(node, "assign", regions=[[A, 10, b"a", 7], [B, 20, b"b", 8]])[0]["results"] == \
+        [[0, None], [0, None]]
+    write(node, A, 7, b"x" * 10)
+    assert item_code(call(node, "publish", regions=[[A, b"a", 7]])) == 0
+    before = node.node.reference()
+
+    # assign: a key held here; an owned offset (its StampedAllocate, which
+    # alone would be accepted, is not stepped either)
+    assert item_code(call(node, "assign", regions=[[C, 10, b"a", 9]])) == errors.KeyExists.code
+    assert item_code(call(node, "assign", regions=[[A, 10, b"c", 9]])) == errors.RegionMismatch.code
+    assert b"c" not in node.node.index
+    # write: a wrong token, a wrong length (WriteReplica alone would be
+    # accepted), a second write
+    for offset, token, data, error in ((B, 9, b"y" * 20, errors.RegionMismatch),
+                                       (B, 8, b"y" * 19, errors.InvalidArgument),
+                                       (A, 7, b"x" * 10, errors.RegionMismatch)):
+        with pytest.raises(error):
+            write(node, offset, token, data)
+    assert not node.node.region(B).done
+    # publish: an unwritten region, a published one, a wrong token
+    for regions, error in (([B, b"b", 8], errors.StaleToken), ([A, b"a", 7], errors.NotPublished),
+                           ([A, b"a", 9], errors.StaleToken)):
+        assert item_code(call(node, "publish", regions=[regions])) == error.code
+    # free: a wrong token; read: an unwritten region
+    assert item_code(call(node, "free", regions=[[A, 9, 10]])) == errors.RegionMismatch.code
+    with pytest.raises(errors.RegionMismatch):
+        call(node, "read", offset=B, token=8, length=20)
+    assert node.node.reference() == before
+    assert node.counters["refused"] == 9
+
+
+def test_a_draining_region_refuses_an_assign_that_the_core_alone_would_accept(node):
+    """``StampedAllocate`` and ``AssignRegion`` of the new key would both be
+    accepted; the region is still draining for a direct writer, so neither is
+    stepped."""
+    lock = WriterLock()
+    try:
+        assert item_code(call(node, "assign", regions=[[D, 10, b"d", 20]],
+                              direct=[[D, lock.name]])) == 0
+        # the writer has not reported: its publish is refused, the region stays unwritten
+        assert item_code(call(node, "publish", regions=[[D, b"d", 20]])) == errors.StaleToken.code
+        assert not node.node.region(D).done
+        (item,) = call(node, "free", regions=[[D, 20, 10]])[0]["results"]
+        assert item == [0, "draining"] and node.draining == {D: 10}
+        before = node.node.reference()
+        assert D not in node.node.regions and b"d" not in node.node.index
+        assert item_code(call(node, "assign", regions=[[D, 10, b"e", 21]])) == \
+            errors.RegionMismatch.code
+        assert item_code(call(node, "assign", regions=[[D, 10, b"e", 21]],
+                              direct=[[D, lock.name]])) == errors.RegionMismatch.code
+        assert node.node.reference() == before and b"e" not in node.node.index
+    finally:
+        lock.close()
+    assert node.drain() == [D]
+    assert item_code(call(node, "assign", regions=[[D, 10, b"e", 21]])) == 0
+
+
+def test_a_reported_direct_write_is_written_and_published_in_one_request(node):
+    lock = WriterLock()
+    try:
+        assert item_code(call(node, "assign", regions=[[C, 10, b"c", 30]],
+                              direct=[[C, lock.name]])) == 0
+        node.memory.data[C:C + 10] = b"z" * 10
+        node.memory.set_word(C, gen_word(30, True))    # the writer's report
+        assert item_code(call(node, "publish", regions=[[C, b"c", 30]])) == 0
+        assert node.node.region(C).done and node.node.entry(b"c").published
+        assert node.counters["direct_published"] == 1
+        body, frames = call(node, "read", offset=C, token=30, length=10)
+        assert bytes(frames[0]) == b"z" * 10
+    finally:
+        lock.close()
+
+
+def test_a_purge_frees_the_regions_of_the_entries_it_drops(node):
+    assert call(node, "assign", regions=[[A, 10, b"a", 7], [B, 20, b"b", 8]])[0]["results"] == \
+        [[0, None], [0, None]]
+    write(node, A, 7, b"x" * 10)
+    assert item_code(call(node, "publish", regions=[[A, b"a", 7]])) == 0
+    body, _ = node.handle("fence", {"segment": SEG, "term": 2}, [])
+    assert body["term"] == 2
+    assert node.handle("purge", {"segment": SEG, "term": 2, "below": 2}, [])[0] == {"purged": 1, "freed": 20}
+    assert list(node.node.regions) == [A] and list(node.node.index) == [b"a"]
+    assert node.memory.word(B) == 0
