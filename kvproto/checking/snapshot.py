@@ -19,8 +19,7 @@ is covered the day it is added.
   the segment's bytes and generation words.
 
 Left out, as observations rather than protocol state: ``counters`` (a refused
-request is counted), the clock, the garbage-collection helper
-(``freezer``) and the description of the last failover.
+request is counted), the clock and the description of the last failover.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import attrs
 import immutables
 
 #: fields that are observations or machinery, not protocol state
-OBSERVATIONS = frozenset({"counters", "clock", "freezer", "last_failover", "observe"})
+OBSERVATIONS = frozenset({"counters", "clock", "last_failover", "observe"})
 
 
 @attrs.frozen

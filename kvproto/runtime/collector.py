@@ -1,13 +1,13 @@
 """Keeping Python's cyclic garbage collector out of the way of large tables.
 
-A master with a million objects holds several million tracked objects (the
-directory's maps and records, the lease table); one full collection of them
-takes seconds, during which the process answers nothing: long enough to miss
-heartbeats and to lose its leadership lease. The tables hold no reference
-cycles (records are replaced, and freed by reference counting), so the
-runtime builds them with the collector paused (:func:`paused`) and moves
-what survives out of its reach (:class:`Freezer`, ``gc.freeze``): later
-collections scan only what was allocated since.
+The master's and the storage nodes' tables are fast cores (:mod:`kvproto.cores`):
+columns and dicts of bytes and ints, which the collector does not walk. What
+is still built object by object is a storage node's index frame at a
+takeover, encoded by the node and decoded by the new master: millions of
+entries, each a few tracked objects. One full collection of them would take
+seconds, during which the process answers nothing. They hold no reference
+cycles, so the runtime builds them with the collector paused (:func:`paused`) and moves what survives out of its reach
+(``gc.freeze``): later collections scan only what was allocated since.
 """
 
 from __future__ import annotations
@@ -42,26 +42,3 @@ def paused(entries: int):
         gc.freeze()
         if enabled:
             gc.enable()
-
-
-class Freezer:
-    """Freeze (``gc.freeze``) what is alive each time a table grew by ``step``
-    entries since the last freeze, so a full collection scans at most about
-    ``step`` entries' worth of objects. Garbage cycles alive at a freeze are
-    never collected; the tables make none."""
-
-    def __init__(self, step: int = 20_000) -> None:
-        if step <= 0:
-            raise ValueError("step must be positive")
-        self.step = step
-        self._frozen_at = 0
-
-    def grown(self, size: int) -> bool:
-        """Tell the table's size; freezes and returns True when it grew by ``step``."""
-        if size < self._frozen_at:
-            self._frozen_at = size
-        if size - self._frozen_at < self.step:
-            return False
-        gc.freeze()
-        self._frozen_at = size
-        return True

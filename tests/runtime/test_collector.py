@@ -15,17 +15,6 @@ def unfrozen():
     gc.unfreeze()
 
 
-def test_freezer_freezes_once_per_step_of_growth(unfrozen):
-    f = collector.Freezer(step=100)
-    assert not f.grown(99)
-    before = gc.get_freeze_count()
-    keep = [[i] for i in range(1000)]      # tracked objects alive at the freeze
-    assert f.grown(100) and gc.get_freeze_count() >= before + len(keep)
-    assert not f.grown(150)
-    assert f.grown(200)
-    assert not f.grown(50) and not f.grown(149) and f.grown(150)   # shrinking resets the base
-
-
 def test_paused_restores_the_collector_state_and_freezes_what_it_built(unfrozen):
     assert gc.isenabled()
     with collector.paused(collector.PAUSE_FROM):
@@ -44,5 +33,3 @@ def test_paused_restores_the_collector_state_and_freezes_what_it_built(unfrozen)
         assert not gc.isenabled()
     finally:
         gc.enable()
-    with pytest.raises(ValueError):
-        collector.Freezer(0)
