@@ -459,7 +459,6 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
     published 4 KiB objects: the nodes' ``fence`` replies (encoding the index),
     then the master's decode, ``Recover`` (rebuild), allocator and lease
     tables, and ``Open``. Returns seconds per stage and objects/s."""
-    import immutables
     from kvproto.runtime import wire
     from kvproto.runtime.master import MasterCore
     from kvproto.runtime.shm import SegmentMemory
@@ -473,11 +472,15 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
     for n in range(nodes):
         memory = SegmentMemory(page, page)   # the bytes are not what is measured
         memories.append(memory)
-        core = StorageCore(memory, f"node{n}")
-        core.fence = fm.StorageNode(1, immutables.Map({
-            f"key-{n}-{i:09d}".encode(): fm.IndexEntry(1, True, 1, i * page, page, 0, n * per + i + 1)
-            for i in range(per)}))
-        cores[f"node{n}"] = core
+        segment = f"node{n}"
+        core = StorageCore(memory, segment)
+        step = core.node.step
+        step(fm.Fence(1))
+        for i in range(per):
+            key = f"key-{n}-{i:09d}".encode()
+            step(fm.StampedAllocate(segment, key, 1, i * page, page, n * per + i + 1))
+            step(fm.StampedPublish(segment, key, 1))
+        cores[segment] = core
     try:
         master = MasterCore(term=None, fence_timeout=600.0)
         master.take_term(2, {s: f"tcp://127.0.0.1:{9000 + i}" for i, s in enumerate(cores)})

@@ -340,6 +340,31 @@ class DirectoryCore:
         hits += [row for row, placed in self._extra.items() if any(s == sid for s, _ in placed)]
         return sorted(hits)
 
+    def regions(self) -> dict:
+        """``segment -> (n, 2)`` array of the ``(offset, length)`` of every
+        replica on it, objects pending or published (vectorised; what a new
+        master's allocators start from)."""
+        size = self.rows.size
+        st = np.frombuffer(self._st, np.int8, size)
+        nrep = np.frombuffer(self._nrep, np.uint8, size)
+        length = np.frombuffer(self._len, np.int64, size)
+        sids, offs, lens = [], [], []
+        for c, (scol, ocol) in enumerate(((self._s0, self._o0), (self._s1, self._o1))):
+            rows = np.flatnonzero((st != 0) & (nrep != OVERFLOW) & (nrep > c))
+            sids.append(np.frombuffer(scol, np.uint16, size)[rows].astype(np.int64))
+            offs.append(np.frombuffer(ocol, np.int64, size)[rows])
+            lens.append(length[rows])
+        for row, placed in self._extra.items():
+            sids.append(np.array([s for s, _ in placed], np.int64))
+            offs.append(np.array([o for _, o in placed], np.int64))
+            lens.append(np.full(len(placed), self._len[row], np.int64))
+        sid, off, ln = np.concatenate(sids), np.concatenate(offs), np.concatenate(lens)
+        out = {}
+        for ledger in self._by_id:
+            on = sid == ledger.id
+            out[ledger.name] = np.stack((off[on], ln[on]), axis=1)
+        return out
+
     # ------------------------------------------------------------------ reading
 
     def record(self, key) -> Optional[ObjectRecord]:

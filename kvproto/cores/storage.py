@@ -26,6 +26,7 @@ import immutables
 import numpy as np
 
 from kvproto import errors
+from kvproto.cores.recovery import IndexColumns
 from kvproto.cores.rows import Rows, grow
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.maps import map_of
@@ -248,6 +249,20 @@ class StorageNodeCore:
         return fm.IndexEntry(self._i_term[row], bool(self._i_pub[row]), self._i_by[row],
                              self._i_off[row], self._i_len[row], self._checksums.get(row, 0),
                              self._i_tok[row])
+
+    def index_columns(self) -> IndexColumns:
+        """The index as :class:`~kvproto.cores.recovery.IndexColumns` (what an
+        accepted ``IndexRequest`` returns, read from the columns without an
+        object per entry but its key)."""
+        size = len(self._i_pub)
+        held = np.flatnonzero(np.frombuffer(self._idx.owners, np.uint8, size) != 0) if size else \
+            np.zeros(0, np.int64)
+        keys = self._idx.keys[held].tolist() if len(held) else []
+        cols = {name: np.frombuffer(col, dtype, size)[held] for name, col, dtype in (
+            ("term", self._i_term, np.int64), ("published", self._i_pub, np.int8),
+            ("by", self._i_by, np.int64), ("offset", self._i_off, np.int64),
+            ("length", self._i_len, np.int64), ("token", self._i_tok, np.int64))}
+        return IndexColumns(keys, **cols)
 
     def index_map(self) -> immutables.Map:
         """The index as the reference's persistent map (O(n))."""

@@ -65,13 +65,10 @@ import logging
 import re
 import threading
 import time
-
-import attrs
-import immutables
-import msgpack
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
+import numpy as np
 import zmq
 
 from kvproto import errors
@@ -79,13 +76,13 @@ from kvproto.runtime import collector, wire
 from kvproto.runtime.allocator import Placer
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
+from kvproto.cores.recovery import IndexColumns, recovered
 from kvproto.statemachines.publish import (
     AddSegment, AssignRegion, FreeRegion, MasterEvent, PutEnd, PutGranted,
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
     Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status,
 )
 from kvproto.statemachines import failover as fm
-from kvproto.statemachines.maps import map_of
 
 from kvproto.statemachines import lease as lm
 
@@ -164,7 +161,7 @@ class FenceRound:
         self.deadline = now + timeout
         self.nodes = dict(nodes)                     # segment -> endpoint
         self.infos: dict[str, dict] = {}             # segment -> registration body
-        self.indexes: dict[str, immutables.Map] = {}  # segment -> key -> IndexEntry
+        self.indexes: dict[str, IndexColumns] = {}   # segment -> its index
         self.failed: set[str] = set()
 
     def answered(self) -> bool:
@@ -948,15 +945,13 @@ class MasterCore:
                     type(d) is list and len(d) == 2 and all(type(x) is int for x in d) for d in draining):
                 raise errors.MalformedFrame("fence reply: draining regions are not [offset, length] pairs")
             info["draining"] = draining
-            if info["segment"] != segment or len(reply.payloads) != 1 \
+            objects = reply.body.get("objects")
+            if info["segment"] != segment or type(objects) is not int or objects < 0 \
                     or type(info["next_token"]) is not int or info["next_token"] < 1:
                 raise errors.MalformedFrame("fence reply for another segment, without its index "
                                             "or without a next token")
-            with collector.paused(reply.body.get("objects", 0)):
-                rows = msgpack.unpackb(reply.payloads[0], raw=False)
-                index = map_of((bytes(k), fm.IndexEntry(term, pub, by, off, length, 0, token))
-                               for k, off, length, token, term, pub, by in rows)
-                del rows
+            with collector.paused(objects):
+                index = IndexColumns.from_frames(reply.payloads, objects)
         except (errors.KvError, KeyError, ValueError, TypeError) as err:
             log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
             rnd.failed.add(segment)
@@ -979,8 +974,7 @@ class MasterCore:
             return
         if not rnd.answered() and now < rnd.deadline:
             return
-        with collector.paused(sum(len(index) for index in rnd.indexes.values())):
-            self._recover(rnd, now)
+        self._recover(rnd, now)
 
     def _recover(self, rnd: FenceRound, now: float) -> None:
         fenced_at, term = now, self.failover.term
@@ -990,28 +984,27 @@ class MasterCore:
         for cmd_id, cmd in list(self._commands.items()):
             if cmd.op == "fence":
                 del self._commands[cmd_id]
-        new, effects = fm.master_step(self.failover, fm.Recover(live, rnd.indexes))
+        # the phase machine steps Recover (its effects are the purges); the
+        # directory it would rebuild from the indexes (rebuild_directory) is
+        # rebuilt on columns by its checked twin, cores.recovery.recovered
+        new, effects = fm.master_step(self.failover, fm.Recover(live, {}))
         if effects and isinstance(effects[0], fm.Refused):
             raise effects[0].error  # cannot happen: live is exactly the acked nodes
         self.failover = new
         # tokens continue above every token a fenced node's regions ever
         # carried (freed ones included: a same-host reader may still hold one)
         next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
-        objects = [(key, e.token, e.length, tuple(Replica(n, off, e.length) for n, off in e.replicas))
-                   for key, e in new.directory.items()]
-        self.directory = DirectoryCore.restored({s: rnd.infos[s]["capacity"] for s in live},
-                                                objects, next_token)
-        # the failover machine's copy of the directory has served its purpose
-        self.failover = attrs.evolve(new, directory=immutables.Map())
-        used: dict[str, list] = {s: [] for s in live}
-        for _, _, length, replicas in objects:
-            for r in replicas:
-                used[r.segment].append((r.offset, length))
+        self.directory = recovered({s: rnd.infos[s]["capacity"] for s in live}, rnd.indexes,
+                                   next_token)
+        rnd.indexes.clear()
+        used = self.directory.regions()
         # regions still draining for a direct writer of an older term are not free
         self.draining = defaultdict(dict)
         for s in live:
-            for offset, length in rnd.infos[s].get("draining", ()):
-                used[s].append((offset, length))
+            draining = rnd.infos[s].get("draining", ())
+            if draining:
+                used[s] = np.concatenate((used[s], np.array(draining, np.int64).reshape(-1, 2)))
+            for offset, length in draining:
                 self.draining[s][offset] = length
         self.placer = Placer()
         for s in live:

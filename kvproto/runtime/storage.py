@@ -77,7 +77,7 @@ import zmq
 
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.runtime import collector, wire
+from kvproto.runtime import wire
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id, writer_alive
 from kvproto.runtime.units import parse_size
@@ -462,19 +462,18 @@ class StorageCore:
 
     def _op_fence(self, body, payloads):
         """``Fence`` then ``IndexRequest``: learn the new term, answer the index
-        as one payload frame of ``[key, offset, length, token, term, published, by]``."""
+        as columns (:class:`~kvproto.cores.recovery.IndexColumns`, one payload
+        frame each), read from the core's columns: an accepted ``IndexRequest``
+        changes nothing, so only a refused one is stepped, for its error."""
         if not self.fence_to(body["term"]):
             raise errors.StaleTerm(f"term {body['term']} is below {self.node.term}")
-        effects, err = self._step(fm.IndexRequest(body["term"]))
-        if err is not None:
+        if not fm.node_accepts(self.node, body["term"]):
+            _, err = self._step(fm.IndexRequest(body["term"]))
             raise err
-        index = effects[0].index
-        with collector.paused(len(index)):
-            rows = [[k, e.offset, e.length, e.token, e.term, e.published, e.by] for k, e in index.items()]
-            frame = wire.pack(rows)
-        return {**self.registration(), "term": self.node.term, "objects": len(rows),
+        index = self.node.index_columns()
+        return {**self.registration(), "term": self.node.term, "objects": len(index),
                 "next_token": self.tokens_seen + 1,
-                "draining": [[off, n] for off, n in sorted(self.draining.items())]}, [frame]
+                "draining": [[off, n] for off, n in sorted(self.draining.items())]}, index.frames()
 
     def _op_purge(self, body, payloads):
         """``PurgeUnpublished``: drop unpublished allocations of older terms and

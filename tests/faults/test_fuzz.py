@@ -97,8 +97,8 @@ def test_a_master_that_changes_its_directory_before_refusing_is_caught():
 
 def test_the_master_runs_on_the_fast_cores_and_a_change_in_a_column_is_seen():
     """The runtime master's directory and lease table are the fast cores on
-    shared rows; a snapshot sees their columns, so a rejected frame that
-    changed one entry of one column would be reported."""
+    shared rows; a snapshot sees inside them (as their reference values), so
+    a rejected frame that changed one entry of one column would be reported."""
     from kvproto.cores.directory import DirectoryCore
     from kvproto.cores.leases import LeaseCore
     target = fuzz.MasterTarget()
@@ -109,7 +109,7 @@ def test_the_master_runs_on_the_fast_cores_and_a_change_in_a_column_is_seen():
     d._len[row] += 1
     assert any("directory" in where for where in differences(before, master_snapshot(target.core)))
     d._len[row] -= 1
-    leases._last[row] += 1.0
+    leases._size[row] += 1
     assert any("leases" in where for where in differences(before, master_snapshot(target.core)))
 
 

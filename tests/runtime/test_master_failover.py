@@ -12,11 +12,11 @@ import signal
 import threading
 import time
 
-import msgpack
 import pytest
 
 import kvproto
 from kvproto import errors
+from kvproto.cores.recovery import IndexColumns
 from kvproto.runtime import datapath, wire
 from kvproto.runtime.coordinator import connect
 from kvproto.runtime.master import MasterCore
@@ -308,7 +308,8 @@ def test_a_fenced_node_refuses_the_old_master_which_steps_down():
         assert status == 0 and node.fence_to(body["term"])
         # a new master fences the node at term 2 and reads its (empty) index
         body, frames = node.handle("fence", {"segment": "seg", "term": 2}, [])
-        assert body["term"] == 2 and msgpack.unpackb(frames[0]) == []
+        assert body["term"] == 2 and body["objects"] == 0
+        assert len(IndexColumns.from_frames([bytes(f) for f in frames], 0)) == 0
         # the old master's assign is refused for its term (its grant, which does
         # not wait for the assign, names that term: the writer's writes are refused) ...
         status, body = old.handle("put_start", {"client": "c", "replicas": 1, "items": [[b"k", 10]]})
