@@ -189,6 +189,28 @@ def test_remove_refuses_pinned_and_pending(cluster, raw):
     r.call("put_revoke", {"client": "slow", "items": [[b"pending", token]]})
 
 
+def test_a_revoked_writer_cannot_publish_the_next_attempt(cluster, raw):
+    """``PutEnd`` publishes only the attempt its token names (spec
+    ``TokenOwns``): a writer whose attempt was revoked, ending its put after
+    another writer started one on the same key, gets ``StaleToken`` and
+    publishes nothing, in particular not the other writer's unwritten bytes."""
+    c = cluster.client()
+    r = raw(cluster.master_address)
+    first = r.call("put_start", {"client": "w1", "replicas": 1, "items": [[b"taken", 4096]]})
+    t1 = first.body["items"][0][1]["token"]
+    assert r.call("put_revoke", {"client": "w1", "items": [[b"taken", t1]]}).body["items"][0][0] == 0
+    second = r.call("put_start", {"client": "w2", "replicas": 1, "items": [[b"taken", 4096]]})
+    t2 = second.body["items"][0][1]["token"]
+    assert t2 > t1
+    ended = r.call("put_end", {"client": "w1", "items": [[b"taken", t1]]})
+    assert ended.body["items"][0][0] == errors.StaleToken.code
+    assert not c.exists(b"taken")
+    with pytest.raises(errors.KeyNotFound):
+        c.get(b"taken")
+    r.call("put_revoke", {"client": "w2", "items": [[b"taken", t2]]})
+    assert c.stats()["pending"] == 0
+
+
 def test_region_reuse_after_free(cluster, client):
     for i in range(20):
         payload = bytes([i]) * 5000
