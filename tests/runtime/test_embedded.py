@@ -211,6 +211,29 @@ def test_a_revoked_writer_cannot_publish_the_next_attempt(cluster, raw):
     assert c.stats()["pending"] == 0
 
 
+def test_a_get_with_a_stale_descriptor_looks_up_again(cluster):
+    """A node refuses a read stamped with an older term than its own
+    (``StaleTerm``: the descriptor came from a master since replaced); the
+    client then finds the current master and looks the key up once more,
+    rather than missing. The stale reply is made here by lowering the term of
+    the first lookup's reply, as a deposed master's would be."""
+    c = cluster.client(local_reads=False)         # a same-host read carries no term
+    c.put(b"stale-term", b"t" * 5000)
+    lookup, replies = c._lookup, []
+
+    def from_a_deposed_master(op, *args, **kwargs):
+        reply = lookup(op, *args, **kwargs)
+        replies.append(reply.body["term"])
+        if op == "read_begin" and len(replies) == 1:
+            reply.body["term"] -= 1
+        return reply
+
+    c._lookup = from_a_deposed_master
+    assert bytes(c.get(b"stale-term")) == b"t" * 5000
+    assert len(replies) == 2 and c.failover_counters["stale_term_relookups"] == 1
+    c.remove(b"stale-term")
+
+
 def test_region_reuse_after_free(cluster, client):
     for i in range(20):
         payload = bytes([i]) * 5000
