@@ -120,7 +120,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",
         _one(MASTER, "            err, _ = self._step(event_type(key, token))\n",
-             "            rec = self.directory.record(key) if event_type is PutEnd else None\n"
+             "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
              "            err, _ = self._step(event_type(key, token if rec is None else rec.token))\n"),
         ("tests/runtime/test_embedded.py::test_a_revoked_writer_cannot_publish_the_next_attempt",)),
     Mutant(
@@ -240,6 +240,8 @@ class Result:
 
     def line(self) -> str:
         how = f"by {', '.join(self.by)}" if self.by else self.detail
+        if self.by and self.detail:
+            how += f" ({self.detail})"
         return f"{self.status:<8} {self.name:<30} {self.seconds:6.1f}s  {how}".rstrip()
 
 
@@ -260,6 +262,15 @@ def _pytest(tree: Path, tests: list[str], timeout: float) -> tuple[Optional[int]
 
 def _failed(output: str) -> list[str]:
     return re.findall(r"^FAILED (\S+)", output, re.M)
+
+
+def _first_error(output: str, limit: int = 100) -> str:
+    """The first ``E`` line of pytest's report: what the failed test saw."""
+    found = re.search(r"^E\s+(.+)$", output, re.M)
+    if not found:
+        return ""
+    text = " ".join(found.group(1).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _last_line(output: str) -> str:
@@ -284,7 +295,8 @@ def run_one(mutant: Optional[Mutant], root: Path, tests: list[str], timeout: flo
         return Result(name, "survived" if mutant else "passed", seconds, detail=_last_line(output))
     failed = _failed(output)
     if rc == 1 and failed:
-        return Result(name, "killed" if mutant else "failed", seconds, by=failed)
+        return Result(name, "killed" if mutant else "failed", seconds, by=failed,
+                      detail=_first_error(output))
     return Result(name, "error", seconds, detail=f"pytest exit {rc}: {_last_line(output)}")
 
 

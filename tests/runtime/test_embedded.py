@@ -192,23 +192,32 @@ def test_remove_refuses_pinned_and_pending(cluster, raw):
 def test_a_revoked_writer_cannot_publish_the_next_attempt(cluster, raw):
     """``PutEnd`` publishes only the attempt its token names (spec
     ``TokenOwns``): a writer whose attempt was revoked, ending its put after
-    another writer started one on the same key, gets ``StaleToken`` and
-    publishes nothing, in particular not the other writer's unwritten bytes."""
+    another writer started one on the same key and wrote its bytes, gets
+    ``StaleToken`` and publishes nothing; the other writer's own end then
+    publishes its object."""
     c = cluster.client()
     r = raw(cluster.master_address)
     first = r.call("put_start", {"client": "w1", "replicas": 1, "items": [[b"taken", 4096]]})
     t1 = first.body["items"][0][1]["token"]
     assert r.call("put_revoke", {"client": "w1", "items": [[b"taken", t1]]}).body["items"][0][0] == 0
     second = r.call("put_start", {"client": "w2", "replicas": 1, "items": [[b"taken", 4096]]})
-    t2 = second.body["items"][0][1]["token"]
+    grant = second.body["items"][0][1]
+    t2 = grant["token"]
     assert t2 > t1
+    ((seg, off, length),) = grant["replicas"]
+    node = raw(second.body["segments"][seg][0])
+    wrote = node.call("write", {"segment": seg, "offset": off, "token": t2,
+                                "term": second.body["term"]}, [b"2" * length])
+    assert wrote.status == 0, wrote.body
     ended = r.call("put_end", {"client": "w1", "items": [[b"taken", t1]]})
     assert ended.body["items"][0][0] == errors.StaleToken.code
     assert not c.exists(b"taken")
     with pytest.raises(errors.KeyNotFound):
         c.get(b"taken")
-    r.call("put_revoke", {"client": "w2", "items": [[b"taken", t2]]})
-    assert c.stats()["pending"] == 0
+    ended = r.call("put_end", {"client": "w2", "items": [[b"taken", t2]]})
+    assert ended.body["items"][0][0] == 0
+    assert bytes(c.get(b"taken")) == b"2" * 4096
+    remove_when_unpinned(c, b"taken")
 
 
 def test_a_get_with_a_stale_descriptor_looks_up_again(cluster):
