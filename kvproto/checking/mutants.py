@@ -338,7 +338,7 @@ def add_arguments(parser) -> None:
         "score; exits 1 if any mutant survived. Needs a source checkout (kvproto/ with "
         "tests/ beside it).")
     parser.add_argument("--only", action="append", metavar="NAME", default=None,
-                        help="run this mutant only (repeatable; see --list)")
+                        help="run this mutant only (repeatable; see --list; default: all of them)")
     parser.add_argument("--list", action="store_true",
                         help="list the mutants and the tests that must kill each, then exit")
     parser.add_argument("--timeout", type=_seconds, default=300.0,
