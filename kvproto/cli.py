@@ -8,7 +8,8 @@ measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
 and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
 tenant's token or checks a tenants file; ``kvproto chaos`` runs the fault
-matrix and ``kvproto fuzz`` fuzzes frames (:mod:`kvproto.checking`);
+matrix, ``kvproto fuzz`` fuzzes frames and ``kvproto mutate`` runs the
+runtime mutants (:mod:`kvproto.checking`);
 ``kvproto --version`` prints the installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
@@ -563,6 +564,16 @@ def fuzz(args: argparse.Namespace) -> int:
     return fuzz_module.main(args)
 
 
+def _mutate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .checking import mutants
+    mutants.add_arguments(parser)
+
+
+def mutate(args: argparse.Namespace) -> int:
+    from .checking import mutants
+    return mutants.main(args)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .ops import plancli
     plancli.add_arguments(parser)
@@ -607,4 +618,6 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "
              "change", _fuzz_arguments, fuzz),
+    "mutate": ("apply named faults to the runtime one at a time and run the tests that must "
+               "catch each; prints the score", _mutate_arguments, mutate),
 }

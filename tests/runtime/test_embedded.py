@@ -189,6 +189,60 @@ def test_remove_refuses_pinned_and_pending(cluster, raw):
     r.call("put_revoke", {"client": "slow", "items": [[b"pending", token]]})
 
 
+def test_a_revoked_writer_cannot_publish_the_next_attempt(cluster, raw):
+    """``PutEnd`` publishes only the attempt its token names (spec
+    ``TokenOwns``): a writer whose attempt was revoked, ending its put after
+    another writer started one on the same key and wrote its bytes, gets
+    ``StaleToken`` and publishes nothing; the other writer's own end then
+    publishes its object."""
+    c = cluster.client()
+    r = raw(cluster.master_address)
+    first = r.call("put_start", {"client": "w1", "replicas": 1, "items": [[b"taken", 4096]]})
+    t1 = first.body["items"][0][1]["token"]
+    assert r.call("put_revoke", {"client": "w1", "items": [[b"taken", t1]]}).body["items"][0][0] == 0
+    second = r.call("put_start", {"client": "w2", "replicas": 1, "items": [[b"taken", 4096]]})
+    grant = second.body["items"][0][1]
+    t2 = grant["token"]
+    assert t2 > t1
+    ((seg, off, length),) = grant["replicas"]
+    node = raw(second.body["segments"][seg][0])
+    wrote = node.call("write", {"segment": seg, "offset": off, "token": t2,
+                                "term": second.body["term"]}, [b"2" * length])
+    assert wrote.status == 0, wrote.body
+    ended = r.call("put_end", {"client": "w1", "items": [[b"taken", t1]]})
+    assert ended.body["items"][0][0] == errors.StaleToken.code
+    assert not c.exists(b"taken")
+    with pytest.raises(errors.KeyNotFound):
+        c.get(b"taken")
+    ended = r.call("put_end", {"client": "w2", "items": [[b"taken", t2]]})
+    assert ended.body["items"][0][0] == 0
+    assert bytes(c.get(b"taken")) == b"2" * 4096
+    remove_when_unpinned(c, b"taken")
+
+
+def test_a_get_with_a_stale_descriptor_looks_up_again(cluster):
+    """A node refuses a read stamped with an older term than its own
+    (``StaleTerm``: the descriptor came from a master since replaced); the
+    client then finds the current master and looks the key up once more,
+    rather than missing. The stale reply is made here by lowering the term of
+    the first lookup's reply, as a deposed master's would be."""
+    c = cluster.client(local_reads=False)         # a same-host read carries no term
+    c.put(b"stale-term", b"t" * 5000)
+    lookup, replies = c._lookup, []
+
+    def from_a_deposed_master(op, *args, **kwargs):
+        reply = lookup(op, *args, **kwargs)
+        replies.append(reply.body["term"])
+        if op == "read_begin" and len(replies) == 1:
+            reply.body["term"] -= 1
+        return reply
+
+    c._lookup = from_a_deposed_master
+    assert bytes(c.get(b"stale-term")) == b"t" * 5000
+    assert len(replies) == 2 and c.failover_counters["stale_term_relookups"] == 1
+    c.remove(b"stale-term")
+
+
 def test_region_reuse_after_free(cluster, client):
     for i in range(20):
         payload = bytes([i]) * 5000

@@ -9,9 +9,11 @@ throughout. Commands are delivered synchronously; a lost node never answers.
 After every step the spec's invariants are checked on the cores' state:
 ``NoSplitBrainAllocation``, ``DirectoryOnlyListsLiveBytes``,
 ``UnpublishedPurgedAfterRecovery``, ``ReadsReturnPublishedBytesOrMiss`` (on
-every read), ``NoStaleTermWriteAccepted`` (every command and write stamped with
-a fenced term is refused), and that every acknowledged put with a live replica
-is listed by the active master and reads back its bytes.
+every read, and on same-host reads of cached descriptors, which carry no term),
+``NoStaleTermWriteAccepted`` (every command and write stamped with a fenced
+term is refused), that no token is issued twice (across terms too: each grant
+is above every token a live node ever carried), and that every acknowledged
+put with a live replica is listed by the active master and reads back its bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hypothesis.stateful import (
 from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.master import MasterCore
-from kvproto.runtime.shm import SegmentMemory, gen_word
+from kvproto.runtime.shm import LocalSegment, SegmentMemory, gen_word
 from kvproto.runtime.storage import StorageCore
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines import lease as lm
@@ -78,6 +80,7 @@ class Cluster:
         self.live: set[str] = set()
         self.endpoints: dict[str, str] = {}
         self._rid = itertools.count(1)
+        self._mapped: dict[str, LocalSegment] = {}
         try:
             for i in range(nodes):
                 self.add_node(f"n{i}", capacity)
@@ -91,6 +94,9 @@ class Cluster:
                           fence_timeout=FENCE_TIMEOUT, term=term, high_watermark=1.0)
 
     def close(self) -> None:
+        for local in self._mapped.values():
+            local.close()
+        self._mapped = {}
         for m in self.memories:
             m.close()
         self.memories = []
@@ -176,6 +182,17 @@ class Cluster:
             return err
         return bytes(frames[0])
 
+    def read_same_host(self, seg: str, off: int, length: int, token: int):
+        """A same-host read (no term, no node in the loop: the generation word
+        and the nonce decide): the bytes, or None."""
+        if seg not in self.live:
+            return None
+        if seg not in self._mapped:
+            mem = self.nodes[seg].memory
+            self._mapped[seg] = LocalSegment(mem.name, mem.gen_name, mem.capacity, mem.page_size)
+        got = self._mapped[seg].read(off, length, token, self.nodes[seg].memory.nonce)
+        return None if got is None else bytes(got)
+
     def put(self, key: bytes, data: bytes, replicas: int = 1, core=None):
         """A whole put on ``core`` (the active one): ``(error, grant)``."""
         core = core or self.active
@@ -249,6 +266,7 @@ class FailoverCores(RuleBasedStateMachine):
         self.ever: dict[bytes, set[bytes]] = {}          # key -> bytes of every acknowledged version
         self.pending: list[Pending] = []
         self.descriptors: list[tuple] = []               # (key, seg, off, length, token, term)
+        self.tokens_on: dict[str, int] = {}              # node -> highest token granted there
         self.takeovers = self.lost = self.step_downs = self.hits = self.purged = 0
 
     @initialize(nodes=st.integers(2, 3))
@@ -272,6 +290,16 @@ class FailoverCores(RuleBasedStateMachine):
     def allowed(self, key: bytes) -> set[bytes]:
         return self.ever.get(key, set())
 
+    def granted(self, grant: dict) -> None:
+        """A token is never issued twice, across terms too: each grant is above
+        every token a live node was ever assigned (freed ones included), which
+        is what a same-host read, with no term to check, relies on."""
+        c = self.c
+        floor = max((self.tokens_on.get(s, 0) for s in c.live), default=0)
+        assert grant["token"] > floor, f"token {grant['token']} issued again (floor {floor})"
+        for seg, _, _ in grant["replicas"]:
+            self.tokens_on[seg] = max(self.tokens_on.get(seg, 0), grant["token"])
+
     # -- writers ---------------------------------------------------------------
 
     @rule(key=st.sampled_from(KEYS), length=LENGTHS, replicas=st.integers(1, 2))
@@ -287,6 +315,7 @@ class FailoverCores(RuleBasedStateMachine):
             else:
                 assert replicas > len(c.live)
             return
+        self.granted(grant)
         self.acked[key] = Acked(version, grant["token"], length,
                                 frozenset(seg for seg, _, _ in grant["replicas"]))
         self.ever.setdefault(key, set()).add(data)
@@ -302,6 +331,7 @@ class FailoverCores(RuleBasedStateMachine):
         if err is not None:
             assert isinstance(err, (errors.KeyExists, errors.NoSpace)), err
             return
+        self.granted(grant)
         version = next(self.versions)
         if write:
             assert c.write(grant, value(key, version, length), body["term"]) == []
@@ -413,6 +443,9 @@ class FailoverCores(RuleBasedStateMachine):
         key, seg, off, length, token, term = data.draw(st.sampled_from(self.descriptors))
         got = self.c.read(seg, off, length, token, term)
         self.check_read(key, got)
+        local = self.c.read_same_host(seg, off, length, token)
+        if local is not None:                            # same host: a hit or a miss, never other bytes
+            self.check_read(key, local)
         if seg in self.c.live and term < self.c.nodes[seg].node.term:
             assert isinstance(got, errors.StaleTerm)
 

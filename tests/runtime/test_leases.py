@@ -144,3 +144,52 @@ def test_flush_releases_lets_another_client_remove_at_once():
         a.flush_releases()                                  # not left to the heartbeat thread
         assert not a._unreleased
         b.remove(b"k")
+
+
+def test_a_lease_is_timed_from_the_request_not_the_reply():
+    """The master grants the lease somewhere between the request's send and
+    the reply's arrival, so the reader's deadline runs from the send
+    (``spec/Lease.tla`` ``ReaderAccepts``; weakened: Lease_Weak_DeadlineFromReply).
+    A read_begin reply delayed past the TTL (here: held back in the client, as
+    a slow network would) leaves a transfer that is quick itself rejected."""
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=0.4) as cluster:
+        writer = cluster.client()
+        reader = cluster.client(local_reads=False)
+        writer.put(b"late", b"r" * (4 * KiB))
+        lookup = reader._lookup
+
+        def reply_arrives_late(op, *args, **kwargs):
+            reply = lookup(op, *args, **kwargs)
+            if op == "read_begin":
+                time.sleep(0.6)                        # past the lease, before the transfer
+            return reply
+
+        reader._lookup = reply_arrives_late
+        with pytest.raises(errors.LeaseExpired):
+            reader.get(b"late")
+        _, client = counters(reader)
+        assert client["lease_rejected"] == 1 and client["lease_accepted"] == 0
+        assert reader.last_read.queued >= 0.5 and reader.last_read.transferring < 0.4
+        reader._lookup = lookup
+        assert bytes(reader.get(b"late")) == b"r" * (4 * KiB)
+
+
+def test_a_transfer_within_the_ttl_but_not_within_the_skew_margin_is_rejected():
+    """The reader keeps a transfer only if it completed before ``ttl -
+    max_skew`` on its own clock (a slow clock measures too little;
+    weakened: Lease_Weak_IgnoreSkew). A transfer of about 0.3 s under a 2 s
+    lease is kept by a reader that bounds its skew at 2 ms and rejected by one
+    that allows 1.9 s."""
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", storage_debug=True,
+                          lease_ttl=2.0) as cluster:
+        writer = cluster.client()
+        careful = cluster.client(local_reads=False, max_skew=1.9)
+        usual = cluster.client(local_reads=False)
+        writer.put(b"skew", b"s" * (4 * KiB))
+        cluster.storage[0].faults["read_delay_ms"] = 300
+        with pytest.raises(errors.LeaseExpired):
+            careful.get(b"skew")
+        assert counters(careful)[1]["lease_rejected"] == 1
+        assert careful.last_read.transferring >= 0.25
+        assert bytes(usual.get(b"skew")) == b"s" * (4 * KiB)
+        assert counters(usual)[1]["lease_accepted"] == 1

@@ -1,0 +1,116 @@
+"""Same-host reads (:mod:`kvproto.runtime.shm`, :mod:`kvproto.runtime.datapath`):
+a reader on the storage node's host copies a region straight out of the
+node's shared memory, with no term and no node in the loop, and keeps the copy
+only if the region's generation word and the segment's nonce were the
+descriptor's both before and after the copy (the seqlock). These tests change
+the word or the nonce *during* the copy, as a node freeing, reassigning or
+starting over at that moment would, and check that the copy is not kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvproto
+from kvproto import errors
+from kvproto.runtime.datapath import Consume
+from kvproto.runtime.shm import LocalSegment, SegmentMemory, gen_word
+
+PAGE = 4096
+LENGTH = 3 * PAGE
+
+
+@pytest.fixture
+def segment():
+    mem = SegmentMemory(16 * PAGE, PAGE, prefix="kvpt")
+    local = LocalSegment(mem.name, mem.gen_name, mem.capacity, mem.page_size)
+    yield mem, local
+    local.close()
+    mem.close()
+
+
+def publish(mem: SegmentMemory, offset: int, token: int, fill: int) -> None:
+    """What a node does for a write of ``token`` into ``offset``: word, bytes, word."""
+    mem.set_word(offset, gen_word(token, False))
+    mem.view(offset, LENGTH)[:] = bytes([fill]) * LENGTH
+    mem.set_word(offset, gen_word(token, True))
+
+
+def test_a_region_rewritten_during_the_copy_is_not_kept(segment):
+    mem, local = segment
+    publish(mem, 0, 7, 0xAA)
+    nonce = mem.nonce
+    copied = []
+    assert local.consume(0, LENGTH, 7, nonce, lambda src: copied.append(bytes(src)))
+    assert copied == [b"\xaa" * LENGTH]                       # undisturbed: kept
+
+    def freed_and_reassigned(src):
+        copied.append(bytes(src))
+        mem.set_word(0, 0)                                     # FreeRegion
+        publish(mem, 0, 8, 0xBB)                               # another object's write
+    assert not local.consume(0, LENGTH, 7, nonce, freed_and_reassigned)
+
+    def rewritten_by_its_writer(src):
+        mem.set_word(0, gen_word(8, False))                    # a write of the same token begins
+        copied.append(bytes(src))
+    assert not local.consume(0, LENGTH, 8, nonce, rewritten_by_its_writer)
+
+    def started_over(src):
+        copied.append(bytes(src))
+        mem.reset()                                            # a new segment id, new nonce
+        publish(mem, 0, 8, 0xCC)
+    publish(mem, 0, 8, 0xBB)
+    assert not local.consume(0, LENGTH, 8, nonce, started_over)
+    # a region that is not complete is not copied at all
+    mem.set_word(0, gen_word(8, False))
+    assert not local.consume(0, LENGTH, 8, mem.nonce, copied.append)
+    assert local.read(0, LENGTH, 8, mem.nonce) is None
+
+
+def test_a_descriptor_of_a_segment_that_started_over_is_not_read(segment):
+    """A node that starts over (new segment id) may carry the same token again
+    for other bytes; a descriptor from before (old nonce) must not read them."""
+    mem, local = segment
+    publish(mem, 0, 5, 0x11)
+    old = mem.nonce
+    assert bytes(local.read(0, LENGTH, 5, old)) == b"\x11" * LENGTH
+    mem.reset()
+    publish(mem, 0, 5, 0x22)
+    assert local.read(0, LENGTH, 5, old) is None
+    dest = bytearray(LENGTH)
+    assert not local.read_into(0, LENGTH, 5, old, memoryview(dest))
+    assert not local.consume(0, LENGTH, 5, old, lambda src: None)
+    assert bytes(local.read(0, LENGTH, 5, mem.nonce)) == b"\x22" * LENGTH
+
+
+def test_a_same_host_read_torn_by_a_rewrite_falls_back_to_the_network():
+    """The client's same-host path: when the region's word changes while the
+    bytes are being consumed, the client does not keep that copy and asks the
+    node over the network, which decides (here: the region is being rewritten,
+    so the node refuses and the read is a miss, never the torn bytes)."""
+    data = np.random.default_rng(3).integers(0, 256, LENGTH, dtype=np.uint8).tobytes()
+    with kvproto.embedded(storage_nodes=1, segment_size="1MiB") as cluster:
+        client = cluster.client()
+        client.put(b"k", data)
+        node = cluster.storage[0]
+        ((offset, region),) = node.core.node.regions.items()
+        word = node.memory.word(offset)
+        assert word == gen_word(region.token, True)
+        seen = []
+
+        def consume(src):
+            seen.append(bytes(src))
+            if len(seen) == 1:                                 # during the same-host copy
+                node.memory.set_word(offset, gen_word(region.token, False))
+
+        try:
+            with pytest.raises(errors.StaleToken):
+                client.get_into(b"k", Consume(LENGTH, consume))
+        finally:
+            node.memory.set_word(offset, word)
+        assert client.transfer_counters["local_reads"] == 0
+        assert node.core.counters["stale_reads"] == 1           # the network read was asked
+        seen.clear()
+        assert client.get_into(b"k", Consume(LENGTH, seen.append)) == LENGTH   # undisturbed
+        assert seen == [data] and client.transfer_counters["local_reads"] == 1
+        assert node.core.counters["reads"] == 0
