@@ -68,6 +68,7 @@ SHM = "kvproto/runtime/shm.py"
 CLIENT = "kvproto/runtime/client.py"
 MASTER = "kvproto/runtime/master.py"
 STORAGE = "kvproto/runtime/storage.py"
+LEASE_CORE = "kvproto/cores/leases.py"
 LEASES = "tests/runtime/test_leases.py"
 SAME_HOST = "tests/runtime/test_same_host_reads.py"
 FAILOVER = "tests/runtime/test_failover_cores.py"
@@ -143,14 +144,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "evict-most-recent-first",
         "eviction takes the most recently used objects first",
-        _one(MASTER, "        for key, size in self._lru.items():\n",
-             "        for key, size in reversed(self._lru.items()):\n"),
+        _one(MASTER, "capacity, self.leases.eviction_candidates(), high_watermark",
+             "capacity, reversed(list(self.leases.eviction_candidates())), high_watermark"),
         (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",)),
     Mutant(
         "evict-ignores-leases",
         "eviction under memory pressure takes leased objects",
-        (Edit(MASTER, "            if not lm.is_leased(table, key):\n", "            if True:\n"),
-         Edit(MASTER, "            if effects and isinstance(effects[0], lm.Refused):\n"
+        (Edit(LEASE_CORE, "        mask[leased] = False\n", "        pass\n"),
+         Edit(MASTER, "            if self.leases.reclaimable(key) is not None:\n"
                       "                continue\n",
               "            pass\n")),
         (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",),
