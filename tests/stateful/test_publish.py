@@ -44,7 +44,7 @@ class PublishSystem(RuleBasedStateMachine):
         self.most_objects = 0
 
     def busy(self):
-        return [w for w, a in self.sys.writers.items() if a is not None]
+        return sorted(w for w, a in self.sys.writers.items() if a is not None)   # not hash order
 
     @rule(w=st.sampled_from(WRITERS), key=st.sampled_from(KEYS),
           length=st.integers(1, 12), data=st.data())
