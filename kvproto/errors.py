@@ -46,6 +46,12 @@ class FrameTooLarge(KvError):
     code = 13
 
 
+class DuplicateRequest(KvError):
+    """A request id this connection already used: the frame is a copy of a
+    request already served (delivered twice), and is not served again."""
+    code = 14
+
+
 # --- 20..39: publish protocol ------------------------------------------------
 
 class KeyNotFound(KvError):

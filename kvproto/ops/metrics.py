@@ -56,6 +56,7 @@ METRICS: dict[str, Metric] = {
     # master: requests
     "kvproto_master_request_seconds": _m(H, ("op",), "Time the master's loop spent handling a request, by operation (its count is the request rate)."),
     "kvproto_master_rejected_total": _m(C, (), "Requests refused before decoding: malformed, too large, unknown operation."),
+    "kvproto_master_duplicates_dropped_total": _m(C, (), "Copies of a request the network delivered twice on one connection (same request id), dropped unserved."),
     "kvproto_master_refusals_total": _m(C, (), "Events the publish machine refused, each answered with its typed error (misses included)."),
     "kvproto_master_not_open_refusals_total": _m(C, (), "Requests refused because the master was not open (standby, fencing, recovering)."),
     # master: objects
@@ -158,6 +159,7 @@ MASTER_COUNTERS: dict[str, tuple[str, dict]] = {
     "segments_lost": ("kvproto_master_segments_total", {"event": "lost"}),
     "storage_refusals": ("kvproto_master_storage_refusals_total", {}),
     "rejected": ("kvproto_master_rejected_total", {}),
+    "duplicates_dropped": ("kvproto_master_duplicates_dropped_total", {}),
     "refused": ("kvproto_master_refusals_total", {}),
     "lease_grants": ("kvproto_master_leases_total", {"event": "granted"}),
     "lease_renewals": ("kvproto_master_leases_total", {"event": "renewed"}),

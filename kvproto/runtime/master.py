@@ -192,7 +192,9 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "lease_expiries", "leased_refusals", "removes_forced", "evictions", "eviction_short",
             # failover (spec/Failover.tla)
             "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open",
-            "abandoned")
+            "abandoned",
+            # copies of a request delivered twice on one connection (MasterServer)
+            "duplicates_dropped")
 
 
 class MasterCore:
@@ -1177,6 +1179,9 @@ class MasterServer:
 
     #: how many messages to take from one socket before looking at the others
     BURST = 256
+    #: how long a request id is remembered per connection: a copy of a request
+    #: arriving within it is not served again (see :meth:`_duplicate`)
+    DUPLICATE_WINDOW_S = 30.0
 
     def __init__(self, listen: str = "tcp://127.0.0.1:*", *, writer_timeout: float = 10.0,
                  storage_timeout: float = 10.0, max_header_bytes: int = wire.MASTER_MAX_HEADER,
@@ -1214,6 +1219,9 @@ class MasterServer:
         self.dealers: dict[str, zmq.Socket] = {}
         self._segment_of: dict[zmq.Socket, str] = {}
         self._stopping = False  # a plain flag: stop() takes no lock (signal-handler safe)
+        #: (connection, request id) -> when it arrived, for the duplicate filter
+        self._seen: dict[tuple[bytes, int], float] = {}
+        self._seen_pruned = time.monotonic()
         #: ``observe(op, seconds)`` after each request is handled (metrics; None: off)
         self.observe: Optional[Callable[[str, float], None]] = None
 
@@ -1358,6 +1366,8 @@ class MasterServer:
             self.core.counters["rejected"] += 1
             self._reply(identity, getattr(err, "request_id", 0), err.code, {"message": err.message})
             return
+        if self._duplicate(identity, req):
+            return
         observe = self.observe
         started = time.perf_counter() if observe is not None else 0.0
         try:
@@ -1374,6 +1384,32 @@ class MasterServer:
             # sent by _send_out after the commands this request queued: a grant
             # leaves after the assigns its writer's writes need
             self.core.ready.append((identity, req.request_id, *result))
+
+    def _duplicate(self, identity: bytes, req: wire.Request) -> bool:
+        """Whether ``req`` is a copy of a request already served on this
+        connection: a request id names one request on its connection (the
+        client numbers its requests, a retry included, afresh), so a second
+        frame with the same id is a copy the network delivered twice. Serving
+        it would apply a ``remove`` or ``put_start`` again, possibly to a later
+        generation of the key; it is answered ``DuplicateRequest`` (which the
+        client, done with that id, ignores) and counted. Ids 0 (requests that
+        want no reply) and ``stats`` are not filtered."""
+        if req.request_id == 0 or req.op == "stats":
+            return False
+        now = time.monotonic()
+        seen = self._seen
+        if (identity, req.request_id) in seen:
+            self.core.counters["duplicates_dropped"] += 1
+            err = errors.DuplicateRequest(f"request id {req.request_id} was already used on "
+                                          f"this connection ({req.op})")
+            self._send_reply(identity, req.request_id, err.code, {"message": err.message})
+            return True
+        seen[(identity, req.request_id)] = now
+        if now - self._seen_pruned > self.DUPLICATE_WINDOW_S / 2:
+            self._seen_pruned = now
+            cutoff = now - self.DUPLICATE_WINDOW_S
+            self._seen = {k: t for k, t in seen.items() if t >= cutoff}
+        return False
 
     def _reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
         """Answer, but only while the term is provably held: otherwise step down

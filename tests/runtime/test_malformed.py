@@ -66,6 +66,9 @@ def test_master_rejects_bad_frames_and_keeps_serving(cluster, raw):
     rejected = client.stats()["counters"]["rejected"]
     r = raw(cluster.master_address)
     for name, frames, error in MASTER_CASES:
+        # each case on a connection of its own: several reuse request id 1,
+        # and a connection's second request with an id is a duplicate
+        r = raw(cluster.master_address)
         reply = r.send_frames(frames)
         if error is None:   # well-formed, refused per key by the machine
             assert reply.status == 0 and reply.body["items"][0][0] == errors.StaleToken.code
@@ -73,13 +76,36 @@ def test_master_rejects_bad_frames_and_keeps_serving(cluster, raw):
         assert reply.status == error.code, (name, reply.status, reply.body)
         assert isinstance(reply.error(), error), name
     # the request id is echoed whenever it could be read
-    assert r.send_frames([hdr(V + 1, "stats", 77, {})]).request_id == 77
+    assert raw(cluster.master_address).send_frames([hdr(V + 1, "stats", 77, {})]).request_id == 77
     assert master_state(client) == before
     # (two register cases and the stale put_end passed the decoder)
     assert client.stats()["counters"]["rejected"] == rejected + len(MASTER_CASES) - 3 + 1
     assert bytes(client.get(b"keep")) == b"kept bytes"
     client.put(b"after-garbage", b"still works")
     assert bytes(client.get(b"after-garbage")) == b"still works"
+
+
+def test_a_request_delivered_twice_is_served_once(cluster, raw):
+    """A copy of a request on the same connection (same request id) is
+    answered DuplicateRequest and not served: a put_start copy would
+    otherwise be refused KeyExists, and a copied remove could remove the
+    key's next generation. The same request under a new id is served."""
+    client = cluster.client()
+    client.put(b"dup-removed", b"first generation")
+    r = raw(cluster.master_address)
+    remove = [hdr(V, "remove", 41, {"keys": [b"dup-removed"]})]
+    first = r.send_frames(remove)
+    assert first.status == 0 and first.body["items"][0][0] == 0
+    client.put(b"dup-removed", b"second generation")
+    dropped = client.stats()["counters"]["duplicates_dropped"]
+    copy = r.send_frames(remove)
+    assert copy.status == errors.DuplicateRequest.code and copy.request_id == 41
+    assert bytes(client.get(b"dup-removed")) == b"second generation"
+    assert client.stats()["counters"]["duplicates_dropped"] == dropped + 1
+    again = r.send_frames([hdr(V, "remove", 42, {"keys": [b"dup-removed"]})])
+    assert again.status == 0 and again.body["items"][0][0] == 0
+    with pytest.raises(errors.KeyNotFound):
+        client.get(b"dup-removed")
 
 
 def storage_state(node) -> dict:
