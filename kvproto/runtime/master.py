@@ -441,8 +441,12 @@ class MasterCore:
         if capacity <= 0 or not lm.over_watermark(used, capacity, self.high_watermark):
             return 0
         self._ltick()
-        plan = lm.plan_eviction(used, capacity, self.leases.eviction_candidates(), high_watermark=self.high_watermark,
-                                free_fraction=self.free_fraction)
+        if self.tenants is None:
+            plan = lm.plan_eviction(used, capacity, self.leases.eviction_candidates(), high_watermark=self.high_watermark,
+                                    free_fraction=self.free_fraction)
+        else:   # FairEviction: only objects of tenants above their reserve
+            plan = lm.plan_eviction(used, capacity, self.tenants.fair(self.leases.eviction_candidates()),
+                                    high_watermark=self.high_watermark, free_fraction=self.free_fraction)
         done = 0
         for key in plan.keys:
             # the lease machine must agree (Evict refused under a lease) ...

@@ -30,7 +30,7 @@ Storage-plane requests (a storage node's ``register``, heartbeats, drains and
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Callable, Optional
 
 from kvproto import errors
@@ -175,6 +175,22 @@ class Tenants:
         except errors.KvError:
             return False
         return True
+
+    def fair(self, candidates: Iterable[tuple[bytes, int]]) -> Iterator[tuple[bytes, int]]:
+        """The eviction ``candidates`` (``(key, size)``, in the policy's order)
+        the watermark policy may take one after another: each owner's bytes
+        only while it holds more than its reserve, counting those already
+        taken (spec ``FairEviction``; a tenant within its reserve never loses
+        bytes to eviction)."""
+        state = self.registry.state
+        held = {name: t.held for name, t in state.tenants.items()}
+        for key, size in candidates:
+            o = split_object_key(key)
+            obj = state.objects.get(o)
+            if obj is None or held[obj.owner] <= state.tenants[obj.owner].quota.reserve:
+                continue
+            held[obj.owner] -= obj.size
+            yield key, size
 
     # ------------------------------------------------------------------ the publish machine's effects
 

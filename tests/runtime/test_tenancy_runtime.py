@@ -171,3 +171,20 @@ def test_without_a_tenants_file_the_store_is_one_shared_key_space():
             cluster.client(namespace="other").get(b"k")
         with pytest.raises(errors.InvalidArgument):
             plain.grant("beta")
+
+
+def test_eviction_never_takes_a_tenant_within_its_reserve():
+    from kvproto.ops.tenants import parse_tenants
+    tenants = parse_tenants({"tenants": {
+        "alpha": {"tokens": [ALPHA], "reserve": "8MiB"},
+        "beta": {"tokens": [BETA]}}})
+    with kvproto.embedded(1, "4MiB", tenants=tenants, high_watermark=0.5,
+                          free_fraction=0.1) as cluster:
+        alpha, beta = cluster.client(token=ALPHA), cluster.client(token=BETA)
+        for i in range(6):                       # the least recently used: alpha's
+            alpha.put(b"a-%d" % i, b"a" * (256 << 10))
+        for i in range(6):                       # past the high watermark
+            beta.put(b"b-%d" % i, b"b" * (256 << 10))
+        assert alpha.stats()["counters"]["evictions"] > 0
+        assert all(alpha.exists(b"a-%d" % i) for i in range(6))
+        assert not all(beta.exists(b"b-%d" % i) for i in range(6))
