@@ -188,3 +188,14 @@ def test_eviction_never_takes_a_tenant_within_its_reserve():
         assert alpha.stats()["counters"]["evictions"] > 0
         assert all(alpha.exists(b"a-%d" % i) for i in range(6))
         assert not all(beta.exists(b"b-%d" % i) for i in range(6))
+
+
+@pytest.mark.parametrize("command", [["master", "--listen", "tcp://127.0.0.1:*"],
+                                     ["storage", "--master", "tcp://127.0.0.1:1", "--size", "1MiB"]])
+def test_a_bad_tenants_file_is_one_line_and_status_2(command, tmp_path, capsys):
+    from kvproto import cli
+    bad = tmp_path / "tenants.toml"
+    bad.write_text('[tenants.alpha]\ntokens = ["t0k3n-of-alpha"]\nstored = "lots"\n')
+    assert cli.main([*command, "--tenants", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tenants.alpha.stored" in err and "t0k3n" not in err
