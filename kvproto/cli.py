@@ -389,7 +389,28 @@ def _master_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-timeout", type=_seconds, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
+    _tenants_argument(parser)
     _metrics_arguments(parser)
+
+
+def _tenants_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="a tenants file (TOML, see 'kvproto tenant check'): every request "
+                             "must carry a tenant's token (default: none, one shared key space)")
+
+
+def _tenants(command: str, args: argparse.Namespace):
+    """The tenants of ``--tenants`` (``()`` without it), or ``None`` after
+    printing the one-line mistake."""
+    if args.tenants is None:
+        return ()
+    from .errors import KvError
+    from .ops.tenants import load_tenants
+    try:
+        return load_tenants(args.tenants)
+    except KvError as err:
+        print(f"kvproto {command}: {err}", file=sys.stderr)
+        return None
 
 
 def _metrics_arguments(parser: argparse.ArgumentParser) -> None:
@@ -423,6 +444,9 @@ def master(args: argparse.Namespace) -> int:
     from .runtime.embedded import run_master
     if _metrics_mistake("master", args):
         return 2
+    tenants = _tenants("master", args)
+    if tenants is None:
+        return 2
     coordinator = None
     try:
         if args.coordinator:
@@ -439,7 +463,8 @@ def master(args: argparse.Namespace) -> int:
                    storage_timeout=args.storage_timeout, coordinator=coordinator,
                    advertise=args.advertise, fence_timeout=args.fence_timeout,
                    log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
-                   metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                   tenants=tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         if coordinator is not None:
             coordinator.close()
@@ -467,6 +492,7 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="endpoint clients connect to (default: the bound one)")
     parser.add_argument("--page-size", type=_page_size, default=4096,
                         help="allocation granularity in bytes (a power of two >= 512)")
+    _tenants_argument(parser)
     _metrics_arguments(parser)
 
 
@@ -476,10 +502,13 @@ def storage(args: argparse.Namespace) -> int:
     from .runtime.embedded import run_storage
     if _metrics_mistake("storage", args):
         return 2
+    tenants = _tenants("storage", args)
+    if tenants is None:
+        return 2
     try:
         run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
                     page_size=args.page_size, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host)
+                    metrics_host=args.metrics_host, tenants=tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         return _fail("storage", _start_failure(e, args.listen))
     return 0

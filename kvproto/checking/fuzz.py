@@ -115,22 +115,27 @@ class MasterTarget(Target):
     max_header = wire.MASTER_MAX_HEADER
     max_payload = 0
     SEGMENTS = ("fuzz-a", "fuzz-b")
+    #: the master's tenants (none: one shared key space), and the fields the
+    #: set-up and probe requests carry (a tenant's credential)
+    TENANTS: tuple = ()
+    AUTH: dict = {}
 
     def __init__(self) -> None:
         from kvproto.runtime.master import MasterCore
         super().__init__()
         self.now = 1000.0
         self.core = MasterCore(writer_timeout=5.0, storage_timeout=5.0, lease_ttl=2.0,
-                               clock=lambda: self.now)
+                               clock=lambda: self.now, tenants=self.TENANTS)
         for i, seg in enumerate(self.SEGMENTS):
             self.core.handle("register", self.registration(seg, i))
         self.settle()
         self.keys = [b"k-%d" % i for i in range(8)]
-        self.core.handle("put_start", {"client": "fuzzer", "replicas": 1,
+        self.core.handle("put_start", {**self.AUTH, "client": "fuzzer", "replicas": 1,
                                        "items": [[k, 100 + i] for i, k in enumerate(self.keys)]})
         self.settle()
-        tokens = [t for t in self.core.sessions["fuzzer"].tokens]
-        self.core.handle("put_end", {"client": "fuzzer", "items": [[k, t] for k, t in zip(self.keys, tokens)]})
+        tokens = [t for s in self.core.sessions.values() for t in s.tokens]
+        self.core.handle("put_end", {**self.AUTH, "client": "fuzzer",
+                                     "items": [[k, t] for k, t in zip(self.keys, tokens)]})
         self.settle()
         self.n = 0
 
@@ -177,21 +182,22 @@ class MasterTarget(Target):
         key = b"serving-%d" % self.n
         self.n += 1
         try:
-            status, body = core.handle("stats", {})
+            status, body = core.handle("stats", dict(self.AUTH))
             if status != 0:
                 return f"stats answered {status}"
-            result = core.handle("put_start", {"client": "probe", "replicas": 1, "items": [[key, 10]]})
+            result = core.handle("put_start", {**self.AUTH, "client": "probe", "replicas": 1,
+                                               "items": [[key, 10]]})
             self.settle()
             if result is not None and result[0] != 0:
                 return f"put_start answered {result}"
-            status, body = core.handle("exists", {"keys": [key]})
+            status, body = core.handle("exists", {**self.AUTH, "keys": [key]})
             if status != 0:
                 return f"exists answered {status}"
         except errors.KvError as err:
             return f"{type(err).__name__}: {err}"
         finally:
             try:
-                core.handle("put_abandon", {"client": "probe", "keys": [key]})
+                core.handle("put_abandon", {**self.AUTH, "client": "probe", "keys": [key]})
             except errors.KvError:
                 pass
             self.settle()
@@ -272,7 +278,36 @@ class StorageTarget(Target):
         self.memory.close()
 
 
-TARGETS: dict[str, Callable[[], Target]] = {"master": MasterTarget, "storage": StorageTarget}
+class TenantMasterTarget(MasterTarget):
+    """A :class:`MasterTarget` with tenants (spec/Tenancy.tla): two tenants,
+    one of them granted a read of the other's namespace; frames carry their
+    credentials, wrong ones and none."""
+
+    name = "master-tenants"
+    TOKENS = {"alpha": "fuzz-alpha-token", "beta": "fuzz-beta-token"}
+    AUTH = {"cred": TOKENS["alpha"].encode()}
+
+    def __init__(self) -> None:
+        from kvproto.ops.tenants import parse_tenants
+        self.TENANTS = parse_tenants({"tenants": {
+            "alpha": {"tokens": [self.TOKENS["alpha"]], "namespaces": ["default", "shared"],
+                      "stored": 4096, "in_flight": 2048, "grants": {"shared": ["beta"]}},
+            "beta": {"tokens": [self.TOKENS["beta"]], "write_rate": 100, "write_burst": 1000}}})
+        super().__init__()
+
+    def pools(self) -> dict:
+        from kvproto.ops.tenants import split_object_key
+        pools = super().pools()
+        keys = [split_object_key(k)[1] for k in self.core.directory.objects][:16] + [b"absent"]
+        clients = [c.split("/", 1)[-1] for c in self.core.sessions][:4] + ["fuzzer", "nobody"]
+        creds = [t.encode() for t in self.TOKENS.values()] + [b"wrong-token"]
+        return {**pools, "keys": keys, "items.0": keys, "client": clients, "prefix": [b"k-", b""],
+                "cred": creds, "ns": ["default", "shared", "alpha/shared", "alpha/default", "x"],
+                "grantee": ["alpha", "beta", "nobody"]}
+
+
+TARGETS: dict[str, Callable[[], Target]] = {"master": MasterTarget, "storage": StorageTarget,
+                                            "master-tenants": TenantMasterTarget}
 
 
 # ---------------------------------------------------------------- running

@@ -59,6 +59,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_master_duplicates_dropped_total": _m(C, (), "Copies of a request the network delivered twice on one connection (same request id), dropped unserved."),
     "kvproto_master_refusals_total": _m(C, (), "Events the publish machine refused, each answered with its typed error (misses included)."),
     "kvproto_master_not_open_refusals_total": _m(C, (), "Requests refused because the master was not open (standby, fencing, recovering)."),
+    "kvproto_master_unauthorized_total": _m(C, (), "Requests refused because their credential authenticates no tenant (a master with a tenants file)."),
     # master: objects
     "kvproto_master_objects": _m(G, (), "Objects in the directory (pending and published)."),
     "kvproto_master_pending_puts": _m(G, (), "Allocations granted and not yet published or revoked."),
@@ -80,7 +81,8 @@ METRICS: dict[str, Metric] = {
     "kvproto_master_used_bytes": _m(G, (), "Bytes allocated on live segments (the eviction ledger)."),
     "kvproto_master_capacity_bytes": _m(G, (), "Capacity of live segments."),
     "kvproto_master_high_watermark_ratio": _m(G, (), "Share of capacity past which the master evicts."),
-    "kvproto_stored_bytes": _m(G, ("segment", "tenant", "namespace"), "Bytes allocated to objects, by segment; tenant and namespace are empty until tenants exist."),
+    "kvproto_stored_bytes": _m(G, ("segment", "tenant", "namespace"), "Bytes allocated to objects: by segment (tenant and namespace empty), and with a tenants file also by tenant and namespace (segment empty; replicas counted)."),
+    "kvproto_tenant_bytes": _m(G, ("tenant", "kind"), "A tenant's bytes against its quotas (a master with a tenants file): held (published or being written, replicas counted), in_flight (writes not yet published, reads not yet released), quota_stored, quota_in_flight."),
     "kvproto_segment_capacity_bytes": _m(G, ("segment",), "A segment's capacity."),
     "kvproto_segment_free_extent_bytes": _m(G, ("segment",), "Free bytes in whole free pages of a segment (what can still be allocated)."),
     "kvproto_segment_live": _m(G, ("segment",), "1 while the segment is live, 0 once lost."),
@@ -112,6 +114,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_storage_regions_total": _m(C, ("event",), "Regions assigned and freed at the master's command."),
     "kvproto_storage_refusals_total": _m(C, (), "Requests the region table or the fence refused (typed errors)."),
     "kvproto_storage_rejected_total": _m(C, (), "Requests refused before decoding."),
+    "kvproto_storage_unauthorized_total": _m(C, (), "Requests refused because their credential authenticates no tenant (a node with a tenants file)."),
     "kvproto_storage_stale_reads_total": _m(C, (), "Reads refused because the region's generation no longer names the token."),
     "kvproto_storage_stale_term_refusals_total": _m(C, (), "Requests refused for a term below the fence."),
     "kvproto_storage_cancels_total": _m(C, (), "Cancels acknowledged."),
@@ -171,6 +174,7 @@ MASTER_COUNTERS: dict[str, tuple[str, dict]] = {
     "publish_mark_refusals": ("kvproto_master_publish_marks_total", {"result": "refused"}),
     "stale_term_refusals": ("kvproto_master_stale_term_refusals_total", {}),
     "not_open": ("kvproto_master_not_open_refusals_total", {}),
+    "unauthorized": ("kvproto_master_unauthorized_total", {}),
 }
 
 #: StorageCore counter -> (metric, labels)
@@ -184,6 +188,7 @@ STORAGE_COUNTERS: dict[str, tuple[str, dict]] = {
     "bytes_read": ("kvproto_storage_bytes_total", {"direction": "read"}),
     "refused": ("kvproto_storage_refusals_total", {}),
     "rejected": ("kvproto_storage_rejected_total", {}),
+    "unauthorized": ("kvproto_storage_unauthorized_total", {}),
     "stale_reads": ("kvproto_storage_stale_reads_total", {}),
     "stale_terms": ("kvproto_storage_stale_term_refusals_total", {}),
     "cancels": ("kvproto_storage_cancels_total", {}),
@@ -263,6 +268,14 @@ def master_samples(s: Mapping[str, Any]) -> list[Sample]:
         add("kvproto_segment_capacity_bytes", seg["capacity"], segment=segment)
         add("kvproto_segment_free_extent_bytes", seg.get("free_extent_bytes", 0), segment=segment)
         add("kvproto_segment_live", int(bool(seg["live"])), segment=segment)
+    for tenant, usage in sorted(s.get("tenants", {}).items()):
+        for namespace, held in sorted(usage.get("namespaces", {}).items()):
+            add("kvproto_stored_bytes", held, segment="", tenant=tenant, namespace=namespace)
+        quota = usage.get("quota", {})
+        for kind, value in (("held", usage.get("held", 0)), ("in_flight", usage.get("in_flight", 0)),
+                            ("quota_stored", quota.get("stored", 0)),
+                            ("quota_in_flight", quota.get("in_flight", 0))):
+            add("kvproto_tenant_bytes", value, tenant=tenant, kind=kind)
     failover = s.get("failover", {})
     add("kvproto_master_term", failover.get("term") or 0)
     for phase in PHASES:

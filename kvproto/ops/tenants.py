@@ -265,12 +265,22 @@ class Registry:
     def step(self, event: tm.Event, now: float) -> tuple:
         """Bring the machine's clock to ``now``, apply ``event`` and return its
         effects; a refusal raises its typed error and changes nothing."""
+        state, effects = self._next(event, now)
+        self.state = state
+        return effects
+
+    def check(self, event: tm.Event, now: float) -> tuple:
+        """What :meth:`step` would return, changing nothing: the refusal's
+        typed error is raised. For a check that must pass before another
+        machine's step, committed (:meth:`step`) only once that one is."""
+        return self._next(event, now)[1]
+
+    def _next(self, event: tm.Event, now: float) -> tuple:
         state = tm.step(self.state, tm.Tick(now))[0] if now > self.state.now else self.state
         state, effects = tm.step(state, event)
         if effects and isinstance(effects[0], Refused):
             raise effects[0].error
-        self.state = state
-        return effects
+        return state, effects
 
     def usage(self) -> dict[str, dict[str, Any]]:
         """Per tenant: bytes held and in flight, and its quota (no secrets)."""

@@ -154,6 +154,7 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
     if client is None:
         return
     client_id = client.client_id
+    auth = client._stamped("heartbeat", {})
     del client
     address, sock = "", None     # follows the client's master (it changes on failover)
     rid, last_sent = 0, 0.0
@@ -182,7 +183,7 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             if leases:
                 rid += 1
                 try:
-                    sock.send(wire.encode_request("release", rid, {"client": client_id,
+                    sock.send(wire.encode_request("release", rid, {**auth, "client": client_id,
                                                                    "leases": leases}),
                               flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -191,7 +192,7 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             if active and now - last_sent >= interval:
                 rid += 1
                 last_sent = now
-                body = {"client": client_id}
+                body = {**auth, "client": client_id}
                 if tokens:
                     body["tokens"] = list(tokens)
                 try:
@@ -262,7 +263,8 @@ class Client:
                  context: Optional[zmq.Context] = None, leases: bool = True,
                  max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None,
                  lookup_timeout: float = 2.0, switch_window: float = 10.0,
-                 recompute_rate: float = 100.0, recompute_burst: float = 100.0) -> None:
+                 recompute_rate: float = 100.0, recompute_burst: float = 100.0,
+                 token: "str | bytes | None" = None, namespace: str = "default") -> None:
         if max_skew < 0:
             raise ValueError("max_skew must be >= 0")
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
@@ -274,6 +276,18 @@ class Client:
         #: ``file:///dir``) through which the client finds the current master,
         #: and finds it again after a failover; anything else is InvalidArgument
         check_master(master)
+        if token is not None and not (isinstance(token, (str, bytes)) and 0 < len(token) <= 1024):
+            raise errors.InvalidArgument("token must be a non-empty str or bytes of at most "
+                                         "1024 characters")
+        if not isinstance(namespace, str) or not 0 < len(namespace) <= 129:
+            raise errors.InvalidArgument("namespace must be a name (or owner/name)")
+        #: the tenant's secret token (``kvproto tenant token``), sent as ``cred``
+        #: with every request to the master and the storage nodes; private:
+        #: never shown by ``repr`` nor logged
+        self.__token = token.encode() if isinstance(token, str) else token
+        #: the namespace this client's keys live in (``owner/name``: another
+        #: tenant's, readable under its grant)
+        self.namespace = namespace
         self._coordinator = None
         self._leader_checked = 0.0
         if coordinator_url(master):
@@ -413,7 +427,24 @@ class Client:
             self._pollers.clear()
             sock.close(linger=0)
 
+    def __repr__(self) -> str:
+        return (f"Client({self.master or 'coordinator'!r}, namespace={self.namespace!r}, "
+                f"{'with' if self.__token else 'without'} a token)")
+
+    def _stamped(self, op: str, body: dict) -> dict:
+        """``body`` with this client's credential (and namespace, for an op
+        naming keys), as every request carries them."""
+        if self.__token is None and self.namespace == "default":
+            return body
+        body = dict(body)
+        if self.__token is not None:
+            body["cred"] = self.__token
+        if self.namespace != "default" and op in wire.KEYED_OPS:
+            body["ns"] = self.namespace
+        return body
+
     def _send(self, sock: zmq.Socket, op: str, body: dict, payloads: Sequence = ()) -> int:
+        body = self._stamped(op, body)
         self._rid += 1
         rid = self._rid
         if payloads:
@@ -1103,6 +1134,25 @@ class Client:
             err, _ = wire.item_result(wire.items_of(reply, 1)[0])
             if err is not None:
                 raise err
+
+    def grant(self, grantee: str, *, namespace: Optional[str] = None,
+              timeout: Optional[float] = None) -> None:
+        """Let tenant ``grantee`` read this tenant's ``namespace`` (default:
+        the client's own), read-only, until :meth:`revoke` (spec
+        ``GrantRead``). Only the namespace's owner may."""
+        self._grant_or_revoke("grant", grantee, namespace, timeout)
+
+    def revoke(self, grantee: str, *, namespace: Optional[str] = None,
+               timeout: Optional[float] = None) -> None:
+        """End ``grantee``'s grant (spec ``RevokeRead``): its next read or
+        renewal is refused; a read already granted ends with its lease."""
+        self._grant_or_revoke("revoke", grantee, namespace, timeout)
+
+    def _grant_or_revoke(self, op: str, grantee: str, namespace: Optional[str],
+                         timeout: Optional[float]) -> None:
+        body = {"ns": namespace or self.namespace, "grantee": grantee}
+        with self._lock:
+            self._call_master(op, body, self._deadline(timeout))
 
     def stats(self, *, timeout: Optional[float] = None) -> dict:
         """The master's counters and per-segment space, and under ``"client"``

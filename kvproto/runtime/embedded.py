@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from kvproto.ops.tenants import load_tenants
 from kvproto.runtime.client import Client
 from kvproto.runtime.master import MasterServer
 from kvproto.runtime.storage import StorageServer
@@ -88,7 +89,7 @@ class EmbeddedCluster:
                  page_size: int = 4096, transport: str = "tcp", client_timeout: float = 30.0,
                  start_timeout: float = 30.0, storage_debug: bool = False,
                  lease_ttl: float = 5.0, high_watermark: float = 0.90,
-                 free_fraction: float = 0.05, metrics: bool = False) -> None:
+                 free_fraction: float = 0.05, metrics: bool = False, tenants=None) -> None:
         if storage_nodes < 0:
             raise ValueError("storage_nodes must be >= 0")
         if transport not in ("tcp", "ipc"):
@@ -105,11 +106,15 @@ class EmbeddedCluster:
         self._exporters: list = []
         self._client_metrics = None
         self._stopped = False
+        if isinstance(tenants, (str, os.PathLike)):
+            tenants = load_tenants(tenants)
+        tenants = tuple(tenants or ())
         try:
             master_listen = self._endpoint("master")
             mt = ServerThread("kvproto-master", lambda: MasterServer(
                 master_listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout,
-                lease_ttl=lease_ttl, high_watermark=high_watermark, free_fraction=free_fraction))
+                lease_ttl=lease_ttl, high_watermark=high_watermark, free_fraction=free_fraction,
+                tenants=tenants))
             self._threads.append(mt)
             self.master: MasterServer = mt.start_and_wait(start_timeout)
             self.master_address: str = self.master.address
@@ -117,7 +122,7 @@ class EmbeddedCluster:
                 listen = self._endpoint(f"storage{n}")
                 st = ServerThread(f"kvproto-storage-{n}", lambda listen=listen: StorageServer(
                     self.master_address, self.segment_size, listen=listen, page_size=page_size,
-                    debug=storage_debug))
+                    debug=storage_debug, tenants=tenants))
                 self._threads.append(st)
                 self.storage.append(st.start_and_wait(start_timeout))
             for node in self.storage:
@@ -200,7 +205,9 @@ def embedded(storage_nodes: int = 2, segment_size: "int | str" = "256MiB", **kwa
     eviction policy, default 0.90 / 0.05), ``metrics`` (serve Prometheus
     metrics of the master, each storage node and the clients made by
     ``.client()`` on free loopback ports, listed in ``.metrics_urls``; off by
-    default; needs ``prometheus_client``).
+    default; needs ``prometheus_client``), ``tenants`` (a tenants file's path,
+    or its parsed tenants: every request must carry a tenant's token, given as
+    ``.client(token=...)``; default: none).
     """
     return EmbeddedCluster(storage_nodes, segment_size, **kwargs)
 

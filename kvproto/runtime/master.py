@@ -66,7 +66,7 @@ import re
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -74,6 +74,7 @@ import zmq
 from kvproto import errors
 from kvproto.runtime import collector, wire
 from kvproto.runtime.allocator import Placer
+from kvproto.runtime.tenanted import Tenants
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, recovered
@@ -194,7 +195,9 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open",
             "abandoned",
             # copies of a request delivered twice on one connection (MasterServer)
-            "duplicates_dropped")
+            "duplicates_dropped",
+            # tenancy (spec/Tenancy.tla): requests refused for their credential
+            "unauthorized")
 
 
 class MasterCore:
@@ -215,7 +218,8 @@ class MasterCore:
     def __init__(self, writer_timeout: float = 10.0, storage_timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
-                 fence_timeout: float = 5.0, term: Optional[int] = 1) -> None:
+                 fence_timeout: float = 5.0, term: Optional[int] = 1,
+                 tenants: Sequence = ()) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if lease_ttl <= 0:
@@ -252,6 +256,11 @@ class MasterCore:
         self.draining: dict[str, dict[int, int]] = defaultdict(dict)
         self._writing: Optional[tuple[str, str]] = None   # (writer, host) of the put being granted
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        #: with a tenants file (``TenantConfig``s): the tenancy machine and its
+        #: checks (spec/Tenancy.tla, :mod:`kvproto.runtime.tenanted`); none:
+        #: one shared key space, no credentials
+        self.tenants: Optional[Tenants] = (Tenants(tenants, ttl=float(lease_ttl), clock=clock)
+                                           if tenants else None)
         #: the failover phase machine (spec/Failover.tla), replaced only by
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
         self.failover = fm.Master()
@@ -301,6 +310,8 @@ class MasterCore:
             elif isinstance(e, Published):
                 self._forget_pending(e.token)
                 self.counters["puts_published"] += 1
+                if self.tenants is not None:
+                    self.tenants.published(e.key)
                 self._lease_put(e.key, e.token)
                 # the storage nodes' index learns the publish (StampedPublish),
                 # so a new master recovers the object after a failover
@@ -308,9 +319,13 @@ class MasterCore:
                     self._queue.append((r.segment, "publish", [r.offset, e.key, e.token]))
             elif isinstance(e, Revoked):
                 self._forget_pending(e.token)
+                if self.tenants is not None:
+                    self.tenants.abandoned(e.key)
             elif isinstance(e, Removed):
                 self.counters["evictions" if self._evicting else "removes"] += 1
                 self._lease_drop(e.key)
+                if self.tenants is not None:
+                    self.tenants.removed(e.key)
 
     def _forget_pending(self, token: int) -> None:
         client = self._owner.pop(token, None)
@@ -386,6 +401,9 @@ class MasterCore:
         if effects and isinstance(effects[0], lm.Refused):
             return
         self.counters["lease_expiries"] += len(effects)
+        if self.tenants is not None:
+            for ended in effects:
+                self.tenants.release(ended.holder)
 
     def _lease_put(self, key: bytes, token: int) -> None:
         record = self.directory.objects.get(key)
@@ -425,12 +443,19 @@ class MasterCore:
         if capacity <= 0 or not lm.over_watermark(used, capacity, self.high_watermark):
             return 0
         self._ltick()
-        plan = lm.plan_eviction(used, capacity, self.leases.eviction_candidates(), high_watermark=self.high_watermark,
-                                free_fraction=self.free_fraction)
+        if self.tenants is None:
+            plan = lm.plan_eviction(used, capacity, self.leases.eviction_candidates(), high_watermark=self.high_watermark,
+                                    free_fraction=self.free_fraction)
+        else:   # FairEviction: only objects of tenants above their reserve
+            plan = lm.plan_eviction(used, capacity, self.tenants.fair(self.leases.eviction_candidates()),
+                                    high_watermark=self.high_watermark, free_fraction=self.free_fraction)
         done = 0
         for key in plan.keys:
             # the lease machine must agree (Evict refused under a lease) ...
             if self.leases.reclaimable(key) is not None:
+                continue
+            # ... and, with tenants, FairEviction (never a tenant within its reserve)
+            if self.tenants is not None and not self.tenants.may_evict(key):
                 continue
             # ... and so must the publish machine (a pinned object is busy)
             self._evicting = True
@@ -454,6 +479,15 @@ class MasterCore:
         """Handle a validated request. Returns ``(status, body)``, or ``None`` when
         the reply is parked (it will appear in :attr:`ready`)."""
         try:
+            if self.tenants is not None:
+                try:
+                    body = self.tenants.admit(op, body)
+                except errors.Unauthorized:
+                    self.counters["unauthorized"] += 1
+                    raise
+            elif body.get("ns", "default") != "default" or op in ("grant", "revoke"):
+                raise errors.InvalidArgument("this master has no tenants (kvproto master "
+                                             "--tenants FILE): no namespaces nor grants")
             if self.failover.phase is not fm.Phase.OPEN and op != "stats":
                 self.counters["not_open"] += 1
                 raise errors.MasterNotOpen(f"master is {self.failover.phase.value} "
@@ -558,7 +592,17 @@ class MasterCore:
         return self._complete(parked)
 
     def _put_start_items(self, body, client, replicas, items, session) -> None:
+        tenants = self.tenants
         for i, (key, length) in enumerate(body["items"]):
+            write = None
+            if tenants is not None:
+                # the quotas are checked before the allocation (spec WriteStart;
+                # Tenancy_Weak_QuotaAfterAllocation); committed with PutStart
+                try:
+                    write = tenants.write_start(body["tenant"], key, length * replicas)
+                except errors.KvError as err:
+                    items[i] = wire.error_item(err)
+                    continue
             placement = self.placer.place(length, replicas)
             if placement is None:
                 # The allocator refuses before the machine sees anything; name the
@@ -582,6 +626,8 @@ class MasterCore:
                 continue
             grant = effects[0]
             assert isinstance(grant, PutGranted)
+            if write is not None:
+                tenants.commit(write)
             self.counters["puts_started"] += 1
             session.tokens[grant.token] = [key, self.clock()]
             self._owner[grant.token] = client
@@ -669,7 +715,19 @@ class MasterCore:
         session = self._session(client, create=True)
         items, segments = [], {}
         self._ltick()
+        tenants = self.tenants
         for key in body["keys"]:
+            read = None
+            if tenants is not None:
+                # spec Begin before ReadBegin: the grant, the object in the
+                # read's own namespace, the in-flight quota (a pinned read is
+                # checked, not counted in flight)
+                try:
+                    read = tenants.begin((client, self._next_lease), body["tenant"], key)
+                except errors.KvError as err:
+                    self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
+                    items.append(wire.error_item(err))
+                    continue
             err, effects = self._step(ReadBegin(key))
             if err is not None:
                 self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
@@ -691,6 +749,8 @@ class MasterCore:
                     continue
                 self._next_lease += 1
                 self.counters["lease_grants"] += 1
+                if read is not None:
+                    tenants.commit(read)
                 item["lease"] = lease_id
                 item["ttl"] = leffects[0].ttl
             else:
@@ -732,7 +792,18 @@ class MasterCore:
     def _op_renew(self, body, reply_to, request_id):
         client, items = body["client"], []
         for lease_id in body["leases"]:
+            renewal = None
+            if self.tenants is not None:
+                # spec Renew: a revoked grant's lease is not renewed
+                try:
+                    renewal = self.tenants.renew((client, lease_id), body["tenant"])
+                except errors.KvError as err:
+                    self.counters["lease_renewals_refused"] += 1
+                    items.append(wire.error_item(err))
+                    continue
             err, effects = self._lstep(lm.Renew((client, lease_id)))
+            if err is None and renewal is not None:
+                self.tenants.commit(renewal)
             if err is None:
                 self.counters["lease_renewals"] += 1
                 items.append(wire.ok_item({"ttl": self.leases.ttl}))
@@ -747,6 +818,8 @@ class MasterCore:
             err, _ = self._lstep(lm.Release((client, lease_id)))
             if err is None:
                 self.counters["lease_releases"] += 1
+                if self.tenants is not None:
+                    self.tenants.release((client, lease_id))
             items.append(wire.ok_item() if err is None else wire.error_item(err))
         return 0, {"items": items}
 
@@ -762,7 +835,11 @@ class MasterCore:
         keys = heapq.nsmallest(limit + 1, (
             k for k, record in self.directory.objects.items()
             if record.status is Status.PUBLISHED and k > after and k.startswith(prefix)))
-        return 0, {"keys": keys[:limit], "more": len(keys) > limit}
+        more = len(keys) > limit
+        keys = keys[:limit]
+        if self.tenants is not None:   # in the tenant's own words
+            keys = self.tenants.strip(body["namespace"], keys)
+        return 0, {"keys": keys, "more": more}
 
     def _op_remove(self, body, reply_to, request_id):
         """``Remove``: the lease machine first (``ObjectLeased`` under an
@@ -775,6 +852,13 @@ class MasterCore:
         items = []
         for key in body["keys"]:
             self._ltick()
+            if self.tenants is not None:
+                # spec Remove by the owner, before the lease machine's
+                try:
+                    self.tenants.may_remove(body["tenant"], key, force)
+                except errors.KvError as err:
+                    items.append(wire.error_item(err))
+                    continue
             if key in self.leases.objects:
                 err = self.leases.reclaimable(key)
                 if err is not None:
@@ -787,6 +871,8 @@ class MasterCore:
                                 " and the previous master's" if self.leases.is_inherited(key) else "")
                     for holder in self.leases.holders(key):
                         self._lstep(lm.Release(holder))
+                        if self.tenants is not None:
+                            self.tenants.release(holder)
                     self._lstep(lm.Disown(key))
                     self.counters["removes_forced"] += 1
             err, _ = self._step(Remove(key))
@@ -798,7 +884,21 @@ class MasterCore:
         return self._complete(parked)
 
     def _op_stats(self, body, reply_to, request_id):
-        return 0, self.stats()
+        stats = self.stats()
+        if self.tenants is not None:   # a tenant sees its own usage only
+            stats["tenants"] = self.tenants.usage(body["tenant"])
+        return 0, stats
+
+    def _op_grant(self, body, reply_to, request_id):
+        """Spec ``GrantRead`` by the namespace's owner (a tenants file only)."""
+        self.tenants.grant(body)
+        return 0, {}
+
+    def _op_revoke(self, body, reply_to, request_id):
+        """Spec ``RevokeRead``: the grantee's next read or renewal is refused;
+        a read already granted ends with its lease."""
+        self.tenants.grant(body, revoke=True)
+        return 0, {}
 
     def stats(self) -> dict:
         segments = {}
@@ -824,7 +924,8 @@ class MasterCore:
                 "failover": failover,
                 "leases": leases,
                 "pending": len(self._owner), "clients": len(self.sessions),
-                "next_token": self.directory.next_token, "segments": segments}
+                "next_token": self.directory.next_token, "segments": segments,
+                **({"tenants": self.tenants.usage()} if self.tenants is not None else {})}
 
     # ------------------------------------------------------------------ storage replies
 
@@ -1188,14 +1289,15 @@ class MasterServer:
                  context: Optional[zmq.Context] = None, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
-                 fence_timeout: float = 5.0) -> None:
+                 fence_timeout: float = 5.0, tenants: Sequence = ()) -> None:
         #: with a coordinator (which the server then owns and closes) this
         #: master campaigns, takes the term it wins, renews it, and steps down
         #: (a fresh standby core) when it cannot
         self.coordinator = coordinator
         self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
-                               free_fraction=free_fraction, fence_timeout=fence_timeout)
+                               free_fraction=free_fraction, fence_timeout=fence_timeout,
+                               tenants=tuple(tenants))
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
         self._renewer: Optional[_Renewer] = None

@@ -71,12 +71,13 @@ import secrets
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import zmq
 
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
+from kvproto.ops.tenants import Credentials
 from kvproto.runtime import wire
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id, writer_alive
@@ -108,7 +109,8 @@ class StorageCore:
     COUNTERS = ("assigned", "freed", "writes", "reads", "refused", "rejected", "bytes_written",
                 "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
                 "stale_reads", "reads_delayed", "published", "fences", "stale_terms", "purged",
-                "bytes_purged", "direct_granted", "direct_published", "draining", "drained")
+                "bytes_purged", "direct_granted", "direct_published", "draining", "drained",
+                "unauthorized")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
@@ -602,13 +604,16 @@ class StorageServer:
     #: many may wait at once
     ASSIGN_WAIT = 2.0
     MAX_AWAITING = 4096
+    #: the master's commands: not a tenant's, carrying no tenant credential
+    CONTROL_OPS = frozenset({"assign", "free", "publish", "fence", "purge"})
     FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms",
               "read_delay_ms")
 
     def __init__(self, master: str, size: "int | str", *, listen: str = "tcp://127.0.0.1:*",
                  advertise: Optional[str] = None, page_size: int = 4096,
                  max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
-                 context: Optional[zmq.Context] = None, debug: bool = False) -> None:
+                 context: Optional[zmq.Context] = None, debug: bool = False,
+                 tenants: Sequence = ()) -> None:
         if type(page_size) is not int or page_size < 512 or page_size & (page_size - 1):
             raise errors.InvalidArgument(f"page size {page_size!r} is not a power of two >= 512")
         try:
@@ -671,6 +676,10 @@ class StorageServer:
         # test-only fault injection (see Faults); the ``debug`` op exists only with debug=True
         self.debug = debug
         self.ops = {**wire.STORAGE_OPS, **wire.DEBUG_OPS} if debug else wire.STORAGE_OPS
+        #: with a tenants file: the tenants' credentials (digests only); every
+        #: request but the master's commands (``CONTROL_OPS``) must carry one
+        #: (spec/Tenancy.tla; read tickets are not checked yet)
+        self.credentials: Optional[Credentials] = Credentials(tenants) if tenants else None
         self.faults = dict.fromkeys(self.FAULTS, 0)
         self._held: list = []      # (due, seq, identity, request): delayed data-path requests
         self._outq: list = []      # (due, seq, frames): delayed data replies
@@ -871,6 +880,13 @@ class StorageServer:
             self._send([identity, wire.encode_error(getattr(err, "request_id", 0), err)])
             return
         del frames  # release the received payload frame before the next message
+        if self.credentials is not None and req.op not in self.CONTROL_OPS:
+            try:
+                self.credentials.authenticate(req.body.get("cred"))
+            except errors.Unauthorized as err:
+                self.core.counters["unauthorized"] += 1
+                self._send([identity, wire.encode_error(req.request_id, err)])
+                return
         if req.op == "debug":
             self.faults.update({k: v for k, v in req.body.items() if k in self.FAULTS})
             self._send([identity, wire.encode_reply(req.request_id, 0, dict(self.faults))])

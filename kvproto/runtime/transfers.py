@@ -318,6 +318,10 @@ class TransferEngine:
                                         daemon=True, name=f"kvproto-transfers-{self.owner}")
         self._thread.start()
 
+    def _request(self, op: str, request_id: int, body: dict) -> bytes:
+        """A request frame carrying the client's credential (and namespace)."""
+        return wire.encode_request(op, request_id, self.client._stamped(op, body))
+
     # ------------------------------------------------------------------ public
 
     def request(self) -> EngineRequest:
@@ -422,7 +426,7 @@ class TransferEngine:
         elif length > self.pool.size:
             problem = errors.InvalidArgument(f"{k!r} has {length} bytes; pool buffers hold {self.pool.size}")
         if problem is not None:
-            self._queue(None, [wire.encode_request("read_end", 0, {
+            self._queue(None, [self._request("read_end", 0, {
                 "client": client.client_id, "items": [[k, token]]})])
             self._wake()
             raise problem
@@ -432,7 +436,7 @@ class TransferEngine:
             try:
                 effects = self._check(self.pool.step(T.Issue(request, buf.name)))
             except errors.KvError:
-                self._queue(None, [wire.encode_request("read_end", 0, {
+                self._queue(None, [self._request("read_end", 0, {
                     "client": client.client_id, "items": [[k, token]]})])
                 self._wake()
                 raise
@@ -441,7 +445,7 @@ class TransferEngine:
             self._xfers[gen] = x
             client._hold()
             heapq.heappush(self._timers, (deadline, gen, _LOAD))
-            self._queue(endpoint, [wire.encode_request("load", gen << 1 | _LOAD, {
+            self._queue(endpoint, [self._request("load", gen << 1 | _LOAD, {
                 "segment": seg, "offset": offset, "token": token, "length": length,
                 "term": reply.body.get("term", 0),
                 "owner": self.owner, "xfer": gen, "buffer": buf.name})])
@@ -482,7 +486,7 @@ class TransferEngine:
     def _unpin(self, x: _Xfer) -> None:
         if x.pinned:
             x.pinned = False
-            self._queue(None, [wire.encode_request("read_end", 0, {
+            self._queue(None, [self._request("read_end", 0, {
                 "client": self.client.client_id, "items": [[x.key, x.token]]})])
             self.client._unhold()
 
@@ -501,7 +505,7 @@ class TransferEngine:
                     self._retry(eff.gen)
             elif isinstance(eff, T.SendCancel):
                 x = self._xfers[eff.gen]
-                self._queue(x.endpoint, [wire.encode_request("cancel", eff.gen << 1 | _CANCEL, {
+                self._queue(x.endpoint, [self._request("cancel", eff.gen << 1 | _CANCEL, {
                     "owner": self.owner, "xfer": eff.gen})])
                 heapq.heappush(self._timers, (time.monotonic() + self.cancel_interval, eff.gen, _CANCEL))
             elif isinstance(eff, (T.Drained, T.WrittenOff)):
@@ -569,7 +573,7 @@ class TransferEngine:
         x = self._xfers.get(gen)
         if x is None:
             return
-        self._queue(x.endpoint, [wire.encode_request("cancel", gen << 1 | _CANCEL, {
+        self._queue(x.endpoint, [self._request("cancel", gen << 1 | _CANCEL, {
             "owner": self.owner, "xfer": gen})])
         heapq.heappush(self._timers, (time.monotonic() + self.written_off_probe, gen, _CANCEL))
 

@@ -173,6 +173,14 @@ KEYS = list_of(KEY, min_items=1)
 CLIENT = text(128, 1)
 SEGMENT = text(256, 1)
 
+#: a tenant's credential (its secret token, ``kvproto.ops.tenants``): optional
+#: on every op; a master or storage node started with a tenants file refuses a
+#: request without a valid one (``Unauthorized``)
+CRED = binary(1024, 1)
+#: the namespace a key-bearing master op names (default ``default``;
+#: ``owner/name`` for another tenant's)
+NAMESPACE = text(129, 1)
+
 MASTER_OPS: dict[str, OpSchema] = {
     # storage node -> master
     # ``held``: allocations the segment still holds (0: it is empty)
@@ -211,7 +219,15 @@ MASTER_OPS: dict[str, OpSchema] = {
     # ``tokens``: the client's put attempts still being written (each one's deadline restarts)
     "heartbeat": OpSchema({"client": CLIENT}, optional={"tokens": list_of(TOKEN)}),
     "stats": OpSchema({}),
+    # the owner of namespace ``ns`` lets tenant ``grantee`` read it, or stops
+    # letting it (spec/Tenancy.tla GrantRead, RevokeRead); needs a tenants file
+    "grant": OpSchema({"ns": NAMESPACE, "grantee": text(64, 1)}),
+    "revoke": OpSchema({"ns": NAMESPACE, "grantee": text(64, 1)}),
 }
+
+#: the master ops that name keys: they take ``ns``
+KEYED_OPS = frozenset({"put_start", "put_end", "put_revoke", "put_abandon", "read_begin",
+                       "read_end", "exists", "list", "remove"})
 
 #: a tracked transfer (``spec/Timeout.tla``): who issued it and its generation
 #: (transfer id), unique per ``owner``
@@ -260,6 +276,14 @@ STORAGE_OPS: dict[str, OpSchema] = {
     "cancel": OpSchema({"owner": OWNER, "xfer": XFER}),
     "stats": OpSchema({}),
 }
+
+for _op, _schema in MASTER_OPS.items():
+    _schema.optional["cred"] = CRED
+    if _op in KEYED_OPS:
+        _schema.optional["ns"] = NAMESPACE
+for _schema in STORAGE_OPS.values():
+    _schema.optional["cred"] = CRED
+del _op, _schema
 
 #: test-only fault injection, accepted only by a storage node built with ``debug=True``
 DEBUG_OPS: dict[str, OpSchema] = {

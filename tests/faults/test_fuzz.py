@@ -52,6 +52,15 @@ def test_a_seeded_run_of_every_kind_at_both_cores():
         assert report.rejected.get(refusal, 0) > 0, (refusal, report.summary())
 
 
+def test_a_seeded_run_at_a_master_with_tenants():
+    report = fuzz.fuzz(3000, seed=SEED, targets=("master-tenants",))
+    assert report.failures == 0, report.summary()
+    assert report.accepted > 100, report.summary()
+    # refused for the credential, the namespace and the grant, changing nothing
+    for refusal in ("Unauthorized", "UnknownNamespace", "AccessDenied"):
+        assert report.rejected.get(refusal, 0) > 0, (refusal, report.summary())
+
+
 @pytest.mark.parametrize("name", list(fuzz.TARGETS))
 @settings(max_examples=150, derandomize=True, deadline=None)
 @given(data=st.data())
