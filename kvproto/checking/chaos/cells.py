@@ -201,8 +201,28 @@ def _node(ctx: Context):
     return ctx.rng.choice(live) if live else None
 
 
+def _busy_node(ctx: Context):
+    """The live node new objects go to: the master places on the segment with
+    the most free space, so a node fuller than the others (e.g. next to a
+    fresh replacement) may see no write, assign or read for seconds. Falls
+    back to :func:`_node` when the master's figures are not at hand."""
+    live = [n for n in ctx.cluster.storage if n.alive()]
+    stats = ctx.cluster.master_stats(ctx.leader()) if live else None
+    if not stats:
+        return _node(ctx)
+    free = {}
+    for name, seg in stats.get("segments", {}).items():
+        for n in live:
+            if f":{n.pid}:" in name and seg.get("live"):
+                free[n.name] = seg.get("free", 0)
+    if not free:
+        return _node(ctx)
+    most = max(free.values())
+    return ctx.rng.choice([n for n in live if free.get(n.name) == most])
+
+
 def storage_kill(ctx: Context) -> list:
-    node = _node(ctx)
+    node = _busy_node(ctx)
     if node is None:
         return []
     return [dict(route=node.route, direction="request", ops=_rotate(ctx, [WRITES, "assign", "read"]),
@@ -210,7 +230,7 @@ def storage_kill(ctx: Context) -> list:
 
 
 def storage_stop(ctx: Context) -> list:
-    node = _node(ctx)
+    node = _busy_node(ctx)
     if node is None:
         return []
     return [dict(route=node.route, direction="request", ops=WRITES + ["read", "assign"],
