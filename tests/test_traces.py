@@ -236,3 +236,10 @@ def test_trace_needs_an_action_and_a_file(capsys):
         cli.main(["trace"])
     assert stop.value.code == 2
     assert len(capsys.readouterr().err.splitlines()) == 1
+
+
+def test_a_trace_file_the_master_cannot_write_is_one_line_and_status_2(tmp_path, capsys):
+    bad = tmp_path / "no-such-dir" / "run.trace"
+    assert cli.main(["master", "--listen", "tcp://127.0.0.1:*", "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvproto master: cannot write the trace to {bad}: No such file or directory\n"

@@ -72,7 +72,11 @@ class Recorder:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        try:
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+        except OSError as e:
+            raise errors.InvalidArgument(f"cannot write the trace to {path}: "
+                                         f"{e.strerror or e}") from None
         self._n = 0
 
     def _write(self, line: dict) -> None:
