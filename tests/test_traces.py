@@ -79,7 +79,7 @@ def recorded(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("traces") / "run.trace"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(tracing.ENV, str(path))
-        with kvproto.embedded(storage_nodes=2, segment_size="4MiB", writer_timeout=1.0) as cluster:
+        with kvproto.embedded(storage_nodes=2, segment_size="4MiB", writer_timeout=2.0) as cluster:
             c = cluster.client()
             raw = Raw(cluster.master_address)
             try:

@@ -48,7 +48,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import attrs
 
