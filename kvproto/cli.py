@@ -8,8 +8,9 @@ measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
 and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
 tenant's token or checks a tenants file; ``kvproto chaos`` runs the fault
-matrix, ``kvproto fuzz`` fuzzes frames and ``kvproto mutate`` runs the
-runtime mutants (:mod:`kvproto.checking`);
+matrix, ``kvproto fuzz`` fuzzes frames, ``kvproto mutate`` runs the
+runtime mutants and ``kvproto trace check`` has TLC check a master's recorded
+run (:mod:`kvproto.checking`);
 ``kvproto --version`` prints the installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
@@ -389,6 +390,10 @@ def _master_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-timeout", type=_seconds, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="append every step of the master's publish machine to FILE as JSON "
+                             "lines, for 'kvproto trace check FILE' (default: off; also "
+                             "KVPROTO_TRACE=FILE)")
     _tenants_argument(parser)
     _metrics_arguments(parser)
 
@@ -464,7 +469,7 @@ def master(args: argparse.Namespace) -> int:
                    advertise=args.advertise, fence_timeout=args.fence_timeout,
                    log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
                    metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                   tenants=tenants)
+                   tenants=tenants, trace=args.trace)
     except (KvError, OSError, zmq.ZMQError) as e:
         if coordinator is not None:
             coordinator.close()
@@ -603,6 +608,16 @@ def mutate(args: argparse.Namespace) -> int:
     return mutants.main(args)
 
 
+def _trace_arguments(parser: argparse.ArgumentParser) -> None:
+    from .checking import traces
+    traces.add_arguments(parser)
+
+
+def trace(args: argparse.Namespace) -> int:
+    from .checking import traces
+    return traces.main(args)
+
+
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
     from .ops import plancli
     plancli.add_arguments(parser)
@@ -647,6 +662,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "
              "change", _fuzz_arguments, fuzz),
+    "trace": ("check a master's recorded run (--trace FILE) with TLC: is every step a step "
+              "of spec/Publish.tla?", _trace_arguments, trace),
     "mutate": ("apply named faults to the runtime one at a time and run the tests that must "
                "catch each; prints the score", _mutate_arguments, mutate),
 }

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import re
 import threading
 import time
@@ -72,7 +73,7 @@ import numpy as np
 import zmq
 
 from kvproto import errors
-from kvproto.runtime import collector, wire
+from kvproto.runtime import collector, tracing, wire
 from kvproto.runtime.allocator import Placer
 from kvproto.runtime.tenanted import Tenants
 from kvproto.cores.directory import DirectoryCore
@@ -219,7 +220,7 @@ class MasterCore:
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  fence_timeout: float = 5.0, term: Optional[int] = 1,
-                 tenants: Sequence = ()) -> None:
+                 tenants: Sequence = (), trace: Optional[str] = None) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if lease_ttl <= 0:
@@ -234,6 +235,10 @@ class MasterCore:
         #: master's clock, fed as ``Tick`` events; it also keeps the eviction
         #: recency (last put, grant, renewal or read)
         self.leases = LeaseCore(float(lease_ttl), rows=self.directory.rows)
+        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory is
+        #: recorded as a JSON line, for ``kvproto trace check`` (runtime/tracing.py)
+        trace = trace or os.environ.get(tracing.ENV)
+        self.trace: Optional[tracing.Recorder] = tracing.Recorder(trace) if trace else None
         self.high_watermark = float(high_watermark)
         self.free_fraction = float(free_fraction)
         self._next_lease = 1   # re-based on the term in take_term: ids unique across terms
@@ -286,6 +291,8 @@ class MasterCore:
     def _step(self, event: MasterEvent) -> tuple[Optional[errors.KvError], tuple]:
         """Feed one event; carry out its effects. Refused -> (error, effects), no change."""
         effects = self.directory.step(event)
+        if self.trace is not None:
+            self.trace.publish(event, effects, self.directory)
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
@@ -1100,6 +1107,8 @@ class MasterCore:
         self.directory = recovered({s: rnd.infos[s]["capacity"] for s in live}, rnd.indexes,
                                    next_token)
         rnd.indexes.clear()
+        if self.trace is not None:
+            self.trace.opened(self.directory)
         used = self.directory.regions()
         # regions still draining for a direct writer of an older term are not free
         self.draining = defaultdict(dict)
@@ -1289,7 +1298,8 @@ class MasterServer:
                  context: Optional[zmq.Context] = None, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
-                 fence_timeout: float = 5.0, tenants: Sequence = ()) -> None:
+                 fence_timeout: float = 5.0, tenants: Sequence = (),
+                 trace: Optional[str] = None) -> None:
         #: with a coordinator (which the server then owns and closes) this
         #: master campaigns, takes the term it wins, renews it, and steps down
         #: (a fresh standby core) when it cannot
@@ -1297,7 +1307,7 @@ class MasterServer:
         self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
                                free_fraction=free_fraction, fence_timeout=fence_timeout,
-                               tenants=tuple(tenants))
+                               tenants=tuple(tenants), trace=trace)
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
         self._renewer: Optional[_Renewer] = None
@@ -1575,6 +1585,8 @@ class MasterServer:
         core.closed.clear()
 
     def close(self) -> None:
+        if self.core.trace is not None:
+            self.core.trace.close()
         if self.coordinator is not None:
             if self._term:
                 self._renewer.stop()

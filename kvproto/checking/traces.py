@@ -1,0 +1,463 @@
+r"""Runtime traces checked by TLC: is what the master did a behaviour of ``spec/Publish.tla``?
+
+A master started with ``--trace FILE`` (or ``KVPROTO_TRACE=FILE``) records
+every event it feeds its publish machine, the effects it got back and what the
+step left of the directory (:mod:`kvproto.runtime.tracing`). :func:`check`
+turns one recorded run into a TLA+ module ``PublishTrace`` that extends
+``Publish`` and holds the run as a constant sequence of records, and has TLC
+walk it: at step ``i`` the trace's ``Next`` takes the spec's own action that
+record ``i`` names, with the recorded arguments, and requires what the spec's
+step does to agree with what was recorded:
+
+* an accepted event is the spec's action with its guard holding (``PutEnd``
+  and ``PutRevoke`` of the attempt holding the token, ``TokenOwns``; ``PutStart``
+  with the token ``nextToken`` and a placement of ``ReplicaCount`` joined
+  segments; ``ReadBegin`` handing out the record's token and replicas; ...);
+  its effects must be exactly the spec step's: the regions assigned and freed
+  (``store``), the objects revoked or removed, the objects published; and the
+  directory after it (each named key's record, ``nextToken``) must be the
+  spec's;
+* a refused event changes nothing, and the spec must not have allowed it
+  (a ``PutEnd`` refused as stale while its token owns the key is a mismatch).
+
+The writers' ``WriteReplica`` steps are not seen by the master; before a
+recorded ``PutEnd`` the trace lets that attempt's writer write its replicas
+(the spec's own ``WriteReplica``), in any order. TLC checks deadlock: a state
+where the next record matches no step of the spec is where the run left the
+spec, and its step number is reported. A run that matches every step also
+keeps the spec's invariants (checked in every state).
+
+Mapping onto model values: keys, segments, and each segment's offsets are
+numbered by first appearance (``key1``, ``seg1``, slot 1, ...); a token ``t`` is
+``t - first + 1`` (``first`` the token the run's directory opened with; 0 for a
+token never issued), and each attempt has its own writer (``wr<token>``). The
+spec counts space in slots: an offset is a slot, so the byte accounting (free
+bytes, overlapping extents of different lengths) is not checked here (the
+differential test holds the core to the reference for that). Segments are all
+in the spec's ``Init``: a segment joins with ``AddSegment``, and the trace
+requires a placement to use joined segments only. Checked runs start from an
+empty directory (one run per file); the constants are derived from the run and
+bounded (:data:`LIMITS`) so that TLC checks it in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import attrs
+
+from kvproto.checking import tlc
+from kvproto.checking.tla import Fn, ModelValue, format_value
+
+NONE = ModelValue("None")
+NOBODY = ModelValue("wr0")
+
+#: the largest run checked: TLC re-evaluates the spec's invariants over all
+#: keys, segments and slots in every state
+LIMITS = {"steps": 3000, "keys": 32, "segments": 6, "slots": 64, "tokens": 512}
+
+INVARIANTS = ("TypeOK", "OnlyPublishedReadable", "PublishedHasAllReplicasComplete",
+              "NoOverlappingAllocation", "SpaceAccounted", "OneAttemptPublishes",
+              "PublishedBytesAreTheAttempts")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be checked (unreadable, or outside what the
+    checker maps onto the spec's constants)."""
+
+
+@attrs.frozen
+class Verdict:
+    """What TLC found for one recorded run."""
+
+    ok: bool
+    steps: int                      # recorded steps in the run
+    message: str
+    failed_step: Optional[int] = None   # the recorded ``n`` of the first unmatched step
+    line: Optional[int] = None          # its line in the file
+    distinct_states: Optional[int] = None
+    seconds: float = 0.0
+
+
+# --- reading ---------------------------------------------------------------------
+
+
+def read(path: "str | Path") -> list[tuple[int, dict]]:
+    """The publish lines of a trace file, with their line numbers."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+        if not isinstance(obj, dict) or "machine" not in obj:
+            raise TraceError(f"{path}:{number}: not a trace line (no 'machine')")
+        if obj["machine"] == "publish":
+            lines.append((number, obj))
+    return lines
+
+
+def publish_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict]]]:
+    """The one run in ``lines``: its ``opened`` header and its steps."""
+    opened = [i for i, (_, obj) in enumerate(lines) if "opened" in obj]
+    if not opened or opened[0] != 0:
+        raise TraceError("the trace does not start where a master opened its directory "
+                         "(no 'opened' line first)")
+    if len(opened) > 1:
+        raise TraceError(f"the trace holds {len(opened)} runs (a master restarted or took over "
+                         "on the same file); record one run per file")
+    header = lines[0][1]["opened"]
+    if header.get("objects"):
+        raise TraceError(f"the run starts from a recovered directory of {header['objects']} "
+                         "object(s); only runs from an empty directory are checked")
+    steps = lines[1:]
+    for number, obj in steps:
+        if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list) \
+                or not isinstance(obj.get("after"), dict):
+            raise TraceError(f"line {number}: a step needs 'event', 'effects' and 'after'")
+    return header, steps
+
+
+# --- mapping onto model values ---------------------------------------------------
+
+
+class _Numbered:
+    """Runtime names -> model values ``prefix1, prefix2, ...`` by first appearance."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.names: dict = {}
+
+    def __call__(self, name) -> ModelValue:
+        if name not in self.names:
+            self.names[name] = ModelValue(f"{self.prefix}{len(self.names) + 1}")
+        return self.names[name]
+
+    def values(self) -> list[ModelValue]:
+        return list(self.names.values())
+
+
+class _Mapping:
+    """The run's names, tokens and offsets as the spec's model values."""
+
+    def __init__(self, first_token: int, last_token: int) -> None:
+        self.keys = _Numbered("key")
+        self.segments = _Numbered("seg")
+        self.slots: dict[str, dict[int, int]] = {}
+        self.first, self.last = first_token, last_token
+
+    def token(self, t) -> int:
+        return t - self.first + 1 if isinstance(t, int) and self.first <= t < self.last else 0
+
+    def writer(self, t) -> ModelValue:
+        m = self.token(t)
+        return ModelValue(f"wr{m}") if m else NOBODY
+
+    def slot(self, segment: str, offset: int) -> tuple[ModelValue, int]:
+        slots = self.slots.setdefault(segment, {})
+        if offset not in slots:
+            slots[offset] = len(slots) + 1
+        return self.segments(segment), slots[offset]
+
+    def placement(self, replicas: list) -> Fn:
+        return Fn.of(self.slot(r["segment"], r["offset"]) for r in replicas)
+
+    def record(self, rec: Optional[dict]):
+        if rec is None:
+            return NONE
+        return Fn.of({"status": rec["status"], "token": self.token(rec["token"]),
+                      "replicas": self.placement(rec["replicas"]), "reads": rec["reads"]})
+
+
+def _record(m: _Mapping, step: dict, joined: set) -> Fn:
+    """One step as the trace module's record (every record has every field)."""
+    ev, effects = step["event"], step["effects"]
+    ok = not (effects and effects[0].get("type") == "Refused")
+    act = ev["type"]
+    fields = {"act": act, "ok": ok, "err": "" if ok else effects[0]["error"]["type"],
+              "k": m.keys(ev["key"]) if "key" in ev else NONE,
+              "t": m.token(ev.get("token")), "w": m.writer(ev.get("token")),
+              "s": m.segments(ev["segment"]) if "segment" in ev else NONE,
+              "p": m.placement(ev.get("placement", ())),
+              "joined": frozenset(m.segments(s) for s in joined),
+              "gt": 0, "gp": Fn.of({}), "frees": frozenset(), "assigns": frozenset(),
+              "gone": frozenset(), "published": frozenset()}
+    for e in effects if ok else ():
+        kind = e["type"]
+        if kind in ("PutGranted", "ReadGranted"):
+            fields["gt"], fields["gp"] = m.token(e["token"]), m.placement(e["replicas"])
+            if kind == "PutGranted":
+                fields["w"] = m.writer(e["token"])
+        elif kind == "AssignRegion":
+            fields["assigns"] |= {(*m.slot(e["segment"], e["offset"]), m.keys(e["key"]),
+                                   m.token(e["token"]))}
+        elif kind == "FreeRegion":
+            fields["frees"] |= {(*m.slot(e["segment"], e["offset"]), m.token(e["token"]))}
+        elif kind in ("Revoked", "Removed"):
+            status = "pending" if kind == "Revoked" else "published"
+            fields["gone"] |= {(m.keys(e["key"]), m.token(e["token"]), status)}
+        elif kind == "Published":
+            fields["published"] |= {(m.keys(e["key"]), m.token(e["token"]))}
+    after = step["after"]
+    fields["after"] = Fn.of({m.keys(k): m.record(rec) for k, rec in after["objects"].items()})
+    fields["next"] = after["next_token"] - m.first + 1
+    return Fn.of(fields)
+
+
+@attrs.frozen
+class TraceModel:
+    """A run mapped onto the spec: its constants and one record per step."""
+
+    constants: dict
+    records: tuple
+    model_values: tuple
+    numbers: tuple      # (recorded n, file line) per record
+
+
+def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
+    """Map a run onto model values (see the module docstring); raise
+    :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape."""
+    if len(steps) > LIMITS["steps"]:
+        raise TraceError(f"the run has {len(steps)} steps; at most {LIMITS['steps']} are "
+                         "checked (record a shorter run)")
+    first = header["next_token"]
+    last = max([first] + [s["after"]["next_token"] for _, s in steps])
+    m = _Mapping(first, last)
+    joined = set(header.get("segments", {}))
+    for s in joined:
+        m.segments(s)
+    records, replica_counts, reads = [], set(), 1
+    for number, step in steps:
+        try:
+            records.append(_record(m, step, joined))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TraceError(f"line {number}: a step the checker cannot read ({e!r})") from None
+        ev, effects = step["event"], step["effects"]
+        accepted = not (effects and effects[0].get("type") == "Refused")
+        if accepted and ev["type"] == "AddSegment":
+            joined.add(ev["segment"])
+        if accepted and ev["type"] == "PutStart":
+            replica_counts.add(len(ev["placement"]))
+        for rec in step["after"]["objects"].values():
+            if rec is not None:
+                reads = max(reads, rec["reads"])
+    if len(replica_counts) > 1:
+        raise TraceError(f"the run puts objects with {sorted(replica_counts)} replicas; the spec "
+                         "has one ReplicaCount (record a run with one replica count)")
+    sizes = {"keys": len(m.keys.names), "segments": len(m.segments.names),
+             "slots": max([len(s) for s in m.slots.values()] or [1]), "tokens": last - first}
+    for name, size in sizes.items():
+        if size > LIMITS[name]:
+            raise TraceError(f"the run has {size} {name}; at most {LIMITS[name]} are checked "
+                             "(record a run with fewer)")
+    segments = m.segments.values() or [ModelValue("seg1")]
+    replicas = replica_counts.pop() if replica_counts else 1
+    if replicas > len(segments):
+        raise TraceError(f"{replicas} replicas but only {len(segments)} segment(s) in the run")
+    writers = [ModelValue(f"wr{t}") for t in range(sizes["tokens"] + 1)]
+    keys = m.keys.values() or [ModelValue("key1")]
+    constants = {"Keys": frozenset(keys), "Writers": frozenset(writers),
+                 "Segments": frozenset(segments), "SlotsPerSegment": sizes["slots"],
+                 "ReplicaCount": replicas, "MaxToken": max(1, sizes["tokens"]),
+                 "MaxReads": reads, "None": NONE}
+    values = tuple(dict.fromkeys([*keys, *writers, *segments]))
+    return TraceModel(constants, tuple(records), values, tuple((s.get("n"), n) for n, s in steps))
+
+
+# --- the trace module ------------------------------------------------------------
+
+_MODULE = r"""---------------------------- MODULE PublishTrace ----------------------------
+(* A recorded run of the master's publish machine (kvproto trace check):    *)
+(* each step must be the spec's action the record names, with its effects.  *)
+EXTENDS Publish, Sequences, TLC
+
+CONSTANTS %(values)s
+
+VARIABLE pos   \* the next record to match
+
+Trace == %(trace)s
+
+R == Trace[pos]
+
+\* The writer of the recorded attempt holds it.
+Holds(r) == writer[r.w] # None /\ writer[r.w].key = r.k /\ writer[r.w].token = r.t
+
+\* The spec's step for an accepted event.
+Accepted(r) ==
+    \/ r.act = "AddSegment" /\ UNCHANGED vars
+    \/ /\ r.act = "PutStart"
+       /\ r.gt = nextToken /\ r.gp = r.p /\ r.w # wr0
+       /\ DOMAIN r.p \subseteq r.joined /\ Cardinality(DOMAIN r.p) = ReplicaCount
+       /\ PutStart(r.w, r.k, r.p)
+    \/ r.act = "PutEnd" /\ Holds(r) /\ TokenOwns(r.k, r.t) /\ PutEnd(r.w)
+    \/ r.act = "PutRevoke" /\ Holds(r) /\ TokenOwns(r.k, r.t) /\ PutRevoke(r.w)
+    \/ r.act = "ReclaimAbandoned" /\ TokenOwns(r.k, r.t) /\ ReclaimAbandoned(r.k)
+    \/ /\ r.act = "ReadBegin" /\ ReadBegin(r.k)
+       /\ r.gt = dir[r.k].token /\ r.gp = dir[r.k].replicas
+    \/ r.act = "ReadEnd" /\ Exists(r.k) /\ dir[r.k].token = r.t /\ ReadEnd(r.k)
+    \/ r.act = "Remove" /\ Remove(r.k)
+    \/ r.act = "SegmentLost" /\ r.s \in r.joined /\ SegmentLost(r.s)
+
+\* The effects recorded are exactly the spec step's.
+Effects(r) ==
+    /\ { <<s, x, store[s][x].token>> :
+           <<s, x>> \in { <<s, x>> \in Segments \X Slots :
+                            s \in live' /\ store[s][x] # None /\ store'[s][x] = None } } = r.frees
+    /\ { <<s, x, store'[s][x].key, store'[s][x].token>> :
+           <<s, x>> \in { <<s, x>> \in Segments \X Slots :
+                            store[s][x] = None /\ store'[s][x] # None } } = r.assigns
+    /\ { <<k, dir[k].token, dir[k].status>> :
+           k \in { k \in Keys : dir[k] # None /\ dir'[k] = None } } = r.gone
+    /\ { <<k, dir'[k].token>> :
+           k \in { k \in Keys : Pending(k) /\ dir'[k] # None /\ dir'[k].status = "published" } }
+         = r.published
+
+\* A refused event changes nothing, and the spec would not have taken it.
+Refused(r) ==
+    /\ UNCHANGED vars
+    /\ \/ r.act \in {"PutEnd", "PutRevoke", "ReclaimAbandoned"} /\ ~TokenOwns(r.k, r.t)
+       \/ r.act = "PutStart" /\ (r.err = "KeyExists" => Exists(r.k))
+       \/ r.act = "ReadBegin" /\ ~Readable(r.k)
+       \/ r.act = "ReadEnd" /\ ~(Exists(r.k) /\ dir[r.k].token = r.t /\ dir[r.k].reads > 0)
+       \/ r.act = "Remove" /\ ~(Published(r.k) /\ dir[r.k].reads = 0)
+       \/ r.act = "SegmentLost" /\ (r.s \notin r.joined \/ r.s \notin live)
+       \/ r.act = "AddSegment"
+
+\* The directory the master had after the step is the spec's.
+After(r) ==
+    /\ \A k \in DOMAIN r.after : dir'[k] = r.after[k]
+    /\ nextToken' = r.next
+
+Step ==
+    /\ pos <= Len(Trace)
+    /\ IF R.ok THEN Accepted(R) /\ Effects(R) ELSE Refused(R)
+    /\ After(R)
+    /\ pos' = pos + 1
+
+\* The writer of the next recorded PutEnd writes its replicas first (unseen
+\* by the master).
+Write ==
+    /\ pos <= Len(Trace) /\ R.act = "PutEnd" /\ R.ok /\ R.w # wr0
+    /\ \E s \in Segments : WriteReplica(R.w, s)
+    /\ UNCHANGED pos
+
+Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos>>
+
+TraceInit == Init /\ pos = 1
+TraceNext == Step \/ Write \/ Done
+=============================================================================
+"""
+
+
+def module_text(model: TraceModel) -> str:
+    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
+        if model.records else "<<>>"
+    return _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace}
+
+
+def cfg_text(model: TraceModel) -> str:
+    lines = ["\\* expect: ok", "\\* deadlock: check", "CONSTANTS"]
+    lines += [f"    {name} = {format_value(value)}" for name, value in model.constants.items()]
+    lines += [f"    {v.name} = {v.name}" for v in model.model_values]
+    lines += ["INIT TraceInit", "NEXT TraceNext", "INVARIANTS"] + [f"    {n}" for n in INVARIANTS]
+    return "\n".join(lines) + "\n"
+
+
+# --- checking --------------------------------------------------------------------
+
+
+def _spec_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent.parent / "spec"
+    if not (here / "Publish.tla").is_file():
+        raise TraceError(f"spec/Publish.tla not found beside the package ({here})")
+    return here
+
+
+def check(path: "str | Path", *, keep: Optional[Path] = None,
+          on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """Have TLC check the run recorded in ``path`` against ``spec/Publish.tla``.
+    With ``keep``, the generated module and cfg are written there (else to a
+    temporary directory)."""
+    header, steps = publish_run(read(path))
+    return check_run(header, steps, keep=keep, on_output=on_output)
+
+
+def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
+              on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    model = to_model(header, steps)
+    with tempfile.TemporaryDirectory(prefix="kvproto-trace-") as tmp:
+        where = Path(keep) if keep is not None else Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        shutil.copy(_spec_dir() / "Publish.tla", where / "Publish.tla")
+        (where / "PublishTrace.tla").write_text(module_text(model))
+        (where / "PublishTrace.cfg").write_text(cfg_text(model))
+        result = tlc.run(tlc.Model.from_cfg(where / "PublishTrace.cfg"), on_output=on_output)
+    n = len(steps)
+    common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds)
+    if result.verdict == "ok":
+        return Verdict(True, message=f"all {n} steps are steps of spec/Publish.tla", **common)
+    if result.verdict == "deadlock" and result.trace:
+        i = result.trace[-1].state["pos"]
+        recorded, line = model.numbers[i - 1]
+        step = steps[i - 1][1]
+        return Verdict(False, failed_step=recorded, line=line, **common,
+                       message=f"step {recorded} (line {line}) is not a step of spec/Publish.tla "
+                               f"from the state the steps before it reached: {describe(step)}")
+    if result.verdict == "safety":
+        return Verdict(False, **common, message=f"invariant {result.violated} is violated "
+                                                 "(the trace reached a state the spec forbids)")
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    raise TraceError("TLC could not check the generated trace module: "
+                     + " | ".join(lines[-6:]))
+
+
+def describe(step: dict) -> str:
+    """A recorded step in one line: ``PutEnd(key='k', token=3) -> Published``."""
+    ev = step["event"]
+    args = ", ".join(f"{k}={v!r}" for k, v in ev.items() if k != "type")
+    effects = step["effects"]
+    if effects and effects[0].get("type") == "Refused":
+        out = f"refused {effects[0]['error']['type']}"
+    else:
+        out = ", ".join(e["type"] for e in effects) or "no effects"
+    return f"{ev['type']}({args}) -> {out}"
+
+
+# --- command line ----------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Check a trace recorded by 'kvproto master --trace FILE' (or KVPROTO_TRACE=FILE): "
+        "TLC walks the recorded steps of the master's publish machine and reports whether "
+        "each is a step of spec/Publish.tla, or the first that is not.")
+    sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    check_parser = sub.add_parser("check", help="check one recorded run with TLC",
+                                  description="check one recorded run with TLC")
+    check_parser.add_argument("file", type=Path, help="the trace file (JSON lines)")
+    check_parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                              help="write the generated PublishTrace.tla and .cfg to DIR "
+                                   "(default: a temporary directory)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        verdict = check(args.file, keep=args.keep)
+    except (TraceError, FileNotFoundError) as e:
+        print(f"kvproto trace: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    states = "?" if verdict.distinct_states is None else f"{verdict.distinct_states:,}"
+    print(f"{args.file}: {verdict.message} ({states} distinct states, {verdict.seconds:.1f}s)")
+    return 0 if verdict.ok else 1

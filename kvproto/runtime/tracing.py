@@ -1,0 +1,101 @@
+"""Recording what the master feeds its publish machine, as JSON lines.
+
+A :class:`Recorder` writes one line per step of the master's directory (the
+fast core held to ``publish.master_step``): the event, the effects the core
+returned (a refused event is recorded with its single ``Refused`` effect; it
+changed nothing), and what the step left of the directory for every key the
+event or its effects name. ``kvproto trace check FILE``
+(:mod:`kvproto.checking.traces`) has TLC check that the recorded steps are a
+behaviour of ``spec/Publish.tla``.
+
+Recording is off unless a :class:`~kvproto.runtime.master.MasterCore` is given
+``trace=PATH`` (``kvproto master --trace FILE``) or the environment names a
+file in ``KVPROTO_TRACE``; off, the master pays one ``if`` per step. Lines
+are appended (a master restarted on the same file adds a run) and written
+through (line-buffered), so a killed master leaves every step it took.
+
+Encoding (:func:`encode`): an event, effect or record is an object with
+``"type"`` (its class name) and its fields; bytes (keys) are decoded as
+Latin-1, so each byte is one character and ``b"k1"`` reads ``"k1"``; tuples
+are lists; an enum is its value; an error is ``{"type": its class name,
+"message": ...}``. Lines:
+
+* ``{"machine": "publish", "opened": {"next_token": N, "objects": N,
+  "segments": {name: capacity}}}`` when the master opens its directory
+  (at start, and after each takeover's recovery);
+* ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
+  "after": {"next_token": N, "objects": {key: record or null}}}`` per step.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any
+
+import attrs
+
+from kvproto import errors
+
+#: the environment variable that turns recording on (a file path)
+ENV = "KVPROTO_TRACE"
+
+
+def encode(value: Any) -> Any:
+    """``value`` as JSON data (see the module docstring)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("latin-1")
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, errors.KvError):
+        return {"type": type(value).__name__, "message": str(value)}
+    if attrs.has(type(value)):
+        out = {"type": type(value).__name__}
+        for field in attrs.fields(type(value)):
+            out[field.name] = encode(getattr(value, field.name))
+        return out
+    if isinstance(value, (tuple, list, frozenset, set)):
+        return [encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(encode(k)): encode(v) for k, v in value.items()}
+    return value
+
+
+def _keys(event, effects) -> list:
+    """The keys an event and its effects name, in order, once each."""
+    keys = [getattr(event, "key", None)] + [getattr(e, "key", None) for e in effects]
+    return list(dict.fromkeys(k for k in keys if k is not None))
+
+
+class Recorder:
+    """Appends the master's publish steps to ``path`` (one JSON line each)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._file = open(path, "a", buffering=1, encoding="utf-8")
+        except OSError as e:
+            raise errors.InvalidArgument(f"cannot write the trace to {path}: "
+                                         f"{e.strerror or e}") from None
+        self._n = 0
+
+    def _write(self, line: dict) -> None:
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def opened(self, directory) -> None:
+        """The master opened ``directory`` (empty, or recovered at a takeover)."""
+        self._write({"machine": "publish", "opened": {
+            "next_token": directory.next_token, "objects": len(directory.objects),
+            "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}})
+
+    def publish(self, event, effects: tuple, directory) -> None:
+        """One step of the directory: ``event`` in, ``effects`` out."""
+        self._n += 1
+        objects = directory.objects
+        after = {encode(k): encode(objects.get(k)) for k in _keys(event, effects)}
+        self._write({"machine": "publish", "n": self._n, "event": encode(event),
+                     "effects": encode(effects),
+                     "after": {"next_token": directory.next_token, "objects": after}})
+
+    def close(self) -> None:
+        self._file.close()
