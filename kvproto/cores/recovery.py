@@ -102,8 +102,9 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     ``publish.restored(capacities, [(key, e.token, e.length, replicas,
     e.checksum) for the entries of failover.rebuild_directory(indexes, live)],
     next_token)``. With a list ``mismatches``, appends to it
-    ``failover.checksum_mismatches(indexes, live)``: the ``(key, node)`` of
-    each replica left out because its checksum differs from the listed one's."""
+    ``failover.checksum_mismatches(indexes, live)``: the ``(key, node,
+    offset)`` of each replica left out because its checksum differs from the
+    listed one's."""
     live = [node for node in sorted(indexes) if node in capacities]
     ids = {name: i for i, name in enumerate(capacities)}
     parts = [(ids[node], indexes[node]) for node in live]
@@ -141,7 +142,8 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     agree = sums[order] == np.repeat(sums[chosen], per)
     if mismatches is not None:
         names_of = list(capacities)
-        mismatches.extend(sorted((keys[i], names_of[node[i]])
+        offsets = cat["offset"]
+        mismatches.extend(sorted((keys[i], names_of[node[i]], int(offsets[i]))
                                  for i in order[same & ~agree].tolist()))
     same &= agree
     kept = order[same]                              # its replicas, by key then node order

@@ -371,18 +371,19 @@ def _published(indexes: Mapping[str, immutables.Map], live):
 
 
 def checksum_mismatches(indexes: Mapping[str, immutables.Map], live) -> list[tuple]:
-    """The rebuild's check of the checksums: ``(key, node)`` of every
+    """The rebuild's check of the checksums: ``(key, node, offset)`` of every
     published entry on a live node that holds the allocation
     :func:`rebuild_directory` lists for ``key`` (same publishing term and
     token) but records another checksum, sorted. Such a replica is not
-    listed: its bytes or its index disagree with the listed one's."""
+    listed: its bytes or its index disagree with the listed one's (the
+    runtime master frees its region)."""
     listed = rebuild_directory(indexes, live)
     out = []
     for node, key, entry in _published(indexes, live):
         chosen = listed[key]
         held = indexes[chosen.node][key]
         if entry.by == held.by and entry.token == held.token and entry.checksum != held.checksum:
-            out.append((key, node))
+            out.append((key, node, entry.offset))
     return sorted(out)
 
 

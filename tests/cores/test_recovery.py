@@ -58,7 +58,7 @@ def test_a_replica_with_another_checksum_is_left_out_and_reported():
                      mismatches=mismatches)
     record = core.objects[b"k"]
     assert [r.segment for r in record.replicas] == ["n-a", "n-c"] and record.checksum == 0xAB
-    assert mismatches == [(b"k", "n-b")] == fm.checksum_mismatches(indexes, frozenset(indexes))
+    assert mismatches == [(b"k", "n-b", 4096)] == fm.checksum_mismatches(indexes, frozenset(indexes))
     assert core.reference() == reference(capacities, indexes, 1)
 
 
