@@ -127,3 +127,21 @@ def test_verify_refuses_a_destination_it_cannot_hash(cluster, local):
     local.put(b"consumed", payload(b"consumed"))
     with pytest.raises(errors.InvalidArgument):
         local.get_into(b"consumed", Consume(64 * KiB, lambda src: None), verify=True)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_fills_checksum_is_taken_where_it_produced_the_bytes(cluster, direct):
+    """A Fill (a GPU's DMA) writes straight into a same-host segment, or into
+    a staging buffer that is sent: the checksum is of those bytes."""
+    from kvproto.runtime.datapath import Fill
+    writer = cluster.client(local_writes=direct)
+    key, data = b"filled-%d" % direct, payload(b"filled-%d" % direct)
+
+    def fill(dst):
+        dst[:] = np.frombuffer(data, np.uint8)
+
+    before = writer.transfer_counters["direct_writes"]
+    writer.put(key, Fill(len(data), fill), replicas=2)
+    assert (writer.transfer_counters["direct_writes"] > before) == direct
+    assert cluster.master.core.directory.objects[key].checksum == checksum(data)
+    assert bytes(writer.get(key, verify=True)) == data
