@@ -42,6 +42,12 @@ opened by the master), in objects per second; and the same end to end
 the active master killed, and the standby's takeover over TCP as its own
 failover metrics report it.
 
+Checksums: per size, the object checksum (XXH3-64, what a writer sends with
+``put_end`` and ``verify=True`` recomputes) next to a memcpy of the same
+bytes; and same-host and network gets with ``verify=True`` next to the same
+gets without, and puts with the writer's checksum next to puts without, on
+one store in the same run, with the ratios.
+
 ``--only failover,rebuild`` (any of :data:`SECTIONS`) runs some sections alone.
 
 Every figure is a median over repetitions and is printed with its ratio to the
@@ -85,7 +91,7 @@ while True:
 
 #: the benchmark's sections, in the order they run
 SECTIONS = ("payload", "metadata", "transfers", "leases", "rebuild", "failover", "memory",
-            "rebuild-e2e")
+            "rebuild-e2e", "checksum")
 
 
 def _mib_list(text: str) -> str:
@@ -227,6 +233,51 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
         local.close()
     finally:
         _stop(procs, raw, sock)
+    return rows
+
+
+def checksum_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
+    """The checksum's cost per byte, next to memcpy and to the same gets and
+    puts without it (GB/s, medians)."""
+    from kvproto.runtime.client import Client
+    from kvproto.runtime.datapath import checksum
+
+    procs, address = _start_store(f"{max(sizes_mib) * 3}MiB")
+    rows = []
+    try:
+        clients = {"net": Client(address, timeout=60.0, local_reads=False),
+                   "shm": Client(address, timeout=60.0),
+                   "plain": Client(address, timeout=60.0, checksums=False)}
+        for mib in sizes_mib:
+            n = mib * MiB
+            src = np.random.default_rng(mib).integers(0, 256, n, dtype=np.uint8)
+            dst = np.empty_like(src)
+            key = f"sum/{mib}".encode()
+
+            def put_remove(client) -> None:
+                client.put(key, src)
+                client.remove(key)
+
+            row = {"size": f"{mib} MiB",
+                   "memcpy": _median_rate(_timed(lambda: np.copyto(dst, src), repeat), n),
+                   "checksum": _median_rate(_timed(lambda: checksum(src), repeat), n),
+                   "put": _median_rate(_timed(lambda: put_remove(clients["shm"]), repeat), n),
+                   "put_plain": _median_rate(_timed(lambda: put_remove(clients["plain"]), repeat), n)}
+            clients["shm"].put(key, src)
+            for path in ("shm", "net"):
+                c = clients[path]
+                row[f"get_{path}"] = _median_rate(_timed(lambda: c.get(key), repeat), n)
+                row[f"verify_{path}"] = _median_rate(_timed(lambda: c.get(key, verify=True), repeat), n)
+                if c.checksum_counters["checksum_verified"] != repeat + 1:
+                    raise AssertionError(f"{path} gets of {mib} MiB were not verified")
+                c.checksum_counters["checksum_verified"] = 0
+                c.flush_releases()
+            clients["shm"].remove(key)
+            rows.append(row)
+        for c in clients.values():
+            c.close()
+    finally:
+        _stop(procs)
     return rows
 
 
@@ -631,6 +682,17 @@ def main(args: argparse.Namespace) -> int:
               f"{r['open_s']:.2f}s from its term to open ({r['objects_s']:,.0f} objects/s; fence and "
               f"index transfer {r['fence_s']:.2f}s, rebuild {r['recover_s']:.2f}s; filling took "
               f"{r['filled_s']:.0f}s)")
+    if "checksum" in only:
+        print(f"\nobject checksums (XXH3-64), GB/s, medians of {args.repeat}; same store, same run")
+        print(f"{'size':>7} {'checksum':>9} {'memcpy':>7} {'ratio':>6}   {'get shm':>8} {'verify':>7} "
+              f"{'ratio':>6}   {'get net':>8} {'verify':>7} {'ratio':>6}   {'put':>6} {'no sum':>7} "
+              f"{'ratio':>6}")
+        for r in checksum_bench(sizes, args.repeat):
+            print(f"{r['size']:>7} {r['checksum']:9.2f} {r['memcpy']:7.2f} "
+                  f"{r['checksum'] / r['memcpy']:6.2f}   {r['get_shm']:8.2f} {r['verify_shm']:7.2f} "
+                  f"{r['verify_shm'] / r['get_shm']:6.2f}   {r['get_net']:8.2f} {r['verify_net']:7.2f} "
+                  f"{r['verify_net'] / r['get_net']:6.2f}   {r['put']:6.2f} {r['put_plain']:7.2f} "
+                  f"{r['put'] / r['put_plain']:6.2f}")
     if args.memory_objects and "memory" in only:
         per = memory_per_object(args.memory_objects)
         print(f"\nmaster memory: {per:.0f} bytes per published object, directory and lease "

@@ -28,7 +28,8 @@ KINDS = ("valid", "field", "payloads", "header", "bytes")
 
 class Field:
     """What one validator accepts: ``kind`` (uint, bytes, str, bool, list,
-    tuple), a range (value or length), and the items of a list or tuple."""
+    tuple), a range (value or length; a tuple's: how many of its items), and
+    the items of a list or tuple."""
 
     __slots__ = ("kind", "lo", "hi", "item", "items")
 
@@ -57,7 +58,7 @@ def describe(check: Callable) -> Field:
     if kind == "list_of":
         return Field("list", env["min_items"], env["max_items"], item=describe(env["item"]))
     if kind == "tuple_of":
-        return Field("tuple", items=tuple(describe(c) for c in env["items"]))
+        return Field("tuple", env["n"], env["most"], items=tuple(describe(c) for c in env["every"]))
     raise ValueError(f"no fuzzing rule for the validator {check.__qualname__}")
 
 
@@ -149,8 +150,10 @@ def valid(src: Source, f: Field, name: str, pools: dict) -> Any:
     if f.kind == "list":
         n = _edge_int(src, f.lo, min(f.hi, 6))
         return [valid(src, f.item, name, pools) for _ in range(n)]
-    # a tuple: the field's name lets pools fill e.g. [key, token] items
-    return [valid(src, item, f"{name}.{i}", pools) for i, item in enumerate(f.items)]
+    # a tuple (its optional trailing items or not): the field's name lets
+    # pools fill e.g. [key, token] items
+    n = src.int(f.lo, f.hi) if f.lo < f.hi else f.hi
+    return [valid(src, item, f"{name}.{i}", pools) for i, item in enumerate(f.items[:n])]
 
 
 def _fits(f: Field, v: Any) -> bool:
@@ -164,7 +167,8 @@ def _fits(f: Field, v: Any) -> bool:
         return type(v) is bool
     if f.kind == "list":
         return type(v) is list and f.lo <= len(v) <= f.hi and all(_fits(f.item, x) for x in v)
-    return type(v) is list and len(v) == len(f.items) and all(_fits(i, x) for i, x in zip(f.items, v))
+    return type(v) is list and f.lo <= len(v) <= f.hi \
+        and all(_fits(i, x) for i, x in zip(f.items, v))
 
 
 #: a value of each msgpack type, for type confusion
@@ -192,9 +196,9 @@ def wrong(src: Source, f: Field) -> Any:
         return [None] * (f.hi + 1) if f.hi < 70000 else "not a list"
     if f.kind == "tuple":
         if src.chance(0.5):
-            return [None] * (len(f.items) + src.pick([-1, 1]))
-        i = src.int(0, len(f.items) - 1)
-        out = [valid(src, it, "", {}) for it in f.items]
+            return [None] * src.pick([f.lo - 1, f.hi + 1])
+        i = src.int(0, f.lo - 1)
+        out = [valid(src, it, "", {}) for it in f.items[:f.lo]]
         out[i] = wrong(src, f.items[i])
         return out
     return "not a bool"

@@ -120,9 +120,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",
-        _one(MASTER, "            err, _ = self._step(event_type(key, token))\n",
+        _one(MASTER, "            err, _ = self._step(event_type(key, token, *checksum))\n",
              "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
-             "            err, _ = self._step(event_type(key, token if rec is None else rec.token))\n"),
+             "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
+             "                                           *checksum))\n"),
         ("tests/runtime/test_embedded.py::test_a_revoked_writer_cannot_publish_the_next_attempt",)),
     Mutant(
         "new-master-restarts-tokens",
@@ -166,8 +167,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "get-no-relookup-on-stale-term",
         "a get whose descriptor a node refuses as StaleTerm (a new master took "
         "over) misses instead of looking the key up again at the new master",
-        _one(CLIENT, "                    ) if relookup else [None] * len(stale)\n",
-             "                    ) if False else [None] * len(stale)\n"),
+        _one(CLIENT, "                        verify=verify) if relookup else [None] * len(stale)\n",
+             "                        verify=verify) if False else [None] * len(stale)\n"),
         ("tests/runtime/test_embedded.py::test_a_get_with_a_stale_descriptor_looks_up_again",)),
 )
 

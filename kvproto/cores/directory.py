@@ -11,7 +11,7 @@ conformance graphs and the differential test hold the two to each other
 
 Layout: a key's row comes from :class:`~kvproto.cores.rows.Rows` (shared with
 the lease table in the master); per row, flat columns hold the status, token,
-length, read pins and up to :data:`INLINE` replicas as (segment id, offset),
+length, checksum, read pins and up to :data:`INLINE` replicas as (segment id, offset),
 segment names interned to small ints. An object with more replicas, or on a
 segment whose id does not fit in 16 bits, keeps its replicas in a small
 overflow dict. Segment ledgers are a few plain objects. A step allocates no
@@ -78,7 +78,7 @@ class DirectoryCore:
 
     BIT = 1
 
-    __slots__ = ("rows", "next_token", "count", "_st", "_nrep", "_tok", "_len", "_reads",
+    __slots__ = ("rows", "next_token", "count", "_st", "_nrep", "_tok", "_len", "_sum", "_reads",
                  "_s0", "_s1", "_o0", "_o1", "_extra", "_ledgers", "_by_id", "_names", "_handlers",
                  "objects", "segments")
 
@@ -90,6 +90,7 @@ class DirectoryCore:
         self._nrep = array("B")            # inline replicas, or OVERFLOW
         self._tok = array("q")
         self._len = array("q")
+        self._sum = array("Q")             # the writer's checksum (0: none)
         self._reads = array("I")
         self._s0, self._s1 = array("H"), array("H")
         self._o0, self._o1 = array("q"), array("q")
@@ -111,7 +112,7 @@ class DirectoryCore:
         self.segments = _Ledgers(self)
 
     def _columns(self) -> tuple:
-        return (self._st, self._nrep, self._tok, self._len, self._reads,
+        return (self._st, self._nrep, self._tok, self._len, self._sum, self._reads,
                 self._s0, self._s1, self._o0, self._o1)
 
     def _grow(self, size: int) -> None:
@@ -171,6 +172,7 @@ class DirectoryCore:
         self._st[row] = PENDING
         self._tok[row] = token
         self._len[row] = length
+        self._sum[row] = 0
         for ledger in chosen:
             ledger.free -= length
         if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
@@ -201,6 +203,7 @@ class DirectoryCore:
         if row is None:
             return _refused(errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
         self._st[row] = PUBLISHED
+        self._sum[row] = ev.checksum
         return (Published(ev.key, ev.token),)
 
     def _put_revoke(self, ev) -> tuple:
@@ -221,7 +224,8 @@ class DirectoryCore:
             return _refused(errors.KeyNotFound(f"{key!r}"))
         self._reads[row] += 1
         length = self._len[row]
-        return (ReadGranted(key, self._tok[row], self._replicas(row, length), length),)
+        return (ReadGranted(key, self._tok[row], self._replicas(row, length), length,
+                            self._sum[row]),)
 
     def _read_end(self, ev: ReadEnd) -> tuple:
         """Spec ``ReadEnd``: unpin; a read of an object that is gone changes nothing."""
@@ -377,7 +381,7 @@ class DirectoryCore:
     def _record(self, row: int) -> ObjectRecord:
         length = self._len[row]
         return ObjectRecord(_STATUS[self._st[row]], self._tok[row], self._replicas(row, length),
-                            length, self._reads[row])
+                            length, self._reads[row], self._sum[row])
 
     def published(self, key) -> bool:
         """Whether ``key`` names a published object (spec ``Readable(k)``)."""
@@ -401,7 +405,7 @@ class DirectoryCore:
         new = DirectoryCore.__new__(DirectoryCore)
         new.rows = self.rows.copy()
         new.next_token, new.count = self.next_token, self.count
-        (new._st, new._nrep, new._tok, new._len, new._reads,
+        (new._st, new._nrep, new._tok, new._len, new._sum, new._reads,
          new._s0, new._s1, new._o0, new._o1) = (col[:] for col in self._columns())
         new._extra = dict(self._extra)
         new._by_id = [Ledger(l.name, l.id, l.capacity, l.free, l.live) for l in self._by_id]
@@ -414,11 +418,10 @@ class DirectoryCore:
     # ------------------------------------------------------------------ bulk construction
 
     @classmethod
-    def restored(cls, capacities: Mapping[str, int],
-                 objects: Iterable[tuple[bytes, int, int, tuple]], next_token: int,
+    def restored(cls, capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int,
                  rows: Optional[Rows] = None) -> "DirectoryCore":
         """:func:`kvproto.statemachines.publish.restored` as a core: every
-        ``(key, token, length, replicas)`` published on its replicas on live
+        ``(key, token, length, replicas[, checksum])`` published on its replicas on live
         segments (others dropped; an object left with none is not listed), the
         segments of ``capacities`` live with those bytes taken, tokens from
         ``next_token``. A replica whose length is not its object's is refused
@@ -426,7 +429,7 @@ class DirectoryCore:
         ids = {name: i for i, name in enumerate(capacities)}
         used = [0] * len(ids)
         listed: dict = {}
-        for key, token, length, replicas in objects:
+        for key, token, length, replicas, *checksum in objects:
             kept = []
             for r in replicas:
                 s = ids.get(r.segment)
@@ -436,33 +439,36 @@ class DirectoryCore:
                     kept.append((s, r.offset))
                     used[s] += length
             if kept:
-                listed[key] = (token, length, kept)
+                listed[key] = (token, length, kept, checksum[0] if checksum else 0)
                 next_token = max(next_token, token + 1)
-        width = max((len(k) for _, _, k in listed.values()), default=1)
+        width = max((len(k) for _, _, k, _ in listed.values()), default=1)
         n = len(listed)
         sids = np.full((n, width), -1, np.int64)
         offs = np.zeros((n, width), np.int64)
-        for i, (_, _, kept) in enumerate(listed.values()):
+        for i, (_, _, kept, _) in enumerate(listed.values()):
             for j, (s, o) in enumerate(kept):
                 sids[i, j], offs[i, j] = s, o
-        tokens = np.fromiter((t for t, _, _ in listed.values()), np.int64, n)
-        lengths = np.fromiter((l for _, l, _ in listed.values()), np.int64, n)
+        tokens = np.fromiter((t for t, _, _, _ in listed.values()), np.int64, n)
+        lengths = np.fromiter((l for _, l, _, _ in listed.values()), np.int64, n)
+        sums = np.fromiter((c for _, _, _, c in listed.values()), np.uint64, n)
         return cls._build(capacities, list(listed), tokens, lengths, sids, offs, next_token,
-                          used, rows)
+                          used, rows, sums)
 
     @classmethod
     def from_columns(cls, capacities: Mapping[str, int], segments: Sequence[str],
                      keys: bytes, key_offsets, tokens, lengths, replica_segments,
                      replica_offsets, next_token: int,
-                     rows: Optional[Rows] = None) -> "DirectoryCore":
+                     rows: Optional[Rows] = None, checksums=None) -> "DirectoryCore":
         """:meth:`restored` from columns, as a columnar index frame decodes:
         object ``i`` has key ``keys[key_offsets[i]:key_offsets[i + 1]]``, token
-        ``tokens[i]``, length ``lengths[i]`` and replicas ``(segments[j],
-        replica_offsets[i, c])`` for each ``j = replica_segments[i, c] >= 0``.
-        Keys must be distinct. No Python object is made per object but its
-        key and row."""
+        ``tokens[i]``, length ``lengths[i]``, checksum ``checksums[i]`` (none:
+        0) and replicas ``(segments[j], replica_offsets[i, c])`` for each
+        ``j = replica_segments[i, c] >= 0``. Keys must be distinct. No Python
+        object is made per object but its key and row."""
         tokens = np.asarray(tokens, np.int64)
         lengths = np.asarray(lengths, np.int64)
+        sums = np.zeros(len(tokens), np.uint64) if checksums is None else \
+            np.asarray(checksums, np.uint64)
         rsegs = np.asarray(replica_segments, np.int64)
         roffs = np.asarray(replica_offsets, np.int64)
         if rsegs.ndim == 1:
@@ -485,16 +491,18 @@ class DirectoryCore:
         names = _slices(keys, np.asarray(key_offsets, np.int64), listed)
         if not listed.all():
             tokens, lengths, sids, offs = tokens[listed], lengths[listed], sids[listed], offs[listed]
+            sums = sums[listed]
         if len(tokens):
             next_token = max(next_token, int(tokens.max()) + 1)
         return cls._build(capacities, names, tokens, lengths, sids, offs, next_token,
-                          used.tolist(), rows)
+                          used.tolist(), rows, sums)
 
     @classmethod
     def _build(cls, capacities, keys: list, tokens, lengths, sids, offs, next_token: int,
-               used: Sequence[int], rows: Optional[Rows]) -> "DirectoryCore":
+               used: Sequence[int], rows: Optional[Rows], sums) -> "DirectoryCore":
         """A directory of published objects at rows ``0..n-1``: ``sids``/``offs``
-        (n x width, kept replicas first, -1 after) in the ids of ``capacities``."""
+        (n x width, kept replicas first, -1 after) in the ids of ``capacities``,
+        checksums ``sums``."""
         core = cls(rows)
         for (name, capacity), u in zip(capacities.items(), used):
             core._join(name, capacity, capacity - u)
@@ -509,6 +517,7 @@ class DirectoryCore:
         nrep = (sids >= 0).sum(1)
         inline = (nrep <= INLINE) & (sids[:, :min(width, INLINE)] < SEGMENT_ID_LIMIT).all(1)
         cols = {"_st": np.full(n, PUBLISHED, np.int8), "_tok": tokens, "_len": lengths,
+                "_sum": sums,
                 "_nrep": np.where(inline, nrep, OVERFLOW).astype(np.uint8),
                 "_s0": np.where(inline, sids[:, 0], 0).astype(np.uint16),
                 "_o0": np.where(inline, offs[:, 0], 0)}
@@ -541,8 +550,8 @@ def _slices(blob: bytes, offsets: np.ndarray, listed: np.ndarray) -> list[bytes]
     return [blob[a:b] for a, b in zip(array("q", starts.tobytes()), array("q", ends.tobytes()))]
 
 
-def restored(capacities: Mapping[str, int], objects: Iterable[tuple[bytes, int, int, tuple]],
-             next_token: int) -> DirectoryCore:
+def restored(capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int
+             ) -> DirectoryCore:
     """:meth:`DirectoryCore.restored` (the drop-in for ``publish.restored``)."""
     return DirectoryCore.restored(capacities, objects, next_token)
 

@@ -10,9 +10,10 @@ decodes them without a Python object per entry but its key
 (:meth:`IndexColumns.from_frames`) and rebuilds with :func:`recovered`: per
 key, of the published entries on live nodes, the one with the highest
 publishing term, then the first node in name order, listed with every live
-node that published that same allocation (same term and token), in node
-order. ``tests/cores/test_recovery.py`` holds it to the reference on random
-indexes.
+node that published that same allocation (same term and token) with the same
+checksum, in node order; a replica of that allocation with another checksum
+is left out and reported (``failover.checksum_mismatches``).
+``tests/cores/test_recovery.py`` holds it to the reference on random indexes.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from kvproto.statemachines import failover as fm
 
 #: the numeric columns, in frame order, with their dtypes
 COLUMNS = (("term", np.int64), ("published", np.int8), ("by", np.int64),
-           ("offset", np.int64), ("length", np.int64), ("token", np.int64))
+           ("offset", np.int64), ("length", np.int64), ("token", np.int64),
+           ("checksum", np.uint64))
 
 
 class IndexColumns:
     """A storage node's index as columns: entry ``i`` is ``keys[i]`` with
     ``term[i]``, ``published[i]``, ``by[i]``, ``offset[i]``, ``length[i]``,
-    ``token[i]`` (an :class:`~kvproto.statemachines.failover.IndexEntry` each,
-    checksum 0)."""
+    ``token[i]``, ``checksum[i]`` (an
+    :class:`~kvproto.statemachines.failover.IndexEntry` each)."""
 
     __slots__ = ("keys",) + tuple(name for name, _ in COLUMNS)
 
@@ -60,8 +62,8 @@ class IndexColumns:
     def entries(self) -> dict:
         """``key -> IndexEntry`` (O(n); for checks)."""
         cols = [getattr(self, name).tolist() for name, _ in COLUMNS]
-        return {key: fm.IndexEntry(term, bool(pub), by, off, length, 0, tok)
-                for key, term, pub, by, off, length, tok in zip(self.keys, *cols)}
+        return {key: fm.IndexEntry(term, bool(pub), by, off, length, checksum, tok)
+                for key, term, pub, by, off, length, tok, checksum in zip(self.keys, *cols)}
 
     def frames(self) -> list:
         """The wire form: the keys joined, their end offsets, then one frame per column."""
@@ -93,11 +95,16 @@ class IndexColumns:
 
 
 def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns],
-              next_token: int, rows: Optional[Rows] = None) -> DirectoryCore:
+              next_token: int, rows: Optional[Rows] = None,
+              mismatches: Optional[list] = None) -> DirectoryCore:
     """The directory a master opens with after fencing the nodes of
     ``capacities`` (the live ones) whose indexes are ``indexes``: equal to
-    ``publish.restored(capacities, [(key, e.token, e.length, replicas) for the
-    entries of failover.rebuild_directory(indexes, live)], next_token)``."""
+    ``publish.restored(capacities, [(key, e.token, e.length, replicas,
+    e.checksum) for the entries of failover.rebuild_directory(indexes, live)],
+    next_token)``. With a list ``mismatches``, appends to it
+    ``failover.checksum_mismatches(indexes, live)``: the ``(key, node,
+    offset)`` of each replica left out because its checksum differs from the
+    listed one's."""
     live = [node for node in sorted(indexes) if node in capacities]
     ids = {name: i for i, name in enumerate(capacities)}
     parts = [(ids[node], indexes[node]) for node in live]
@@ -119,11 +126,11 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     if not n:
         return DirectoryCore._build(capacities, [], np.zeros(0, np.int64), np.zeros(0, np.int64),
                                     np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64),
-                                    next_token, [0] * len(ids), rows)
+                                    next_token, [0] * len(ids), rows, np.zeros(0, np.uint64))
     # group the entries by key: the group of a key is the position of its last entry
     last = dict(zip(keys, range(n)))
     group = np.fromiter(map(last.__getitem__, keys), np.int64, n)
-    by, tok = cat["by"], cat["token"]
+    by, tok, sums = cat["by"], cat["token"], cat["checksum"]
     order = np.lexsort((rank, -by, group))          # per key: highest ``by``, then node order
     g = group[order]
     head = np.ones(n, bool)
@@ -132,6 +139,13 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     chosen = order[starts]                          # the entry each key lists
     per = np.diff(np.append(starts, n))
     same = (by[order] == np.repeat(by[chosen], per)) & (tok[order] == np.repeat(tok[chosen], per))
+    agree = sums[order] == np.repeat(sums[chosen], per)
+    if mismatches is not None:
+        names_of = list(capacities)
+        offsets = cat["offset"]
+        mismatches.extend(sorted((keys[i], names_of[node[i]], int(offsets[i]))
+                                 for i in order[same & ~agree].tolist()))
+    same &= agree
     kept = order[same]                              # its replicas, by key then node order
     owner = np.repeat(np.arange(len(chosen)), per)[same]
     count = np.bincount(owner, minlength=len(chosen))
@@ -148,4 +162,4 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     names = [keys[i] for i in chosen.tolist()]
     next_token = max(next_token, int(tokens.max()) + 1)
     return DirectoryCore._build(capacities, names, tokens, lengths, sids, offs, next_token,
-                                used.tolist(), rows)
+                                used.tolist(), rows, sums[chosen])

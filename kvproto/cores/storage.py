@@ -12,8 +12,7 @@ effects and refuses with the same single ``Refused`` effect, changing nothing.
 
 Layout: regions by offset and index entries by key, each a
 :class:`~kvproto.cores.rows.Rows` numbering flat columns (token, length,
-written; term, published, publishing term, offset, length, token). A checksum
-other than 0 is kept in a small dict.
+written; term, published, publishing term, offset, length, token, checksum).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class StorageNodeCore:
 
     __slots__ = ("segment", "term", "_reg", "_r_key", "_r_tok", "_r_len", "_r_done",
                  "_idx", "_i_term", "_i_pub", "_i_by", "_i_off", "_i_len", "_i_tok",
-                 "_checksums", "_handlers", "regions", "index")
+                 "_i_sum", "_handlers", "regions", "index")
 
     def __init__(self, segment: str = "", term: int = 0) -> None:
         self.segment, self.term = segment, term
@@ -59,7 +58,7 @@ class StorageNodeCore:
         self._idx = Rows()                  # key -> index row
         self._i_term, self._i_pub, self._i_by = array("q"), array("b"), array("q")
         self._i_off, self._i_len, self._i_tok = array("q"), array("q"), array("q")
-        self._checksums: dict = {}          # index row -> checksum, when not 0
+        self._i_sum = array("Q")            # the checksum the publish recorded (0: none)
         self._setup()
 
     def _setup(self) -> None:
@@ -76,7 +75,8 @@ class StorageNodeCore:
         self._idx.attach(lambda size: grow(self._index_columns(), size))
 
     def _index_columns(self) -> tuple:
-        return (self._i_term, self._i_pub, self._i_by, self._i_off, self._i_len, self._i_tok)
+        return (self._i_term, self._i_pub, self._i_by, self._i_off, self._i_len, self._i_tok,
+                self._i_sum)
 
     def step(self, event) -> tuple:
         """Apply one event (those of ``publish.storage_step`` and ``failover.storage_step``)."""
@@ -167,6 +167,7 @@ class StorageNodeCore:
         row = self._idx.acquire(ev.key, 1)
         self._i_term[row], self._i_pub[row], self._i_by[row] = ev.term, 0, 0
         self._i_off[row], self._i_len[row], self._i_tok[row] = ev.offset, ev.length, ev.token
+        self._i_sum[row] = 0
         self.term = max(self.term, ev.term)
         return (fm.StorageAccepted(ev.key, ev.term),)
 
@@ -177,9 +178,7 @@ class StorageNodeCore:
             return _refused(errors.NotPublished(f"{ev.key!r} is not an open allocation here"))
         if ev.term < self.term:
             return self._stale(ev.term)
-        self._i_pub[row], self._i_by[row] = 1, ev.term
-        if ev.checksum:
-            self._checksums[row] = ev.checksum
+        self._i_pub[row], self._i_by[row], self._i_sum[row] = 1, ev.term, ev.checksum
         self.term = max(self.term, ev.term)
         return (fm.StorageAccepted(ev.key, ev.term),)
 
@@ -238,7 +237,6 @@ class StorageNodeCore:
         return (fm.StorageAccepted(ev.key, ev.term),)
 
     def _drop_entry(self, row: int) -> None:
-        self._checksums.pop(row, None)
         self._idx.release(row, 1)
 
     def entry(self, key) -> Optional[fm.IndexEntry]:
@@ -247,7 +245,7 @@ class StorageNodeCore:
 
     def _entry(self, row: int) -> fm.IndexEntry:
         return fm.IndexEntry(self._i_term[row], bool(self._i_pub[row]), self._i_by[row],
-                             self._i_off[row], self._i_len[row], self._checksums.get(row, 0),
+                             self._i_off[row], self._i_len[row], self._i_sum[row],
                              self._i_tok[row])
 
     def index_columns(self) -> IndexColumns:
@@ -261,7 +259,8 @@ class StorageNodeCore:
         cols = {name: np.frombuffer(col, dtype, size)[held] for name, col, dtype in (
             ("term", self._i_term, np.int64), ("published", self._i_pub, np.int8),
             ("by", self._i_by, np.int64), ("offset", self._i_off, np.int64),
-            ("length", self._i_len, np.int64), ("token", self._i_tok, np.int64))}
+            ("length", self._i_len, np.int64), ("token", self._i_tok, np.int64),
+            ("checksum", self._i_sum, np.uint64))}
         return IndexColumns(keys, **cols)
 
     def index_map(self) -> immutables.Map:
@@ -280,10 +279,10 @@ class StorageNodeCore:
         new = StorageNodeCore.__new__(StorageNodeCore)
         new.segment, new.term = self.segment, self.term
         new._reg, new._idx = self._reg.copy(), self._idx.copy()
-        new._r_key, new._checksums = dict(self._r_key), dict(self._checksums)
+        new._r_key = dict(self._r_key)
         new._r_tok, new._r_len, new._r_done = self._r_tok[:], self._r_len[:], self._r_done[:]
-        (new._i_term, new._i_pub, new._i_by, new._i_off, new._i_len,
-         new._i_tok) = (col[:] for col in self._index_columns())
+        (new._i_term, new._i_pub, new._i_by, new._i_off, new._i_len, new._i_tok,
+         new._i_sum) = (col[:] for col in self._index_columns())
         new._setup()
         return new
 

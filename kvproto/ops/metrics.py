@@ -93,6 +93,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_master_terms_won_total": _m(C, (), "Terms this master process won (each a fence and a recovery)."),
     "kvproto_master_publish_marks_total": _m(C, ("result",), "Publishes recorded in the storage nodes' indexes: ok or refused."),
     "kvproto_master_stale_term_refusals_total": _m(C, (), "Commands a storage node refused for a stale term (a newer master exists)."),
+    "kvproto_master_checksum_mismatches_total": _m(C, (), "Replicas a takeover left out because their node's index records another checksum than the replica listed."),
     "kvproto_failover_last_term": _m(G, (), "Term of the last takeover."),
     "kvproto_failover_last_seconds": _m(G, ("stage",), "The last takeover's duration: fence (until the nodes answered), recover (rebuilding the directory), open (term to open)."),
     "kvproto_failover_last_nodes": _m(G, ("state",), "Storage nodes at the last takeover: fenced, or lost (did not answer)."),
@@ -137,6 +138,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_client_master_unreachable_total": _m(C, (), "Calls refused with MasterUnreachable: no master served past the switch window."),
     "kvproto_client_stale_term_relookups_total": _m(C, (), "Keys looked up again after a node refused a stale term."),
     "kvproto_client_recomputes_total": _m(C, ("decision",), "Fall-backs to recomputation: allowed or refused by the rate limit."),
+    "kvproto_client_checksums_total": _m(C, ("result",), "Replicas read with verify=True: verified (the bytes match the checksum recorded at publish), mismatch (ChecksumMismatch, or the next replica tried), absent (no checksum recorded: not checked)."),
     "kvproto_client_buffers": _m(G, ("pool", "state"), "Pool buffers by state: free, held (by a request, incl. loading), quarantined (timed out, not drained), leaked (written off)."),
     "kvproto_client_buffers_loading": _m(G, ("pool",), "Pool buffers with a transfer in flight."),
     "kvproto_client_transfers_tracked": _m(G, ("pool",), "Transfers the pool still tracks."),
@@ -175,6 +177,7 @@ MASTER_COUNTERS: dict[str, tuple[str, dict]] = {
     "stale_term_refusals": ("kvproto_master_stale_term_refusals_total", {}),
     "not_open": ("kvproto_master_not_open_refusals_total", {}),
     "unauthorized": ("kvproto_master_unauthorized_total", {}),
+    "checksum_mismatches": ("kvproto_master_checksum_mismatches_total", {}),
 }
 
 #: StorageCore counter -> (metric, labels)
@@ -206,7 +209,8 @@ STORAGE_COUNTERS: dict[str, tuple[str, dict]] = {
     "drained": ("kvproto_storage_direct_regions_total", {"event": "drained"}),
 }
 
-#: Client.lease_counters / failover_counters -> (metric, labels)
+#: Client.lease_counters / failover_counters / transfer_counters /
+#: checksum_counters -> (metric, labels)
 CLIENT_COUNTERS: dict[str, tuple[str, dict]] = {
     "lease_accepted": ("kvproto_client_leased_reads_total", {"result": "accepted"}),
     "lease_rejected": ("kvproto_client_leased_reads_total", {"result": "rejected"}),
@@ -229,6 +233,9 @@ CLIENT_COUNTERS: dict[str, tuple[str, dict]] = {
     "network_writes": ("kvproto_client_transfers_total", {"path": "network_write"}),
     "local_reads": ("kvproto_client_transfers_total", {"path": "local_read"}),
     "network_reads": ("kvproto_client_transfers_total", {"path": "network_read"}),
+    "checksum_verified": ("kvproto_client_checksums_total", {"result": "verified"}),
+    "checksum_mismatches": ("kvproto_client_checksums_total", {"result": "mismatch"}),
+    "checksum_absent": ("kvproto_client_checksums_total", {"result": "absent"}),
 }
 #: lease counters that are sums of others (not exported twice)
 CLIENT_DERIVED = ("lease_reads",)
@@ -429,7 +436,8 @@ class ClientCollector:
         total: dict[str, float] = {}
         for client in clients:
             for d in (_read(lambda: dict(client.lease_counters)), _read(lambda: dict(client.failover_counters)),
-                      _read(lambda: dict(client.transfer_counters))):
+                      _read(lambda: dict(client.transfer_counters)),
+                      _read(lambda: dict(client.checksum_counters))):
                 for key, value in d.items():
                     total[key] = total.get(key, 0) + value
         return total, {name: pool.counts() for name, pool in pools.items()}

@@ -264,7 +264,8 @@ class Client:
                  max_skew: float = 0.002, lease_budget: Optional[lm.LeaseBudget] = None,
                  lookup_timeout: float = 2.0, switch_window: float = 10.0,
                  recompute_rate: float = 100.0, recompute_burst: float = 100.0,
-                 token: "str | bytes | None" = None, namespace: str = "default") -> None:
+                 token: "str | bytes | None" = None, namespace: str = "default",
+                 checksums: bool = True) -> None:
         if max_skew < 0:
             raise ValueError("max_skew must be >= 0")
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
@@ -322,6 +323,14 @@ class Client:
         #: segment or over the network
         self.transfer_counters = dict.fromkeys(
             ("direct_writes", "network_writes", "local_reads", "network_reads"), 0)
+        #: a put sends the checksum of each object's bytes with ``put_end``
+        #: (one pass over them); off: objects are published with none
+        self.checksums = bool(checksums)
+        #: replicas read with ``verify=True``: bytes that match the checksum
+        #: recorded at publish, that do not (ChecksumMismatch, or the next
+        #: replica tried), and objects published without one (not checked)
+        self.checksum_counters = dict.fromkeys(
+            ("checksum_verified", "checksum_mismatches", "checksum_absent"), 0)
         #: phases of the last leased read (queued, transferring, verifying), seconds
         self.last_read: Optional[lm.ReadPhases] = None
         #: ``observe(op, seconds)`` after each round trip to a master (metrics; None: off)
@@ -760,9 +769,10 @@ class Client:
                     grants[i] = (k, v, grant["token"], grant["replicas"], grant.get("direct", ()))
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
+            sums: Optional[dict] = {} if self.checksums else None
             try:
                 failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
-                                            deadline, term)
+                                            deadline, term, sums)
                 for i, err in failed.items():
                     results[i] = err
                 ok = [i for i in grants if i not in failed]
@@ -770,7 +780,9 @@ class Client:
                     try:
                         rep = self._call_master("put_end", {
                             "client": self.client_id,
-                            "items": [[grants[i][0], grants[i][2]] for i in ok]}, deadline)
+                            "items": [[grants[i][0], grants[i][2], sums.get(i, 0)]
+                                      if sums is not None else [grants[i][0], grants[i][2]]
+                                      for i in ok]}, deadline)
                     except errors.KvError as err:
                         for i in ok:
                             results[i] = err
@@ -806,21 +818,31 @@ class Client:
 
     # ------------------------------------------------------------------ get
 
-    def get(self, key: Key, *, timeout: Optional[float] = None) -> memoryview:
-        """The bytes stored under ``key``; raises ``KeyNotFound`` on a miss."""
-        return self._get_batch([key], timeout, raise_miss=True)[0]
+    def get(self, key: Key, *, timeout: Optional[float] = None, verify: bool = False) -> memoryview:
+        """The bytes stored under ``key``; raises ``KeyNotFound`` on a miss.
 
-    def get_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None) -> list[Optional[memoryview]]:
-        """The bytes of each key, ``None`` for a miss (other failures raise)."""
+        ``verify=True`` hashes the bytes after the copy and compares them with
+        the checksum the writer recorded at publish: a replica that differs
+        is counted (``checksum_counters``) and the next one tried; when none
+        matches, ``ChecksumMismatch`` is raised. Off by default: it is one
+        more pass over every byte read (see docs/protocols/publish.md)."""
+        return self._get_batch([key], timeout, raise_miss=True, verify=verify)[0]
+
+    def get_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None,
+                 verify: bool = False) -> list[Optional[memoryview]]:
+        """The bytes of each key, ``None`` for a miss (other failures raise;
+        ``verify`` as for :meth:`get`)."""
         keys = list(keys)
         deadline = self._deadline(timeout)
         out: list[Optional[memoryview]] = []
         for at in range(0, len(keys), self.BATCH):
             out.extend(self._get_batch(keys[at:at + self.BATCH],
-                                       max(deadline - time.monotonic(), 0.0), raise_miss=False))
+                                       max(deadline - time.monotonic(), 0.0), raise_miss=False,
+                                       verify=verify))
         return out
 
-    def get_into(self, key: Key, buffer, *, timeout: Optional[float] = None):
+    def get_into(self, key: Key, buffer, *, timeout: Optional[float] = None,
+                 verify: bool = False):
         """Read ``key`` into ``buffer`` and return the number of bytes read.
 
         ``buffer`` is the caller's memory (``bytearray``, a writable
@@ -835,17 +857,23 @@ class Client:
         the same checks. A :class:`~kvproto.runtime.transfers.PoolBuffer` of
         this client's transfer engine is loaded through the engine instead
         (its timeout quarantines the buffer until the load drains), and
-        returned."""
+        returned. ``verify`` as for :meth:`get`, checked in ``buffer`` after
+        the copy (not for a ``Consume`` nor a transfer engine's buffer:
+        ``InvalidArgument``)."""
         engine = getattr(buffer, "engine", None)
         if engine is not None:
+            if verify:
+                raise errors.InvalidArgument("verify=True needs the bytes in host memory; "
+                                             "a transfer engine's load is not verified")
             if engine not in self._engines:
                 raise errors.InvalidArgument(f"buffer {buffer!r} is not from a transfer engine of this client")
             from kvproto.runtime.transfers import EngineRequest
             return EngineRequest(engine, buffer.request).get_into(key, buffer, timeout=timeout)
-        return self._get_batch([key], timeout, raise_miss=True, into=[_destination(buffer)])[0]
+        return self._get_batch([key], timeout, raise_miss=True, into=[_destination(buffer)],
+                               verify=verify)[0]
 
     def get_many_into(self, keys: Iterable[Key], buffers: Iterable, *,
-                      timeout: Optional[float] = None) -> list[Optional[int]]:
+                      timeout: Optional[float] = None, verify: bool = False) -> list[Optional[int]]:
         """:meth:`get_into` for several keys, one buffer each: per key the
         number of bytes read, or ``None`` for a miss (other failures raise)."""
         keys, views = list(keys), [_destination(b) for b in buffers]
@@ -856,14 +884,15 @@ class Client:
         for at in range(0, len(keys), self.BATCH):
             out.extend(self._get_batch(keys[at:at + self.BATCH],
                                        max(deadline - time.monotonic(), 0.0), raise_miss=False,
-                                       into=views[at:at + self.BATCH]))
+                                       into=views[at:at + self.BATCH], verify=verify))
         return out
 
     #: lease ids held back before they are released on their own
     RELEASE_BATCH = 1024
 
     def _get_batch(self, keys: list, timeout: Optional[float], raise_miss: bool,
-                   relookup: bool = True, into: Optional[list] = None) -> list:
+                   relookup: bool = True, into: Optional[list] = None,
+                   verify: bool = False) -> list:
         """One lookup and read of ``keys`` (into ``into``'s buffers if given). A
         lookup the master cannot answer (it is switching: not open, silent past
         ``lookup_timeout``) is a miss for every key; a replica that refuses a
@@ -873,6 +902,9 @@ class Client:
         deadline = self._deadline(timeout)
         if not keys:
             return []
+        if verify and into is not None and any(isinstance(d, datapath.Consume) for d in into):
+            raise errors.InvalidArgument("verify=True needs the bytes in host memory; a Consume "
+                                         "moves them itself")
         ks = [_as_key(k) for k in keys]
         results: list = [None] * len(ks)
         leased = self.leases
@@ -898,7 +930,8 @@ class Client:
             for i, item in enumerate(wire.items_of(reply, len(ks))):
                 err, grant = wire.item_result(item)
                 if err is None:
-                    granted[i] = (grant["token"], grant["length"], list(grant["replicas"]))
+                    granted[i] = (grant["token"], grant["length"], list(grant["replicas"]),
+                                  grant.get("checksum", 0))
                     if "lease" in grant:
                         lease_of[i] = (grant["lease"], float(grant["ttl"]))
                 elif raise_miss or not isinstance(err, errors.KeyNotFound):
@@ -907,7 +940,7 @@ class Client:
                 started = time.monotonic()
                 done_at: dict[int, float] = {}
                 errs = datapath.read_all(self, ks, granted, segments, deadline, results, done_at,
-                                         term, into)
+                                         term, into, verify)
                 stale = [i for i in sorted(errs) if isinstance(errs[i], errors.StaleTerm)]
                 if stale:
                     # the descriptor's master was replaced: look up again (once)
@@ -915,8 +948,8 @@ class Client:
                     self._find_master()
                     again = self._get_batch(
                         [ks[i] for i in stale], max(deadline - time.monotonic(), 0.0), False,
-                        relookup=False, into=None if into is None else [into[i] for i in stale]
-                    ) if relookup else [None] * len(stale)
+                        relookup=False, into=None if into is None else [into[i] for i in stale],
+                        verify=verify) if relookup else [None] * len(stale)
                     for i, got in zip(stale, again):
                         results[i] = got
                         del errs[i]

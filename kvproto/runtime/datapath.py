@@ -7,7 +7,10 @@ the region's generation word (:mod:`kvproto.runtime.shm`), into a fresh
 buffer or into the caller's own (``into``). Otherwise, or when that check
 fails, one ``read`` per key goes to a node, all in flight at once, and the
 reply's payload frame is handed on without a copy (or copied once into the
-caller's buffer); the next replica is tried when one fails.
+caller's buffer); the next replica is tried when one fails. With ``verify``
+the bytes are hashed after the copy and compared with the object's
+:func:`checksum` recorded at publish; a replica that differs counts as a
+failure (``ChecksumMismatch`` when no replica matches).
 
 Writes (:func:`write_all`). A replica the master granted to this client as a
 direct writer (a segment on this host; ``spec/DirectWrite.tla``) is written
@@ -18,7 +21,9 @@ are sent as one ``writes`` message per storage node, one zero-copy payload
 frame per region taken from the caller's buffer; so is a direct write whose
 assign did not show in time. Each region sent is a tracked transfer of the
 Timeout protocol (``spec/Timeout.tla``): a message unacknowledged by the
-deadline is cancelled at its node, which discards what has not run.
+deadline is cancelled at its node, which discards what has not run. With
+``sums`` the :func:`checksum` of each object's bytes is computed as well (one
+pass over them: the caller's buffer, or where a :class:`Fill` produced them).
 
 :class:`LocalSegments` keeps the mappings of this host's segments (read-only
 for reads, writable for direct writes).
@@ -30,6 +35,7 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+import xxhash
 import zmq
 
 from kvproto import errors
@@ -41,6 +47,12 @@ CANCEL_GRACE = 0.2
 #: how long a direct writer waits for its region's assign to show before it
 #: sends the bytes over the network instead
 ASSIGN_WAIT = 0.5
+
+
+def checksum(data) -> int:
+    """An object's checksum: XXH3-64 of its bytes (``data``: any contiguous
+    buffer), never 0 (0 means none, on the wire and in the directory)."""
+    return xxhash.xxh3_64_intdigest(data) or 1
 
 
 class Fill:
@@ -156,23 +168,43 @@ class LocalSegments:
         self._maps.clear()
 
 
+def _verified(client, key: bytes, replica: list, data, expected: int
+              ) -> Optional[errors.ChecksumMismatch]:
+    """Whether ``data`` (a replica's bytes, after the copy) has the checksum
+    ``expected`` recorded at publish: ``None``, or the mismatch (counted)."""
+    c = client.checksum_counters
+    if not expected:
+        c["checksum_absent"] += 1
+        return None
+    got = checksum(data)
+    if got == expected:
+        c["checksum_verified"] += 1
+        return None
+    c["checksum_mismatches"] += 1
+    return errors.ChecksumMismatch(
+        f"{key!r} read from {replica[0]}@{replica[1]} has checksum {got:#018x}; "
+        f"its writer recorded {expected:#018x}")
+
+
 def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
              results: list, done_at: dict, term: int,
-             into: Optional[list] = None) -> dict[int, errors.KvError]:
+             into: Optional[list] = None, verify: bool = False) -> dict[int, errors.KvError]:
     """Fill ``results[i]`` for each granted key ``i`` (``granted[i] = (token,
-    length, replicas)``): the bytes, or with ``into`` the number of bytes read
-    into ``into[i]``; ``done_at[i]`` is when its last byte was read. Returns the
-    keys no replica could serve, with the reason."""
+    length, replicas, checksum)``): the bytes, or with ``into`` the number of
+    bytes read into ``into[i]``; ``done_at[i]`` is when its last byte was read.
+    With ``verify`` a replica whose bytes do not have the checksum is a failure
+    (the next one is tried). Returns the keys no replica could serve, with the
+    reason."""
     need: dict[int, list] = {}
     failed: dict[int, errors.KvError] = {}
-    for i, (token, length, replicas) in granted.items():
+    for i, (token, length, replicas, expected) in granted.items():
         dest = into[i] if into is not None else None
         if dest is not None and dest.nbytes < length:
             failed[i] = errors.InvalidArgument(
                 f"{keys[i]!r} has {length} bytes; the buffer holds {dest.nbytes}")
             continue
         usable = [r for r in replicas if isinstance(segments.get(r[0]), list)]
-        local = []
+        local, bad = [], []
         for r in usable:
             seg = client._local.get(segments[r[0]])
             if seg is None:
@@ -186,36 +218,46 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
             else:
                 got = seg.read(r[1], length, token, nonce)
             if got is not None:
-                results[i] = got
-                done_at[i] = time.monotonic()
+                done = time.monotonic()
                 client.transfer_counters["local_reads"] += 1
+                mismatch = verify and _verified(client, keys[i], r, got if dest is None
+                                                else dest[:length], expected)
+                if mismatch:
+                    failed[i] = mismatch
+                    bad.append(r)
+                    continue
+                results[i], done_at[i] = got, done
+                failed.pop(i, None)
                 break
         if results[i] is None:
-            # remote replicas first (spread by token), then the local ones over the network
+            # remote replicas first (spread by token), then the local ones over
+            # the network (not one whose bytes were just found wrong)
             remote = [r for r in usable if r not in local]
             if remote:
                 k = token % len(remote)
                 remote = remote[k:] + remote[:k]
-            need[i] = remote + local
+            need[i] = remote + [r for r in local if r not in bad]
     for i in [i for i, left in need.items() if not left]:
-        failed[i] = errors.SegmentUnavailable(f"no replica of {keys[i]!r} is reachable")
+        if i not in failed:
+            failed[i] = errors.SegmentUnavailable(f"no replica of {keys[i]!r} is reachable")
         del need[i]
     while need:
         rounds_left = max(len(left) for left in need.values())
         round_deadline = time.monotonic() + max(deadline - time.monotonic(), 0) / rounds_left
         pending: dict[int, zmq.Socket] = {}
-        whose: dict[int, tuple[int, str]] = {}
+        whose: dict[int, tuple[int, str, list]] = {}
         for i, left in need.items():
-            seg, offset, length = left.pop(0)
+            replica = left.pop(0)
+            seg, offset, length = replica
             endpoint = segments[seg][0]
             sock = client._data_sock(endpoint)
             rid = client._send(sock, "read", {"segment": seg, "offset": offset, "term": term,
                                               "token": granted[i][0], "length": length})
             pending[rid] = sock
-            whose[rid] = (i, endpoint)
+            whose[rid] = (i, endpoint, replica)
         replies = client._gather(pending, round_deadline)
         arrived = time.monotonic()   # at or after each reply's last byte
-        for rid, (i, endpoint) in whose.items():
+        for rid, (i, endpoint, replica) in whose.items():
             reply = replies.get(rid)
             if reply is None:
                 err: Optional[errors.KvError] = errors.TransferTimeout(
@@ -226,19 +268,22 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
             elif len(reply.payloads) != 1 or reply.payloads[0].nbytes != granted[i][1]:
                 err = errors.MalformedFrame(f"read reply from {endpoint} has the wrong size")
             else:
-                payload = reply.payloads[0]
+                payload, got = reply.payloads[0], None
                 if isinstance(into[i] if into is not None else None, Consume):
                     into[i].consume(payload)
-                    results[i] = payload.nbytes
+                    got = payload.nbytes
                 elif into is not None:
                     into[i][:payload.nbytes] = payload
-                    results[i] = payload.nbytes
-                else:
-                    results[i] = payload
-                done_at[i] = arrived
+                    got = payload.nbytes
                 client.transfer_counters["network_reads"] += 1
-                need.pop(i)
-                continue
+                err = verify and _verified(client, keys[i], replica, payload if into is None
+                                           else into[i][:payload.nbytes], granted[i][3])
+                if not err:
+                    results[i] = payload if got is None else got
+                    done_at[i] = arrived
+                    failed.pop(i, None)
+                    need.pop(i)
+                    continue
             if not need[i]:
                 failed[i] = err
                 del need[i]
@@ -276,12 +321,13 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
 
 
 def write_all(client, grants: dict, segments: dict, deadline: float,
-              term: int) -> dict[int, errors.KvError]:
+              term: int, sums: Optional[dict] = None) -> dict[int, errors.KvError]:
     """Write every replica of every grant (``grants[i] = (key, view, token,
     replicas, direct)``, ``direct`` the segments granted to this client as a
     direct writer): those straight into the segment, the others as one
     ``writes`` message per storage node, all in flight at once; wait for the
-    acks. Returns the failures by ``i``.
+    acks. Returns the failures by ``i``; with a dict ``sums``, sets
+    ``sums[i]`` to the :func:`checksum` of each object's bytes.
 
     A message unacked by the deadline fails its regions with
     ``TransferTimeout`` and is cancelled at its node (each region's transfer,
@@ -293,6 +339,8 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     materialized: dict[int, memoryview] = {}
     for i, (key, view, token, replicas, *rest) in grants.items():
         direct = rest[0] if rest else ()
+        if sums is not None and not isinstance(view, Fill):
+            sums[i] = checksum(view)
         for seg, offset, length in replicas:
             info = segments.get(seg)
             if not isinstance(info, list) or not info or length != view.nbytes:
@@ -304,6 +352,9 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
                     if mapped is not None and write_direct(mapped, offset, token, info[4], view,
                                                            assign_by):
                         client.transfer_counters["direct_writes"] += 1
+                        if sums is not None and i not in sums:
+                            # a Fill's bytes where it produced them
+                            sums[i] = checksum(mapped.region(offset, length))
                         continue
                 except errors.KvError as err:
                     failed[i] = err
@@ -312,6 +363,8 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
                 try:   # replicas sent over the network: the bytes in a buffer, once
                     view = materialized[i] if i in materialized else \
                         materialized.setdefault(i, view.materialize())
+                    if sums is not None and i not in sums:
+                        sums[i] = checksum(view)
                 except errors.KvError as err:
                     failed[i] = err
                     break

@@ -195,6 +195,9 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             # failover (spec/Failover.tla)
             "publish_marks", "publish_mark_refusals", "stale_term_refusals", "not_open",
             "abandoned",
+            # replicas a takeover left out: their node's index records another
+            # checksum than the replica listed (failover.checksum_mismatches)
+            "checksum_mismatches",
             # copies of a request delivered twice on one connection (MasterServer)
             "duplicates_dropped",
             # tenancy (spec/Tenancy.tla): requests refused for their credential
@@ -321,9 +324,11 @@ class MasterCore:
                     self.tenants.published(e.key)
                 self._lease_put(e.key, e.token)
                 # the storage nodes' index learns the publish (StampedPublish),
-                # so a new master recovers the object after a failover
-                for r in self.directory.objects[e.key].replicas:
-                    self._queue.append((r.segment, "publish", [r.offset, e.key, e.token]))
+                # with the object's checksum, so a new master recovers both
+                record = self.directory.objects[e.key]
+                for r in record.replicas:
+                    self._queue.append((r.segment, "publish",
+                                        [r.offset, e.key, e.token, record.checksum]))
             elif isinstance(e, Revoked):
                 self._forget_pending(e.token)
                 if self.tenants is not None:
@@ -660,12 +665,14 @@ class MasterCore:
                    "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
 
     def _end_or_revoke(self, body, event_type):
+        """``PutEnd`` or ``PutRevoke`` per ``[key, token]`` item (a put_end's
+        item may add the object's checksum)."""
         session = self._session(body["client"])
         if session is not None:
-            self._refresh(session, [token for _, token in body["items"]])
+            self._refresh(session, [item[1] for item in body["items"]])
         items = []
-        for key, token in body["items"]:
-            err, _ = self._step(event_type(key, token))
+        for key, token, *checksum in body["items"]:
+            err, _ = self._step(event_type(key, token, *checksum))
             if err is None and event_type is PutRevoke:
                 self.counters["puts_revoked"] += 1
             items.append(wire.ok_item() if err is None else wire.error_item(err))
@@ -677,7 +684,7 @@ class MasterCore:
         a failover."""
         _, ended = self._end_or_revoke(body, PutEnd)
         parked = Parked(reply_to, request_id, ended["items"], "put_end")
-        parked.keys = [key for key, _ in body["items"]]
+        parked.keys = [item[0] for item in body["items"]]
         self._flush(parked)
         self.evict()
         if parked.waiting:
@@ -746,6 +753,8 @@ class MasterCore:
             self.leases.touch(key)
             item = {"token": grant.token, "length": grant.length,
                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
+            if grant.checksum:
+                item["checksum"] = grant.checksum
             if leased:
                 self._step(ReadEnd(key, grant.token))
                 lease_id = self._next_lease
@@ -1104,11 +1113,23 @@ class MasterCore:
         # tokens continue above every token a fenced node's regions ever
         # carried (freed ones included: a same-host reader may still hold one)
         next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
+        mismatches: list = []
         self.directory = recovered({s: rnd.infos[s]["capacity"] for s in live}, rnd.indexes,
-                                   next_token)
+                                   next_token, mismatches=mismatches)
         rnd.indexes.clear()
         if self.trace is not None:
             self.trace.opened(self.directory)
+        if mismatches:
+            # a replica whose index records another checksum than the one
+            # listed is not listed: its region is freed at its node (after
+            # the purge, before any assign of this term: one connection)
+            self.counters["checksum_mismatches"] += len(mismatches)
+            log.warning("term %d: %d replica(s) left out, their checksum differs from the "
+                        "replica listed: %s", term, len(mismatches),
+                        ", ".join(f"{key!r} on {node}" for key, node, _ in mismatches[:10]))
+            for key, node, offset in mismatches:
+                record = self.directory.objects[key]
+                self._queue.append((node, "free", [offset, record.token, record.length]))
         used = self.directory.regions()
         # regions still draining for a direct writer of an older term are not free
         self.draining = defaultdict(dict)
@@ -1141,6 +1162,7 @@ class MasterCore:
             self._commands[cmd_id] = Command(cmd_id, purge.node, "purge", [], None, recovered_at)
             self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": term,
                                                               "below": purge.below}))
+        self._flush()      # the frees of replicas left out for their checksum
         self.failover, _ = fm.master_step(self.failover, fm.Open())
         self.opened_at = self.clock()
         lost = sum(1 for s in rnd.nodes if s not in live)
@@ -1148,7 +1170,8 @@ class MasterCore:
             "term": term, "fence_s": fenced_at - rnd.started,
             "recover_s": recovered_at - fenced_at, "open_s": self.clock() - rnd.started,
             "nodes_fenced": len(live), "nodes_lost": lost,
-            "recovered": len(self.directory.objects), "purged": 0, "bytes_purged": 0}
+            "recovered": len(self.directory.objects), "purged": 0, "bytes_purged": 0,
+            "checksum_mismatches": len(mismatches)}
         if rnd.nodes:
             log.info("term %d open: %d object(s) recovered from %d node(s), %d node(s) lost, "
                      "in %.3fs", term, len(self.directory.objects), len(live), lost,

@@ -91,7 +91,8 @@ class Tenants:
         if "keys" in body:
             body["keys"] = [self.key(ns, k) for k in body["keys"]]
         if "items" in body:
-            body["items"] = [(self.key(ns, k), v) for k, v in body["items"]]
+            # [key, length], [key, token] or [key, token, checksum]
+            body["items"] = [(self.key(ns, item[0]), *item[1:]) for item in body["items"]]
         if op == "list":
             body["prefix"] = object_key(ns, body.get("prefix", b""))
             body["after"] = object_key(ns, body.get("after", b""))

@@ -139,18 +139,22 @@ def boolean() -> Check:
     return check
 
 
-def tuple_of(*items: Check) -> Check:
-    oks = tuple(c.ok for c in items)
-    n = len(items)
+def tuple_of(*items: Check, optional: tuple = ()) -> Check:
+    """An array of ``items``, then (from the end, any number) of ``optional``
+    trailing ones: a field added later that an older sender leaves out."""
+    every = items + tuple(optional)
+    oks = tuple(c.ok for c in every)
+    n, most = len(items), len(every)
 
-    @_with(lambda v: type(v) is list and len(v) == n and all(ok(x) for ok, x in zip(oks, v)),
-           tuple)
+    @_with(lambda v: type(v) is list and n <= len(v) <= most
+           and all(ok(x) for ok, x in zip(oks, v)), tuple)
     def check(v, path):
         if type(v) is not list:
             raise _malformed(path, f"expected array, got {type(v).__name__}")
-        if len(v) != len(items):
-            raise _malformed(path, f"expected {len(items)} elements, got {len(v)}")
-        return tuple(c(x, f"{path}[{i}]") for i, (c, x) in enumerate(zip(items, v)))
+        if not n <= len(v) <= most:
+            raise _malformed(path, f"expected {n if n == most else f'{n} to {most}'} elements, "
+                                   f"got {len(v)}")
+        return tuple(c(x, f"{path}[{i}]") for i, (c, x) in enumerate(zip(every, v)))
     return check
 
 
@@ -169,6 +173,8 @@ class OpSchema:
 
 KEY = binary()
 TOKEN = uint(_UINT63, 1)
+#: an object's checksum (``kvproto.runtime.datapath.checksum``): 64 bits, 0 = none
+CHECKSUM = uint(_UINT64)
 KEYS = list_of(KEY, min_items=1)
 CLIENT = text(128, 1)
 SEGMENT = text(256, 1)
@@ -200,7 +206,9 @@ MASTER_OPS: dict[str, OpSchema] = {
         "client": CLIENT, "replicas": uint(MAX_REPLICAS, 1),
         "items": list_of(tuple_of(KEY, uint(min_value=1)), min_items=1),
     }, optional={"writer": text(64, 1), "host": text(MAX_NAME, 1)}),
-    "put_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
+    # [key, token, checksum]: the checksum of the bytes written (optional; 0 = none)
+    "put_end": OpSchema({"client": CLIENT, "items": list_of(
+        tuple_of(KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}),
     "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     # revoke this client's own pending attempts on ``keys``, whose tokens it never received
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
@@ -246,9 +254,10 @@ STORAGE_OPS: dict[str, OpSchema] = {
         optional={"direct": list_of(tuple_of(uint(), text(64, 1)))}),
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
-    # mark written regions published (after the master's PutEnd): [offset, key, token]
-    "publish": OpSchema({"segment": SEGMENT, "term": TERM,
-                         "regions": list_of(tuple_of(uint(), KEY, TOKEN), min_items=1)}),
+    # mark written regions published (after the master's PutEnd): [offset, key,
+    # token, checksum] (the checksum optional; 0 = none)
+    "publish": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
+        tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     "fence": OpSchema({"segment": SEGMENT, "term": TERM}),

@@ -345,22 +345,46 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
     names the live node whose publish has the highest term, then the least node
     name (the protocol publishes one allocation per key, so the nodes agree);
     ``replicas`` are all live nodes that published that same allocation
-    (same token), in node order.
+    (same term and token) with the same checksum, in node order. A replica
+    of that allocation whose checksum differs from the listed entry's is
+    left out (see :func:`checksum_mismatches`).
     """
     best: dict = {}
-    for node in sorted(indexes):
-        if node not in live:
-            continue
-        for key, entry in indexes[node].items():
-            if not entry.published:
-                continue
-            held = best.get(key)
-            if held is None or entry.by > held[1].by:
-                best[key] = (node, entry, [(node, entry.offset)])
-            elif entry.by == held[1].by and entry.token == held[1].token:
-                held[2].append((node, entry.offset))
+    for node, key, entry in _published(indexes, live):
+        held = best.get(key)
+        if held is None or entry.by > held[1].by:
+            best[key] = (node, entry, [(node, entry.offset)])
+        elif entry.by == held[1].by and entry.token == held[1].token \
+                and entry.checksum == held[1].checksum:
+            held[2].append((node, entry.offset))
     return map_of((k, DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r)))
                   for k, (n, e, r) in best.items())
+
+
+def _published(indexes: Mapping[str, immutables.Map], live):
+    """``(node, key, entry)`` of the published entries on ``live`` nodes, in node order."""
+    for node in sorted(indexes):
+        if node in live:
+            for key, entry in indexes[node].items():
+                if entry.published:
+                    yield node, key, entry
+
+
+def checksum_mismatches(indexes: Mapping[str, immutables.Map], live) -> list[tuple]:
+    """The rebuild's check of the checksums: ``(key, node, offset)`` of every
+    published entry on a live node that holds the allocation
+    :func:`rebuild_directory` lists for ``key`` (same publishing term and
+    token) but records another checksum, sorted. Such a replica is not
+    listed: its bytes or its index disagree with the listed one's (the
+    runtime master frees its region)."""
+    listed = rebuild_directory(indexes, live)
+    out = []
+    for node, key, entry in _published(indexes, live):
+        chosen = listed[key]
+        held = indexes[chosen.node][key]
+        if entry.by == held.by and entry.token == held.token and entry.checksum != held.checksum:
+            out.append((key, node, entry.offset))
+    return sorted(out)
 
 
 def purge_unpublished(index: immutables.Map, below: int) -> tuple[immutables.Map, tuple, int]:

@@ -58,13 +58,16 @@ class Status(str, enum.Enum):
 
 @attrs.frozen
 class ObjectRecord:
-    """The master's record of one key (``dir[k]`` in the spec)."""
+    """The master's record of one key (``dir[k]`` in the spec). ``checksum``
+    is the one its writer sent with ``PutEnd`` (0: none), data carried along
+    like ``length``; the spec abstracts it away."""
 
     status: Status
     token: int
     replicas: tuple[Replica, ...]
     length: int
     reads: int = 0
+    checksum: int = 0
 
 
 @attrs.frozen
@@ -127,10 +130,12 @@ class PutStart:
 
 @attrs.frozen
 class PutEnd:
-    """``PutEnd``: publish ``key`` if ``token`` still owns its allocation."""
+    """``PutEnd``: publish ``key`` if ``token`` still owns its allocation;
+    ``checksum`` is what the writer computed over the bytes (0: none)."""
 
     key: bytes
     token: int
+    checksum: int = 0
 
 
 @attrs.frozen
@@ -258,6 +263,7 @@ class ReadGranted:
     token: int
     replicas: tuple[Replica, ...]
     length: int
+    checksum: int = 0
 
 
 @attrs.frozen
@@ -320,23 +326,23 @@ def add_segment(state: Directory, ev: AddSegment):
     return attrs.evolve(state, segments=state.segments.set(ev.segment, ledger)), ()
 
 
-def restored(capacities: Mapping[str, int], objects: Iterable[tuple[bytes, int, int, tuple]],
-             next_token: int) -> Directory:
+def restored(capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int) -> Directory:
     """The directory a new master opens with after ``spec/Failover.tla``'s
-    ``Recover``: every object in ``objects`` (``(key, token, length, replicas)``)
-    is published on its replicas, the segments in ``capacities`` are live with
+    ``Recover``: every object in ``objects`` (``(key, token, length, replicas)``,
+    or with its ``checksum`` as a fifth item) is published on its replicas, the segments in ``capacities`` are live with
     those replicas' bytes taken from their free space, and tokens continue from
     ``next_token``. A replica on a segment not in ``capacities`` is dropped
     (its bytes are gone); an object left with no replica is not listed."""
     used = dict.fromkeys(capacities, 0)
     listed = {}
-    for key, token, length, replicas in objects:
+    for key, token, length, replicas, *checksum in objects:
         kept = tuple(r for r in replicas if r.segment in used)
         if not kept:
             continue
         for r in kept:
             used[r.segment] += r.length
-        listed[key] = ObjectRecord(Status.PUBLISHED, token, kept, length)
+        listed[key] = ObjectRecord(Status.PUBLISHED, token, kept, length,
+                                   checksum=checksum[0] if checksum else 0)
         next_token = max(next_token, token + 1)
     segments = {s: SegmentLedger(capacity=c, free=c - used[s]) for s, c in capacities.items()}
     if any(ledger.free < 0 for ledger in segments.values()):
@@ -376,7 +382,7 @@ def put_end(state: Directory, ev: PutEnd):
     record = _pending_with(state, ev.key, ev.token)
     if record is None:
         return _refuse(state, errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
-    record = attrs.evolve(record, status=Status.PUBLISHED)
+    record = attrs.evolve(record, status=Status.PUBLISHED, checksum=ev.checksum)
     return attrs.evolve(state, objects=state.objects.set(ev.key, record)), (Published(ev.key, ev.token),)
 
 
@@ -403,7 +409,7 @@ def read_begin(state: Directory, ev: ReadBegin):
         return _refuse(state, errors.KeyNotFound(f"{ev.key!r}"))
     pinned = attrs.evolve(record, reads=record.reads + 1)
     return (attrs.evolve(state, objects=state.objects.set(ev.key, pinned)),
-            (ReadGranted(ev.key, record.token, record.replicas, record.length),))
+            (ReadGranted(ev.key, record.token, record.replicas, record.length, record.checksum),))
 
 
 def read_end(state: Directory, ev: ReadEnd):

@@ -42,6 +42,8 @@ BURST = 300
 
 KEYS = [b"prefix/%017d" % i for i in range(300)] + [b"", b"k", b"a-longer-key-" * 4]
 SEGMENTS = [f"seg-{i}" for i in range(24)]
+#: checksums a writer sends with PutEnd (0: none; up to 64 bits)
+CHECKSUMS = [0, 1, 0xDEADBEEF, (1 << 63) + 5, (1 << 64) - 1]
 GONE = ["gone-0", "gone-1"]                                 # never joined
 
 
@@ -146,7 +148,8 @@ def random_objects(c: Choose, segments: list, unique: bool):
         key, length = c.one(KEYS), c.int(1, 64)
         replicas = tuple(P.Replica(s, c.int(0, 1 << 20), length)
                          for s in c.some(segments + GONE, 1, 4))
-        objects.append((key, c.int(1, 5000), length, replicas))
+        sums = () if c.rare(3) else (c.one(CHECKSUMS),)      # the fifth item is optional
+        objects.append((key, c.int(1, 5000), length, replicas, *sums))
     if unique:
         objects = list({o[0]: o for o in objects}.values())
     return objects
@@ -158,13 +161,15 @@ def columns_of(objects, segments: list):
     width = max((len(o[3]) for o in objects), default=1)
     rsegs = np.full((len(objects), width), -1, np.int64)
     roffs = np.zeros((len(objects), width), np.int64)
-    for i, (_, _, _, replicas) in enumerate(objects):
+    for i, (_, _, _, replicas, *_) in enumerate(objects):
         for j, r in enumerate(replicas):
             rsegs[i, j], roffs[i, j] = frame.index(r.segment), r.offset
     offsets = np.cumsum([0] + [len(o[0]) for o in objects])
+    sums = {"checksums": [o[4] if len(o) > 4 else 0 for o in objects]} \
+        if any(len(o) > 4 for o in objects) else {}
     return dict(segments=frame, keys=b"".join(o[0] for o in objects), key_offsets=offsets,
                 tokens=[o[1] for o in objects], lengths=[o[2] for o in objects],
-                replica_segments=rsegs, replica_offsets=roffs)
+                replica_segments=rsegs, replica_offsets=roffs, **sums)
 
 
 class DirectoryDiff(Differential):
@@ -237,7 +242,7 @@ class DirectoryDiff(Differential):
 
     def put_end(self, c: Choose):
         key = self.key_in(c, P.Status.PENDING)
-        self.step(P.PutEnd(key, self.token_for(c, key)))
+        self.step(P.PutEnd(key, self.token_for(c, key), c.one(CHECKSUMS)))
 
     def put_revoke(self, c: Choose):
         key = self.key_in(c, P.Status.PENDING)
@@ -421,7 +426,7 @@ class MasterDiff(Differential):
         effects = self.dstep(P.PutStart(key, length, tuple(
             P.Replica(s, c.int(0, 1 << 29), length) for s in c.some(live, n, n))))
         if isinstance(effects[0], P.PutGranted) and not c.rare(4):
-            self.dstep(P.PutEnd(key, effects[0].token))
+            self.dstep(P.PutEnd(key, effects[0].token, c.one(CHECKSUMS)))
         self.check()
 
     def leased_read(self, c: Choose):
@@ -482,8 +487,8 @@ class MasterDiff(Differential):
             return
         quiet = c.one([0, 5, 30])
         capacities = {s: l.capacity for s, l in self.ref.segments.items() if l.live}
-        objects = [(k, r.token, r.length, r.replicas) for k, r in self.ref.objects.items()
-                   if r.status is P.Status.PUBLISHED]
+        objects = [(k, r.token, r.length, r.replicas, r.checksum)
+                   for k, r in self.ref.objects.items() if r.status is P.Status.PUBLISHED]
         now = self.lref.now
         self.ref = P.restored(capacities, objects, self.ref.next_token)
         self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),

@@ -281,7 +281,8 @@ def test_every_counter_the_processes_keep_is_exported():
     assert set(M.MASTER_COUNTERS) == set(MASTER_COUNTER_NAMES)
     assert set(M.STORAGE_COUNTERS) == set(StorageCore.COUNTERS)
     with Client("tcp://127.0.0.1:1") as client:
-        failover = set(client.failover_counters) | set(client.transfer_counters)
+        failover = set(client.failover_counters) | set(client.transfer_counters) \
+            | set(client.checksum_counters)
     assert set(M.CLIENT_COUNTERS) | set(M.CLIENT_DERIVED) == set(LEASE_COUNTERS) | failover
     for table in (M.MASTER_COUNTERS, M.STORAGE_COUNTERS, M.CLIENT_COUNTERS):
         for name, labels in table.values():

@@ -13,7 +13,9 @@ every read, and on same-host reads of cached descriptors, which carry no term),
 ``NoStaleTermWriteAccepted`` (every command and write stamped with a fenced
 term is refused), that no token is issued twice (across terms too: each grant
 is above every token a live node ever carried), and that every acknowledged
-put with a live replica is listed by the active master and reads back its bytes.
+put with a live replica is listed by the active master, with its writer's
+checksum (across takeovers: the nodes' indexes carry it), and reads back its
+bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hypothesis.stateful import (
 
 from kvproto import errors
 from kvproto.runtime import wire
+from kvproto.runtime.datapath import checksum
 from kvproto.runtime.master import MasterCore
 from kvproto.runtime.shm import LocalSegment, SegmentMemory, gen_word
 from kvproto.runtime.storage import StorageCore
@@ -203,7 +206,8 @@ class Cluster:
         if err is not None:
             return err, None
         assert self.write(grant, data, body["term"]) == []
-        (status, body), _ = self.call(core, "put_end", {"client": "w", "items": [[key, grant["token"]]]})
+        (status, body), _ = self.call(core, "put_end", {"client": "w", "items": [
+            [key, grant["token"], checksum(data)]]})
         assert status == 0, body
         err, _ = wire.item_result(body["items"][0])
         return err, grant
@@ -360,7 +364,8 @@ class FailoverCores(RuleBasedStateMachine):
         c = self.c
         p = data.draw(st.sampled_from([p for p in self.pending if p.written and p.core is c.active]))
         self.pending.remove(p)
-        (status, body), _ = c.call(c.active, "put_end", {"client": "w", "items": [[p.key, p.token]]})
+        (status, body), _ = c.call(c.active, "put_end", {"client": "w", "items": [
+            [p.key, p.token, checksum(value(p.key, p.version, p.length))]]})
         assert status == 0
         err, _ = wire.item_result(body["items"][0])
         assert err is None, err
@@ -591,6 +596,7 @@ class FailoverCores(RuleBasedStateMachine):
         for key in expected:
             a, rec = self.acked[key], objects[key]
             assert rec.token == a.token
+            assert rec.checksum == checksum(value(key, a.version, a.length))
             assert {r.segment for r in rec.replicas} == a.segments & c.live
             for r in rec.replicas:
                 got = c.read(r.segment, r.offset, r.length, rec.token, c.active.failover.term)
@@ -614,8 +620,10 @@ class FailoverCores(RuleBasedStateMachine):
             assert regions == index, s
             for off, r in node.node.regions.items():
                 assert node.memory.word(off) == gen_word(r.token, r.done)
-                if node.node.index[r.key].published:
+                entry = node.node.index[r.key]
+                if entry.published:
                     assert r.done
+                    assert entry.checksum == core.directory.objects[r.key].checksum
             listed = {r.offset: (k, rec.token) for k, rec in core.directory.objects.items()
                       for r in rec.replicas if r.segment == s}
             assert regions == listed, s
@@ -718,6 +726,38 @@ def test_a_replica_lost_during_the_fence_leaves_the_other_one_listed(cluster):
     assert wire.item_result(body["items"][0])[0] is None
     assert [(s, op, st_) for s, op, _, st_ in delivered] == [("n0", "free", 0)]
     assert len(c.nodes["n0"].node.index) == 0 and len(c.nodes["n0"].node.regions) == 0
+
+
+def test_the_checksum_survives_a_takeover_and_a_disagreeing_replica_is_left_out(cluster):
+    """Each replica's index records the writer's checksum with the publish;
+    the next master lists the object with it. An index that records another
+    checksum for the same allocation (damaged behind the protocol) is a
+    mismatch: that replica is not listed, and it is counted."""
+    c = cluster(2)
+    data, other = value(b"k", 1, 1000), value(b"j", 1, 700)
+    assert c.put(b"k", data, replicas=2)[0] is None
+    assert c.put(b"j", other, replicas=2)[0] is None
+    for s in ("n0", "n1"):
+        assert c.nodes[s].node.index[b"k"].checksum == checksum(data)
+    second = c.failover(["n0", "n1"])
+    rec = second.directory.objects[b"k"]
+    assert rec.checksum == checksum(data) and [r.segment for r in rec.replicas] == ["n0", "n1"]
+    assert second.counters["checksum_mismatches"] == 0
+    (_, body), _ = c.call(second, "read_begin", {"client": "r", "keys": [b"k"], "lease": True})
+    assert wire.item_result(body["items"][0])[1]["checksum"] == checksum(data)
+    index = c.nodes["n1"].node
+    index._i_sum[index._idx.index[b"k"]] ^= 1          # n1's index damaged
+    third = c.failover(["n0", "n1"])
+    rec = third.directory.objects[b"k"]
+    assert rec.checksum == checksum(data) and [r.segment for r in rec.replicas] == ["n0"]
+    assert [r.segment for r in third.directory.objects[b"j"].replicas] == ["n0", "n1"]
+    assert third.counters["checksum_mismatches"] == 1
+    assert third.stats()["failover"]["last"]["checksum_mismatches"] == 1
+    # n1 freed the left-out replica's region and index entry; its space is free again
+    assert b"k" not in index.index and b"k" not in {r.key for r in index.regions.values()}
+    assert third.counters["storage_refusals"] == 0
+    assert third.placer.allocators["n1"].free_bytes == third.directory.segments["n1"].free
+    assert c.put(b"k2", value(b"k2", 1, 1000), replicas=2)[0] is None
 
 
 def test_a_freed_token_is_never_issued_again_by_the_next_master(cluster):

@@ -68,6 +68,24 @@ def test_rejected(frames, error, rid):
     assert info.value.request_id == rid
 
 
+def test_a_put_end_item_may_carry_a_checksum_and_a_publish_region_too():
+    """The checksum is an optional third item of put_end (fourth of publish):
+    an older sender's items decode as before; a bad or an extra one is refused."""
+    body = {"client": "c", "items": [[b"k", 3], [b"j", 4, (1 << 64) - 1]]}
+    assert decode(req(V, "put_end", 1, body)).body["items"] == [(b"k", 3), (b"j", 4, (1 << 64) - 1)]
+    for items, error in (([[b"k", 3, -1]], errors.InvalidArgument),
+                         ([[b"k", 3, "sum"]], errors.MalformedFrame),
+                         ([[b"k", 3, 1, 2]], errors.MalformedFrame),
+                         ([[b"k"]], errors.MalformedFrame)):
+        with pytest.raises(error):
+            decode(req(V, "put_end", 1, {**body, "items": items}))
+    with pytest.raises(errors.MalformedFrame):   # a revoke names no checksum
+        decode(req(V, "put_revoke", 1, {**body, "items": [[b"k", 3, 1]]}))
+    publish = {"segment": "s", "term": 1, "regions": [[0, b"k", 3], [4096, b"j", 4, 9]]}
+    assert decode(req(V, "publish", 1, publish), ops=wire.STORAGE_OPS).body["regions"] == \
+        [(0, b"k", 3), (4096, b"j", 4, 9)]
+
+
 def test_payload_count_and_size_at_storage():
     body = {"segment": "s", "offset": 0, "token": 3, "term": 1}
     with pytest.raises(errors.MalformedFrame):

@@ -248,7 +248,7 @@ def test_free_drops_only_the_entry_of_its_own_allocation(term, token, other):
 
 entries = st.builds(F.IndexEntry, term=st.integers(1, 5), published=st.booleans(),
                     by=st.integers(1, 5), offset=st.integers(0, 100), length=st.integers(1, 16),
-                    checksum=st.integers(0, 2**32 - 1), token=st.integers(0, 3))
+                    checksum=st.sampled_from([0, 5, 5, 2**64 - 1]), token=st.integers(0, 3))
 indexes = st.dictionaries(st.sampled_from(NODES),
                           st.dictionaries(st.sampled_from(KEYS), entries).map(immutables.Map))
 
@@ -264,11 +264,15 @@ def test_rebuild_lists_exactly_published_objects_on_live_nodes(indexes, live):
         held = indexes[d.node][key]
         assert held.published and (held.offset, held.length, held.checksum) == \
             (d.offset, d.length, d.checksum)
-        # every live node holding the same published allocation is a replica
-        same = sorted((n, idx[key].offset) for n, idx in indexes.items()
-                      if n in live and key in idx and idx[key].published
-                      and (idx[key].by, idx[key].token) == (held.by, held.token))
+        # every live node holding the same published allocation with the
+        # same checksum is a replica; one with another checksum is a mismatch
+        alike = [(n, idx[key]) for n, idx in indexes.items()
+                 if n in live and key in idx and idx[key].published
+                 and (idx[key].by, idx[key].token) == (held.by, held.token)]
+        same = sorted((n, e.offset) for n, e in alike if e.checksum == held.checksum)
         assert list(d.replicas) == same and d.token == held.token
+        odd = sorted((key, n, e.offset) for n, e in alike if e.checksum != held.checksum)
+        assert [m for m in F.checksum_mismatches(indexes, live) if m[0] == key] == odd
 
 
 @given(index=st.dictionaries(st.sampled_from(KEYS), entries).map(immutables.Map),
