@@ -428,12 +428,17 @@ class MasterCore:
 
     def _lease_drop(self, key: bytes) -> None:
         """The object is gone from the directory (removed, evicted or lost with
-        its segments): end its leases (``Release``; the bytes are gone) and
-        ``Remove`` it from the lease table, so the two tables agree."""
+        its segments): end its leases (``Release``; the bytes are gone), stop
+        counting it as inherited (``Disown``: a remove or an eviction checked
+        that already, an object lost with its segments cannot wait for the
+        quiet period) and ``Remove`` it from the lease table, so the two
+        tables agree."""
         if key not in self.leases.objects:
             return
         for holder in self.leases.holders(key):
             self._lstep(lm.Release(holder))
+        if self.leases.is_inherited(key):
+            self._lstep(lm.Disown(key))
         err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
         if err is not None:
             log.error("lease table refused to drop %r: %s", key, err)

@@ -760,6 +760,21 @@ def test_the_checksum_survives_a_takeover_and_a_disagreeing_replica_is_left_out(
     assert c.put(b"k2", value(b"k2", 1, 1000), replicas=2)[0] is None
 
 
+def test_an_object_lost_with_its_segment_while_inherited_leaves_the_lease_table(cluster):
+    """A segment lost while the objects a new master inherited still count as
+    leased: the bytes are gone, so the lease table drops them with the
+    directory (they stop counting as inherited first), and the two tables
+    agree; nothing of them is left counted as used."""
+    c = cluster(2)
+    assert c.put(b"lost", value(b"lost", 1, 700))[0] is None
+    new = c.failover(["n0", "n1"])
+    assert new.leases.is_inherited(b"lost")
+    (seg,) = {r.segment for r in new.directory.objects[b"lost"].replicas}
+    new.segment_lost(seg)
+    assert b"lost" not in new.directory.objects and b"lost" not in new.leases.objects
+    assert new.leases.used == sum(new.leases.objects[k].size for k in new.leases.objects)
+
+
 def test_a_freed_token_is_never_issued_again_by_the_next_master(cluster):
     """A same-host reader holding the token of a removed object must miss after
     a failover: the new master's tokens start above every token the nodes'
