@@ -97,21 +97,23 @@ RepairStart(k, src, dst) ==
 
 (* The copier copies the next chunk from the source into the new region.  *)
 (* The chunk lands only if the source holds it.                           *)
-CopyChunk(r) ==
-    /\ r \in repairs
-    /\ r.copied < Chunks
-    /\ bytes' = [bytes EXCEPT ![r.dst][r.key] =
-                   IF @ = r.copied /\ bytes[r.src][r.key] > r.copied THEN @ + 1 ELSE @]
-    /\ repairs' = (repairs \ {r}) \cup {[r EXCEPT !.copied = @ + 1]}
-    /\ UNCHANGED <<requested, live, listed, region, reading>>
+CopyChunk(k, dst) ==
+    \E r \in InFlight(k) :
+        /\ r.dst = dst
+        /\ r.copied < Chunks
+        /\ bytes' = [bytes EXCEPT ![dst][k] =
+                       IF @ = r.copied /\ bytes[r.src][k] > r.copied THEN @ + 1 ELSE @]
+        /\ repairs' = (repairs \ {r}) \cup {[r EXCEPT !.copied = @ + 1]}
+        /\ UNCHANGED <<requested, live, listed, region, reading>>
 
 (* The copy is complete: the master lists the new replica. *)
-ListReplica(r) ==
-    /\ r \in repairs
-    /\ r.copied = Chunks
-    /\ listed' = [listed EXCEPT ![r.key] = @ \cup {r.dst}]
-    /\ repairs' = repairs \ {r}
-    /\ UNCHANGED <<requested, live, region, bytes, reading>>
+ListReplica(k, dst) ==
+    \E r \in InFlight(k) :
+        /\ r.dst = dst
+        /\ r.copied = Chunks
+        /\ listed' = [listed EXCEPT ![k] = @ \cup {dst}]
+        /\ repairs' = repairs \ {r}
+        /\ UNCHANGED <<requested, live, region, bytes, reading>>
 
 (* A segment dies with its bytes.  Its replicas are unlisted (their readers *)
 (* fail), and the repairs reading from it or writing into it are cancelled, *)
@@ -154,7 +156,7 @@ Remove(k) ==
 
 Next ==
     \/ \E k \in Keys, src, dst \in Segments : RepairStart(k, src, dst)
-    \/ \E r \in repairs : CopyChunk(r) \/ ListReplica(r)
+    \/ \E k \in Keys, dst \in Segments : CopyChunk(k, dst) \/ ListReplica(k, dst)
     \/ \E s \in Segments : SegmentLost(s)
     \/ \E k \in Keys, s \in Segments : ReadBegin(k, s) \/ ReadEnd(k, s)
     \/ \E k \in Keys : Remove(k)
