@@ -50,6 +50,16 @@ MUTANTS = [
         "    /\\ Reclaim(lease[r].key)\n"
         "    /\\ lease' = [lease EXCEPT ![r] = None]\n"
         "    /\\ UNCHANGED <<now, dropped, quietUntil, takeovers>>\n"),
+    SpecMutant(
+        "Repair: a loss cancels a repair but its destination keeps the region", "Repair_Small",
+        "RegionsAccounted",
+        "IF s2 = s THEN {} ELSE {k \\in region[s2] : ~freed(s2, k)}]",
+        "IF s2 = s THEN {} ELSE region[s2]]"),
+    SpecMutant(
+        "Repair: a loss unlists its replicas but keeps the repairs reading them", "Repair_Small",
+        "RepairNeverFromALostSegment",
+        "LET cancelled == {r \\in repairs : r.dst = s \\/ ~KeepsRepair(r, s)}",
+        "LET cancelled == {r \\in repairs : r.dst = s}"),
 ]
 
 

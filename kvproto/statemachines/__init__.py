@@ -4,9 +4,9 @@
 conformance test and the docs checker use.
 """
 
-from kvproto.statemachines import (directwrite, failover, handoff, lease, publish, tenancy_system,
+from kvproto.statemachines import (directwrite, failover, handoff, lease, publish, repair, tenancy_system,
                                    timeout)
 
 BINDINGS = {b.module: b for b in (publish.BINDING, timeout.BINDING, lease.BINDING,
                                   failover.BINDING, directwrite.BINDING, handoff.BINDING,
-                                  tenancy_system.BINDING)}
+                                  tenancy_system.BINDING, repair.BINDING)}
