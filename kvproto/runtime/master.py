@@ -21,9 +21,12 @@ Split in two:
   endpoint) that carries ``assign``/``free`` commands in order, so a free always
   reaches the node before a later assign of the same region.
 
-A put's grant is *parked* until every storage node involved acknowledged its
-``assign`` (the loop never blocks on it); a node that refuses an assign gets the
-attempt revoked (``PutRevoke``) and the writer gets ``RegionMismatch``.
+A put's grant leaves after the ``assign`` commands it needs, which go first on
+each node's own connection (a write that reaches a node before its assign waits
+for it there); a node that refuses an assign gets the attempt revoked
+(``PutRevoke``) and the writer's write and ``put_end`` are refused. Replies to
+``put_end`` and ``remove`` are *parked* until the nodes acknowledged the
+``publish`` or ``free`` (the loop never blocks on them).
 
 Client sessions. A client that holds pending allocations or read pins has one.
 Each pending allocation (put attempt) has a deadline of its own: it is
