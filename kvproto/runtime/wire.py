@@ -41,7 +41,10 @@ import zmq
 
 from kvproto import errors
 
-PROTOCOL_VERSION = 1
+#: 2: a fence reply's index travels as columns (``IndexColumns``), ``put_end``
+#: and ``publish`` items may carry a checksum. Mixed versions refuse each other
+#: with ``UnsupportedVersion`` instead of misreading a frame.
+PROTOCOL_VERSION = 2
 
 MAX_KEY_BYTES = 4096
 MAX_BATCH = 65536
