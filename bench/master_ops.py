@@ -8,8 +8,10 @@ one request of ``--batch`` keys of each kind: put_start, put_end, read_begin
 with a lease, release, exists and remove (the storage nodes' acknowledgements
 are fed back at once). Prints microseconds per key per request kind: what the
 master's loop spends, the sockets and the other processes left out. It uses
-only ``handle``, ``outbox`` and ``storage_reply``, so the same script measures
-an older revision (``git worktree add /tmp/old REV``, ``PYTHONPATH=/tmp/old``).
+only ``handle``, ``outbox`` and ``storage_reply`` (the acknowledgements are
+written out here rather than taken from ``kvproto.checking.fuzz``), so the same
+script measures an older revision (``git worktree add /tmp/old REV``,
+``PYTHONPATH=/tmp/old``).
 """
 
 from __future__ import annotations
