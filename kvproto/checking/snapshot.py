@@ -25,7 +25,6 @@ request is counted), the clock and the description of the last failover.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -60,8 +59,6 @@ def snapshot(value: Any, exclude: frozenset = OBSERVATIONS, _seen: frozenset = f
         return snapshot(value.reference(), exclude, _seen)
     if isinstance(value, (bytearray, memoryview)):
         return hashlib.blake2b(value, digest_size=16).digest()
-    if isinstance(value, array):       # a fast core's columns
-        return (value.typecode, hashlib.blake2b(value.tobytes(), digest_size=16).digest())
     if callable(value) and not hasattr(value, "__dict__") and not hasattr(value, "__slots__"):
         return None
     if id(value) in _seen:
@@ -76,8 +73,6 @@ def snapshot(value: Any, exclude: frozenset = OBSERVATIONS, _seen: frozenset = f
     if isinstance(value, set):
         return ("set", frozenset(value))
     if hasattr(value, "tobytes") and hasattr(value, "dtype"):       # numpy arrays
-        if value.dtype == object:      # e.g. a core's row -> key column
-            return ("objects", value.tolist())
         return hashlib.blake2b(value.tobytes(), digest_size=16).digest()
     fields: dict[str, Any] = {}
     for name in _field_names(value):
