@@ -76,7 +76,7 @@ import numpy as np
 import zmq
 
 from kvproto import errors
-from kvproto.runtime import collector, tracing, wire
+from kvproto.runtime import tracing, wire
 from kvproto.runtime.allocator import Placer
 from kvproto.runtime.tenanted import Tenants
 from kvproto.cores.directory import DirectoryCore
@@ -1077,8 +1077,7 @@ class MasterCore:
                     or type(info["next_token"]) is not int or info["next_token"] < 1:
                 raise errors.MalformedFrame("fence reply for another segment, without its index "
                                             "or without a next token")
-            with collector.paused(objects):
-                index = IndexColumns.from_frames(reply.payloads, objects)
+            index = IndexColumns.from_frames(reply.payloads, objects)
         except (errors.KvError, KeyError, ValueError, TypeError) as err:
             log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
             rnd.failed.add(segment)
