@@ -26,6 +26,16 @@
 (* slot holds (content), which attempt's writer was told its put was      *)
 (* published (publishedToken), and which attempts' descriptors readers    *)
 (* hold (handed).                                                         *)
+(*                                                                         *)
+(* Repair (spec/Repair.tla has its copy and rate rules): a published       *)
+(* object records the replica count its put requested.  Below that count  *)
+(* after a loss, the master allocates a region for a new replica on a     *)
+(* live segment that holds none of it (RepairStart, under a fresh id from *)
+(* the token counter), the copier fills it from a listed replica          *)
+(* (CopyReplica), and only its report of a complete copy lists it         *)
+(* (ListReplica).  A repair may be cancelled (RepairCancel: its copy      *)
+(* failed or timed out); a lost segment or a removed object takes its     *)
+(* repairs with it.  Repair regions count in the ledger like replicas.    *)
 (***************************************************************************)
 EXTENDS Naturals, FiniteSets
 
@@ -65,8 +75,13 @@ Placements == UNION { [S -> Slots] : S \in {S \in SUBSET Segments : Cardinality(
 
 (* A published object keeps fewer replicas after losing a segment. *)
 SomeReplicas == UNION { [S -> Slots] : S \in SUBSET Segments }
+(* Repairs in flight: destination segment -> its region and the repair's id. *)
+RepairRegion == [slot : Slots, id : Tokens]
+SomeRepairs == UNION { [S -> RepairRegion] : S \in SUBSET Segments }
+NoRepairs == [s \in {} |-> [slot |-> 1, id |-> 1]]
 Object == [status : {"pending", "published"}, token : Tokens,
-           replicas : SomeReplicas, reads : 0..MaxReads]
+           replicas : SomeReplicas, requested : 1..ReplicaCount,
+           repairs : SomeRepairs, reads : 0..MaxReads]
 Region == [key : Keys, token : Tokens, done : BOOLEAN]
 Attempt == [key : Keys, token : Tokens, replicas : Placements, written : SUBSET Segments]
 
@@ -75,18 +90,30 @@ Pending(k)   == Exists(k) /\ dir[k].status = "pending"
 Published(k) == Exists(k) /\ dir[k].status = "published"
 Busy(w)      == writer[w] # None
 
+(* The function f with s mapped to v / with s left out. *)
+Extend(f, s, v) == [x \in DOMAIN f \cup {s} |-> IF x = s THEN v ELSE f[x]]
+Without(f, s) == [x \in DOMAIN f \ {s} |-> f[x]]
+
+(* The segments holding a region of k: its replicas and its repairs. *)
+Holds(k) == DOMAIN dir[k].replicas \cup DOMAIN dir[k].repairs
+(* The slots of k: <<segment, slot>> of each replica and each repair. *)
+SlotsOf(k) == {<<s, dir[k].replicas[s]>> : s \in DOMAIN dir[k].replicas}
+              \cup {<<s, dir[k].repairs[s].slot>> : s \in DOMAIN dir[k].repairs}
+
 (* Slot i of segment s is allocated to some object in the directory. *)
-Allocated(s, i) == \E k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas
-                                  /\ dir[k].replicas[s] = i
-UsedSlots(s) == Cardinality({k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas})
+Allocated(s, i) == \E k \in Keys : Exists(k) /\ <<s, i>> \in SlotsOf(k)
+UsedSlots(s) == Cardinality({k \in Keys : Exists(k) /\ s \in Holds(k)})
+
+(* The object has fewer replicas, listed or being repaired, than it asked for. *)
+Below(k) == Cardinality(Holds(k)) < dir[k].requested
 
 (* Free every region of the objects whose keys are in ks: the master's *)
 (* ledger and the storage nodes' region tables change together, and a   *)
 (* freed slot holds no attempt's bytes.                                  *)
 FreeObjects(ks) ==
-    LET freed(s, i) == \E k \in ks : s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i IN
+    LET freed(s, i) == \E k \in ks : <<s, i>> \in SlotsOf(k) IN
     /\ free' = [s \in Segments |->
-                  free[s] + Cardinality({k \in ks : s \in DOMAIN dir[k].replicas})]
+                  free[s] + Cardinality({k \in ks : s \in Holds(k)})]
     /\ store' = [s \in Segments |-> [i \in Slots |->
                   IF freed(s, i) THEN None ELSE store[s][i]]]
     /\ content' = [s \in Segments |-> [i \in Slots |->
@@ -105,12 +132,15 @@ Readable(k) == Published(k)
 MayReclaim(k) == TRUE
 \* The storage node accepts a write only into a region the writer's token owns.
 StorageOwns(w, s, i) == store[s][i].token = writer[w].token
+\* The master lists a repaired replica only on its copier's report of a complete copy.
+RepairCopied(k, s) == store[s][dir[k].repairs[s].slot].done
 
 WeakPutEndEarly(w) == TRUE
 WeakAnyAttemptOwns(k, t) == Pending(k)
 WeakReadPending(k) == Exists(k)
 WeakNeverReclaim(k) == FALSE
 WeakStorageAcceptsAny(w, s, i) == TRUE
+WeakListBeforeCopy(k, s) == TRUE
 
 (***************************************************************************)
 (* Actions                                                                 *)
@@ -133,7 +163,8 @@ PutStart(w, k, p) ==
     /\ DOMAIN p \subseteq live
     /\ \A s \in DOMAIN p : free[s] > 0 /\ ~Allocated(s, p[s])
     /\ dir' = [dir EXCEPT ![k] = [status |-> "pending", token |-> nextToken,
-                                  replicas |-> p, reads |-> 0]]
+                                  replicas |-> p, requested |-> Cardinality(DOMAIN p),
+                                  repairs |-> NoRepairs, reads |-> 0]]
     /\ free' = [s \in Segments |-> IF s \in DOMAIN p THEN free[s] - 1 ELSE free[s]]
     /\ store' = [s \in Segments |->
                    IF s \in DOMAIN p
@@ -221,8 +252,8 @@ Remove(k) ==
 
 (* A segment dies with its bytes.  A pending object with a replica there  *)
 (* is revoked whole; a published one keeps its other replicas, and is     *)
-(* gone (its readers fail, and let go of its descriptors) when none is    *)
-(* left.                                                                  *)
+(* gone (its readers fail, and let go of its descriptors, and its repairs  *)
+(* are cancelled) when none is left.  A repair into the segment ends.     *)
 SegmentLost(s) ==
     /\ s \in live
     /\ LET hit  == {k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas}
@@ -231,7 +262,7 @@ SegmentLost(s) ==
          /\ live' = live \ {s}
          /\ free' = [s2 \in Segments |->
                        IF s2 = s THEN 0
-                       ELSE free[s2] + Cardinality({k \in gone : s2 \in DOMAIN dir[k].replicas})]
+                       ELSE free[s2] + Cardinality({k \in gone : s2 \in Holds(k)})]
          /\ store' = [s2 \in Segments |->
                         IF s2 = s THEN [i \in Slots |-> None]
                         ELSE [i \in Slots |->
@@ -242,13 +273,60 @@ SegmentLost(s) ==
                           THEN 0 ELSE content[s2][i]]]
          /\ dir' = [k \in Keys |->
                       IF k \in gone THEN None
-                      ELSE IF k \in hit
-                      THEN [dir[k] EXCEPT !.replicas =
-                              [s2 \in DOMAIN dir[k].replicas \ {s} |-> dir[k].replicas[s2]]]
+                      ELSE IF Exists(k) /\ s \in Holds(k)
+                      THEN [dir[k] EXCEPT !.replicas = Without(@, s), !.repairs = Without(@, s)]
                       ELSE dir[k]]
          /\ publishedToken' = [k \in Keys |-> IF k \in gone THEN 0 ELSE publishedToken[k]]
          /\ handed' = [k \in Keys |-> IF k \in gone THEN [t \in Tokens |-> 0] ELSE handed[k]]
     /\ UNCHANGED <<nextToken, writer>>
+
+(* The master starts a repair of a published object below its requested *)
+(* count: a region on a live segment holding none of the object, stamped  *)
+(* with the object's token; the repair's id is a fresh token.             *)
+RepairStart(k, s, i) ==
+    /\ Published(k)
+    /\ Below(k)
+    /\ nextToken \in Tokens
+    /\ s \in live \ Holds(k)
+    /\ free[s] > 0
+    /\ ~Allocated(s, i)
+    /\ dir' = [dir EXCEPT ![k].repairs = Extend(@, s, [slot |-> i, id |-> nextToken])]
+    /\ free' = [free EXCEPT ![s] = @ - 1]
+    /\ store' = [store EXCEPT ![s][i] = [key |-> k, token |-> dir[k].token, done |-> FALSE]]
+    /\ nextToken' = nextToken + 1
+    /\ UNCHANGED <<live, writer, publishedToken, content, handed>>
+
+(* The copier reads a listed replica (under the object's token) and writes *)
+(* its bytes into the repair's region, once.                              *)
+CopyReplica(k, s) ==
+    /\ Published(k)
+    /\ s \in DOMAIN dir[k].repairs
+    /\ LET i == dir[k].repairs[s].slot IN
+         /\ ~store[s][i].done
+         /\ \E src \in DOMAIN dir[k].replicas :
+               /\ store' = [store EXCEPT ![s][i].done = TRUE]
+               /\ content' = [content EXCEPT ![s][i] = content[src][dir[k].replicas[src]]]
+    /\ UNCHANGED <<dir, free, live, nextToken, writer, publishedToken, handed>>
+
+(* The copier reported its copy complete: the master lists the replica. *)
+ListReplica(k, s) ==
+    /\ Published(k)
+    /\ s \in DOMAIN dir[k].repairs
+    /\ RepairCopied(k, s)
+    /\ dir' = [dir EXCEPT ![k].replicas = Extend(@, s, dir[k].repairs[s].slot),
+                          ![k].repairs = Without(@, s)]
+    /\ UNCHANGED <<free, live, nextToken, store, writer, publishedToken, content, handed>>
+
+(* A repair ends unlisted (its copy failed or timed out): its region is freed. *)
+RepairCancel(k, s) ==
+    /\ Published(k)
+    /\ s \in DOMAIN dir[k].repairs
+    /\ LET i == dir[k].repairs[s].slot IN
+         /\ dir' = [dir EXCEPT ![k].repairs = Without(@, s)]
+         /\ free' = [free EXCEPT ![s] = @ + 1]
+         /\ store' = [store EXCEPT ![s][i] = None]
+         /\ content' = [content EXCEPT ![s][i] = 0]
+    /\ UNCHANGED <<live, nextToken, writer, publishedToken, handed>>
 
 Next ==
     \/ \E w \in Writers, k \in Keys, p \in Placements : PutStart(w, k, p)
@@ -256,6 +334,9 @@ Next ==
     \/ \E w \in Writers : PutEnd(w) \/ PutRevoke(w) \/ WriterCrash(w)
     \/ \E k \in Keys : ReclaimAbandoned(k) \/ ReadBegin(k) \/ ReadEnd(k) \/ Remove(k)
     \/ \E s \in Segments : SegmentLost(s)
+    \/ \E k \in Keys, s \in Segments, i \in Slots : RepairStart(k, s, i)
+    \/ \E k \in Keys, s \in Segments :
+           CopyReplica(k, s) \/ ListReplica(k, s) \/ RepairCancel(k, s)
 
 (* The master's timeout eventually fires for an attempt left pending. *)
 Fairness == \A k \in Keys : WF_vars(ReclaimAbandoned(k))
@@ -292,15 +373,16 @@ PublishedHasAllReplicasComplete ==
 (* agree with the master's directory.                                  *)
 NoOverlappingAllocation ==
     /\ \A k1, k2 \in Keys : k1 # k2 /\ Exists(k1) /\ Exists(k2) =>
-          \A s \in DOMAIN dir[k1].replicas \cap DOMAIN dir[k2].replicas :
-              dir[k1].replicas[s] # dir[k2].replicas[s]
+          SlotsOf(k1) \cap SlotsOf(k2) = {}
     /\ \A s \in Segments, i \in Slots :
           store[s][i] # None <=>
-              \E k \in Keys : Exists(k) /\ s \in DOMAIN dir[k].replicas
-                              /\ dir[k].replicas[s] = i /\ store[s][i].key = k
+              \E k \in Keys : Exists(k) /\ <<s, i>> \in SlotsOf(k)
+                              /\ store[s][i].key = k
                               /\ store[s][i].token = dir[k].token
 
-(* free + allocated = capacity on live segments; nothing on lost ones. *)
+(* free + allocated = capacity on live segments; nothing on lost ones.  *)
+(* A repair's region counts as allocated from RepairStart until it is    *)
+(* listed or cancelled.                                                  *)
 SpaceAccounted ==
     \A s \in Segments :
         IF s \in live THEN free[s] + UsedSlots(s) = SlotsPerSegment
@@ -318,6 +400,14 @@ OneAttemptPublishes ==
 PublishedBytesAreTheAttempts ==
     \A k \in Keys : Published(k) =>
         \A s \in DOMAIN dir[k].replicas : content[s][dir[k].replicas[s]] = publishedToken[k]
+
+(* Repair never takes an object above the count its put requested, and a *)
+(* replica and a repair of one object never share a segment.             *)
+NeverAboveRequested ==
+    \A k \in Keys : Exists(k) =>
+        /\ Cardinality(DOMAIN dir[k].replicas) + Cardinality(DOMAIN dir[k].repairs)
+              <= dir[k].requested
+        /\ DOMAIN dir[k].replicas \cap DOMAIN dir[k].repairs = {}
 
 (***************************************************************************)
 (* Liveness                                                                *)

@@ -14,7 +14,9 @@ the lease table in the master); per row, flat columns hold the status, token,
 length, checksum, read pins and up to :data:`INLINE` replicas as (segment id, offset),
 segment names interned to small ints. An object with more replicas, or on a
 segment whose id does not fit in 16 bits, keeps its replicas in a small
-overflow dict. Segment ledgers are a few plain objects. A step allocates no
+overflow dict. The requested replica count is a column; the repairs in
+flight (spec ``RepairStart`` .. ``ListReplica``), few at any time, are a
+small dict by row. Segment ledgers are a few plain objects. A step allocates no
 per-object Python object except the key's row; ``SegmentLost`` finds the
 objects on the segment with one vectorised scan of the replica columns.
 """
@@ -32,9 +34,11 @@ from kvproto import errors
 from kvproto.cores.rows import Rows, grow
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.publish import (
-    AddSegment, AssignRegion, Directory, FreeRegion, ObjectRecord, Published, PutEnd,
-    PutGranted, PutRevoke, PutStart, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
-    Refused, Remove, Removed, Replica, Revoked, SegmentLedger, SegmentLost, Status,
+    AddSegment, AssignRegion, Directory, FreeRegion, ListReplica, ObjectRecord, Published,
+    PutEnd, PutGranted, PutRevoke, PutStart, ReadBegin, ReadEnd, ReadGranted,
+    ReclaimAbandoned, Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairRegion,
+    RepairStart, RepairStarted, Replica, ReplicaListed, Revoked, SegmentLedger, SegmentLost,
+    Status,
 )
 
 #: status column values (0: the row holds no object of this directory)
@@ -79,8 +83,8 @@ class DirectoryCore:
     BIT = 1
 
     __slots__ = ("rows", "next_token", "count", "_st", "_nrep", "_tok", "_len", "_sum", "_reads",
-                 "_s0", "_s1", "_o0", "_o1", "_extra", "_ledgers", "_by_id", "_names", "_handlers",
-                 "objects", "segments")
+                 "_s0", "_s1", "_o0", "_o1", "_req", "_extra", "_repairs", "_ledgers", "_by_id",
+                 "_names", "_handlers", "objects", "segments")
 
     def __init__(self, rows: Optional[Rows] = None) -> None:
         self.rows = Rows() if rows is None else rows
@@ -94,7 +98,9 @@ class DirectoryCore:
         self._reads = array("I")
         self._s0, self._s1 = array("H"), array("H")
         self._o0, self._o1 = array("q"), array("q")
+        self._req = array("H")             # the replica count its put requested
         self._extra: dict[int, tuple] = {}  # row -> ((segment id, offset), ...) when OVERFLOW
+        self._repairs: dict[int, tuple] = {}  # row -> ((segment id, offset, repair id), ...)
         self._ledgers: dict[str, Ledger] = {}
         self._by_id: list[Ledger] = []
         self._names: list[str] = []        # segment id -> name
@@ -106,14 +112,15 @@ class DirectoryCore:
             AddSegment: self._add_segment, PutStart: self._put_start, PutEnd: self._put_end,
             PutRevoke: self._put_revoke, ReclaimAbandoned: self._reclaim_abandoned,
             ReadBegin: self._read_begin, ReadEnd: self._read_end, Remove: self._remove,
-            SegmentLost: self._segment_lost,
+            SegmentLost: self._segment_lost, RepairStart: self._repair_start,
+            ListReplica: self._list_replica, RepairCancel: self._repair_cancel,
         }
         self.objects = _Objects(self)
         self.segments = _Ledgers(self)
 
     def _columns(self) -> tuple:
         return (self._st, self._nrep, self._tok, self._len, self._sum, self._reads,
-                self._s0, self._s1, self._o0, self._o1)
+                self._s0, self._s1, self._o0, self._o1, self._req)
 
     def _grow(self, size: int) -> None:
         grow(self._columns(), size)
@@ -155,6 +162,8 @@ class DirectoryCore:
         n = len(placement)
         if n > 1 and len({r.segment for r in placement}) != n:
             return _refused(errors.InvalidArgument("two replicas on one segment"))
+        if n > 0xFFFF:
+            return _refused(errors.InvalidArgument(f"{n} replicas is more than {0xFFFF}"))
         ledgers, chosen = self._ledgers, []
         for r in placement:
             ledger = ledgers.get(r.segment)
@@ -173,6 +182,7 @@ class DirectoryCore:
         self._tok[row] = token
         self._len[row] = length
         self._sum[row] = 0
+        self._req[row] = n
         for ledger in chosen:
             ledger.free -= length
         if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
@@ -259,20 +269,116 @@ class DirectoryCore:
         ledger.free, ledger.live = 0, False
         sid, by_id, keys = ledger.id, self._by_id, self.rows.keys
         effects: list = []
-        for row in self._rows_on(sid):
+        repairing = [row for row, held in self._repairs.items() if any(s == sid for s, _, _ in held)]
+        rows = self._rows_on(sid)
+        if repairing:
+            rows = sorted(set(rows).union(repairing))
+        for row in rows:
             placed = self._placed(row)
             kept = [(s, o) for s, o in placed if s != sid]
             if self._st[row] == PENDING or not kept:
-                key, token, length = keys[row], self._tok[row], self._len[row]
+                key, token = keys[row], self._tok[row]
                 effects.append(Revoked(key, token) if self._st[row] == PENDING
                                else Removed(key, token))
-                for s, o in kept:
-                    by_id[s].free += length
-                    effects.append(FreeRegion(by_id[s].name, o, token, length))
-                self._clear(row)
+                effects.extend(self._drop(row, key, skip=sid))
             else:
-                self._place(row, kept)
+                if len(kept) != len(placed):
+                    self._place(row, kept)
+                held = self._repairs.get(row)
+                if held:
+                    key, token = keys[row], self._tok[row]
+                    effects.extend(RepairCancelled(key, token, rid, ledger.name)
+                                   for s, _, rid in held if s == sid)
+                    self._set_repairs(row, tuple(h for h in held if h[0] != sid))
         return tuple(effects)
+
+    # ------------------------------------------------------------------ repair
+
+    def _set_repairs(self, row: int, held: tuple) -> None:
+        if held:
+            self._repairs[row] = held
+        else:
+            self._repairs.pop(row, None)
+
+    def _repair_start(self, ev: RepairStart) -> tuple:
+        """Spec ``RepairStart``: a published object with ``token`` below its
+        requested count; a region on a live segment holding none of it."""
+        key = ev.key
+        row = self.rows.index.get(key)
+        if row is None or self._st[row] != PUBLISHED or self._tok[row] != ev.token:
+            return _refused(errors.StaleToken(f"no published {key!r} with token {ev.token}"))
+        held = self._repairs.get(row, ())
+        placed = self._placed(row)
+        if len(placed) + len(held) >= self._req[row]:
+            return _refused(errors.InvalidArgument(
+                f"{key!r} has the {self._req[row]} replica(s) it requested"))
+        r = ev.replica
+        ledger = self._ledgers.get(r.segment)
+        if ledger is not None and (any(s == ledger.id for s, _ in placed)
+                                   or any(s == ledger.id for s, _, _ in held)):
+            return _refused(errors.InvalidArgument("two replicas on one segment"))
+        if ledger is None or not ledger.live:
+            return _refused(errors.SegmentUnavailable(f"segment {r.segment!r} is not live"))
+        length = self._len[row]
+        if r.length != length or ledger.free < length or r.offset < 0 \
+                or r.offset + length > ledger.capacity:
+            return _refused(errors.NoSpace(f"segment {r.segment!r} cannot hold {r.length} bytes"))
+        repair = self.next_token
+        self.next_token = repair + 1
+        ledger.free -= length
+        self._repairs[row] = held + ((ledger.id, r.offset, repair),)
+        return (RepairStarted(key, ev.token, repair, r),
+                AssignRegion(r.segment, r.offset, length, key, ev.token))
+
+    def _repair_at(self, ev) -> tuple[Optional[int], Optional[tuple]]:
+        """``(row, (segment id, offset, id))`` of the repair ``ev`` names, or ``(None, None)``."""
+        row = self.rows.index.get(ev.key)
+        ledger = self._ledgers.get(ev.segment)
+        if row is not None and ledger is not None and self._st[row]:
+            for h in self._repairs.get(row, ()):
+                if h[0] == ledger.id and h[2] == ev.repair:
+                    return row, h
+        return None, None
+
+    def _list_replica(self, ev: ListReplica) -> tuple:
+        """Spec ``ListReplica``: only the repair in flight that the report names."""
+        row, h = self._repair_at(ev)
+        if row is None:
+            return _refused(errors.StaleToken(
+                f"no repair {ev.repair} of {ev.key!r} into {ev.segment!r} in flight"))
+        self._set_repairs(row, tuple(x for x in self._repairs[row] if x is not h))
+        self._place(row, self._placed(row) + [(h[0], h[1])])
+        length = self._len[row]
+        return (ReplicaListed(ev.key, self._tok[row], ev.repair,
+                              Replica(ev.segment, h[1], length)),)
+
+    def _repair_cancel(self, ev: RepairCancel) -> tuple:
+        """Spec ``RepairCancel``: the repair ends unlisted; its region is freed."""
+        row, h = self._repair_at(ev)
+        if row is None:
+            return _refused(errors.StaleToken(
+                f"no repair {ev.repair} of {ev.key!r} into {ev.segment!r} in flight"))
+        self._set_repairs(row, tuple(x for x in self._repairs[row] if x is not h))
+        token, length = self._tok[row], self._len[row]
+        self._by_id[h[0]].free += length
+        return (RepairCancelled(ev.key, token, ev.repair, ev.segment),
+                FreeRegion(ev.segment, h[1], token, length))
+
+    def below(self) -> list:
+        """Keys of the published objects below their requested count, counting
+        the repairs in flight (spec ``Below``), in row order (vectorised)."""
+        size = self.rows.size
+        if not size:
+            return []
+        st = np.frombuffer(self._st, np.int8, size)
+        nrep = np.frombuffer(self._nrep, np.uint8, size).astype(np.int64)
+        req = np.frombuffer(self._req, np.uint16, size)
+        for row, placed in self._extra.items():
+            nrep[row] = len(placed)
+        for row, held in self._repairs.items():
+            nrep[row] += len(held)
+        keys = self.rows.keys
+        return [keys[row] for row in np.flatnonzero((st == PUBLISHED) & (nrep < req)).tolist()]
 
     # ------------------------------------------------------------------ rows
 
@@ -311,14 +417,22 @@ class DirectoryCore:
             return (Replica(names[self._s0[row]], self._o0[row], length),)
         return tuple(Replica(names[s], o, length) for s, o in self._placed(row))
 
-    def _drop(self, row: int, key) -> tuple:
-        """Free the object's replicas (spec ``FreeObjects``) and its row."""
+    def _drop(self, row: int, key, skip: int = -1) -> tuple:
+        """Free the object's replicas and repair regions (spec ``FreeObjects``;
+        none on segment id ``skip``) and its row; the repairs are cancelled."""
         token, length, by_id = self._tok[row], self._len[row], self._by_id
         frees = []
         for s, o in self._placed(row):
+            if s != skip:
+                ledger = by_id[s]
+                ledger.free += length
+                frees.append(FreeRegion(ledger.name, o, token, length))
+        for s, o, rid in self._repairs.get(row, ()):
             ledger = by_id[s]
-            ledger.free += length
-            frees.append(FreeRegion(ledger.name, o, token, length))
+            frees.append(RepairCancelled(key, token, rid, ledger.name))
+            if s != skip:
+                ledger.free += length
+                frees.append(FreeRegion(ledger.name, o, token, length))
         self._clear(row)
         return tuple(frees)
 
@@ -327,6 +441,7 @@ class DirectoryCore:
         self._nrep[row] = 0
         self._reads[row] = 0
         self._extra.pop(row, None)
+        self._repairs.pop(row, None)
         self.count -= 1
         self.rows.release(row, self.BIT)
 
@@ -379,9 +494,11 @@ class DirectoryCore:
         return self._record(row)
 
     def _record(self, row: int) -> ObjectRecord:
-        length = self._len[row]
+        length, names = self._len[row], self._names
         return ObjectRecord(_STATUS[self._st[row]], self._tok[row], self._replicas(row, length),
-                            length, self._reads[row], self._sum[row])
+                            length, self._reads[row], self._sum[row], self._req[row],
+                            tuple(RepairRegion(names[s], o, rid)
+                                  for s, o, rid in self._repairs.get(row, ())))
 
     def published(self, key) -> bool:
         """Whether ``key`` names a published object (spec ``Readable(k)``)."""
@@ -406,8 +523,9 @@ class DirectoryCore:
         new.rows = self.rows.copy()
         new.next_token, new.count = self.next_token, self.count
         (new._st, new._nrep, new._tok, new._len, new._sum, new._reads,
-         new._s0, new._s1, new._o0, new._o1) = (col[:] for col in self._columns())
+         new._s0, new._s1, new._o0, new._o1, new._req) = (col[:] for col in self._columns())
         new._extra = dict(self._extra)
+        new._repairs = dict(self._repairs)
         new._by_id = [Ledger(l.name, l.id, l.capacity, l.free, l.live) for l in self._by_id]
         new._ledgers = {l.name: l for l in new._by_id}
         new._names = list(self._names)
@@ -429,7 +547,8 @@ class DirectoryCore:
         ids = {name: i for i, name in enumerate(capacities)}
         used = [0] * len(ids)
         listed: dict = {}
-        for key, token, length, replicas, *checksum in objects:
+        for key, token, length, replicas, *extra in objects:
+            checksum, requested = (list(extra) + [0, 0])[:2]
             kept = []
             for r in replicas:
                 s = ids.get(r.segment)
@@ -439,36 +558,41 @@ class DirectoryCore:
                     kept.append((s, r.offset))
                     used[s] += length
             if kept:
-                listed[key] = (token, length, kept, checksum[0] if checksum else 0)
+                listed[key] = (token, length, kept, checksum, requested)
                 next_token = max(next_token, token + 1)
-        width = max((len(k) for _, _, k, _ in listed.values()), default=1)
+        width = max((len(k) for _, _, k, _, _ in listed.values()), default=1)
         n = len(listed)
         sids = np.full((n, width), -1, np.int64)
         offs = np.zeros((n, width), np.int64)
-        for i, (_, _, kept, _) in enumerate(listed.values()):
+        for i, (_, _, kept, _, _) in enumerate(listed.values()):
             for j, (s, o) in enumerate(kept):
                 sids[i, j], offs[i, j] = s, o
-        tokens = np.fromiter((t for t, _, _, _ in listed.values()), np.int64, n)
-        lengths = np.fromiter((l for _, l, _, _ in listed.values()), np.int64, n)
-        sums = np.fromiter((c for _, _, _, c in listed.values()), np.uint64, n)
+        tokens = np.fromiter((t for t, _, _, _, _ in listed.values()), np.int64, n)
+        lengths = np.fromiter((l for _, l, _, _, _ in listed.values()), np.int64, n)
+        sums = np.fromiter((c for _, _, _, c, _ in listed.values()), np.uint64, n)
+        req = np.fromiter((r for _, _, _, _, r in listed.values()), np.int64, n)
         return cls._build(capacities, list(listed), tokens, lengths, sids, offs, next_token,
-                          used, rows, sums)
+                          used, rows, sums, req)
 
     @classmethod
     def from_columns(cls, capacities: Mapping[str, int], segments: Sequence[str],
                      keys: bytes, key_offsets, tokens, lengths, replica_segments,
                      replica_offsets, next_token: int,
-                     rows: Optional[Rows] = None, checksums=None) -> "DirectoryCore":
+                     rows: Optional[Rows] = None, checksums=None,
+                     requested=None) -> "DirectoryCore":
         """:meth:`restored` from columns, as a columnar index frame decodes:
         object ``i`` has key ``keys[key_offsets[i]:key_offsets[i + 1]]``, token
         ``tokens[i]``, length ``lengths[i]``, checksum ``checksums[i]`` (none:
-        0) and replicas ``(segments[j], replica_offsets[i, c])`` for each
+        0), requested replica count ``requested[i]`` (none, or 0: the replicas
+        it has) and replicas ``(segments[j], replica_offsets[i, c])`` for each
         ``j = replica_segments[i, c] >= 0``. Keys must be distinct. No Python
         object is made per object but its key and row."""
         tokens = np.asarray(tokens, np.int64)
         lengths = np.asarray(lengths, np.int64)
         sums = np.zeros(len(tokens), np.uint64) if checksums is None else \
             np.asarray(checksums, np.uint64)
+        req = np.zeros(len(tokens), np.int64) if requested is None else \
+            np.asarray(requested, np.int64)
         rsegs = np.asarray(replica_segments, np.int64)
         roffs = np.asarray(replica_offsets, np.int64)
         if rsegs.ndim == 1:
@@ -491,18 +615,19 @@ class DirectoryCore:
         names = _slices(keys, np.asarray(key_offsets, np.int64), listed)
         if not listed.all():
             tokens, lengths, sids, offs = tokens[listed], lengths[listed], sids[listed], offs[listed]
-            sums = sums[listed]
+            sums, req = sums[listed], req[listed]
         if len(tokens):
             next_token = max(next_token, int(tokens.max()) + 1)
         return cls._build(capacities, names, tokens, lengths, sids, offs, next_token,
-                          used.tolist(), rows, sums)
+                          used.tolist(), rows, sums, req)
 
     @classmethod
     def _build(cls, capacities, keys: list, tokens, lengths, sids, offs, next_token: int,
-               used: Sequence[int], rows: Optional[Rows], sums) -> "DirectoryCore":
+               used: Sequence[int], rows: Optional[Rows], sums, requested=None) -> "DirectoryCore":
         """A directory of published objects at rows ``0..n-1``: ``sids``/``offs``
         (n x width, kept replicas first, -1 after) in the ids of ``capacities``,
-        checksums ``sums``."""
+        checksums ``sums``, requested counts ``requested`` (none, or below the
+        replicas kept: the replicas kept)."""
         core = cls(rows)
         for (name, capacity), u in zip(capacities.items(), used):
             core._join(name, capacity, capacity - u)
@@ -516,8 +641,9 @@ class DirectoryCore:
         width = sids.shape[1]
         nrep = (sids >= 0).sum(1)
         inline = (nrep <= INLINE) & (sids[:, :min(width, INLINE)] < SEGMENT_ID_LIMIT).all(1)
+        req = nrep if requested is None else np.maximum(np.asarray(requested, np.int64), nrep)
         cols = {"_st": np.full(n, PUBLISHED, np.int8), "_tok": tokens, "_len": lengths,
-                "_sum": sums,
+                "_sum": sums, "_req": np.minimum(req, 0xFFFF),
                 "_nrep": np.where(inline, nrep, OVERFLOW).astype(np.uint8),
                 "_s0": np.where(inline, sids[:, 0], 0).astype(np.uint16),
                 "_o0": np.where(inline, offs[:, 0], 0)}

@@ -57,10 +57,22 @@ class Status(str, enum.Enum):
 
 
 @attrs.frozen
+class RepairRegion:
+    """A repair in flight (``dir[k].repairs[s]``): the region at ``offset`` of
+    ``segment`` being filled for a new replica, and the repair's ``id``."""
+
+    segment: str
+    offset: int
+    id: int
+
+
+@attrs.frozen
 class ObjectRecord:
     """The master's record of one key (``dir[k]`` in the spec). ``checksum``
     is the one its writer sent with ``PutEnd`` (0: none), data carried along
-    like ``length``; the spec abstracts it away."""
+    like ``length``; the spec abstracts it away. ``requested`` is the replica
+    count its put asked for (default: the replicas it has); ``repairs`` the
+    repairs in flight, in the order they started."""
 
     status: Status
     token: int
@@ -68,6 +80,13 @@ class ObjectRecord:
     length: int
     reads: int = 0
     checksum: int = 0
+    requested: int = attrs.field(default=attrs.Factory(lambda self: len(self.replicas),
+                                                        takes_self=True))
+    repairs: tuple[RepairRegion, ...] = ()
+
+    def below(self) -> bool:
+        """Spec ``Below(k)``: fewer replicas, listed or being repaired, than requested."""
+        return len(self.replicas) + len(self.repairs) < self.requested
 
 
 @attrs.frozen
@@ -183,8 +202,38 @@ class SegmentLost:
     segment: str
 
 
+@attrs.frozen
+class RepairStart:
+    """``RepairStart``: a region ``replica`` for a new replica of the published
+    object ``key`` whose token is ``token``."""
+
+    key: bytes
+    token: int
+    replica: Replica
+
+
+@attrs.frozen
+class ListReplica:
+    """``ListReplica``: the copier of repair ``repair`` into ``segment``
+    reported its copy complete."""
+
+    key: bytes
+    segment: str
+    repair: int
+
+
+@attrs.frozen
+class RepairCancel:
+    """``RepairCancel``: repair ``repair`` into ``segment`` ends unlisted."""
+
+    key: bytes
+    segment: str
+    repair: int
+
+
 MasterEvent = Union[AddSegment, PutStart, PutEnd, PutRevoke, ReclaimAbandoned,
-                    ReadBegin, ReadEnd, Remove, SegmentLost]
+                    ReadBegin, ReadEnd, Remove, SegmentLost, RepairStart, ListReplica,
+                    RepairCancel]
 
 # --------------------------------------------------------------------------
 # Events fed to a storage node
@@ -273,6 +322,36 @@ class Removed:
 
 
 @attrs.frozen
+class RepairStarted:
+    """A repair began: its ``id`` and its destination region."""
+
+    key: bytes
+    token: int
+    repair: int
+    replica: Replica
+
+
+@attrs.frozen
+class ReplicaListed:
+    """A repaired replica is listed: readers may be handed it from now on."""
+
+    key: bytes
+    token: int
+    repair: int
+    replica: Replica
+
+
+@attrs.frozen
+class RepairCancelled:
+    """A repair ended unlisted (cancelled, or its object or segment gone)."""
+
+    key: bytes
+    token: int
+    repair: int
+    segment: str
+
+
+@attrs.frozen
 class Accepted:
     """A storage node accepted a write or read."""
 
@@ -289,18 +368,27 @@ Effects = tuple
 
 
 
-def _free_effects(record: ObjectRecord) -> tuple[FreeRegion, ...]:
-    return tuple(FreeRegion(r.segment, r.offset, record.token, r.length) for r in record.replicas)
+def _free_effects(key: bytes, record: ObjectRecord, skip: str | None = None) -> tuple:
+    """The frees of ``record``'s replicas, then per repair in flight its
+    cancellation and its region's free (none on segment ``skip``)."""
+    out: list = [FreeRegion(r.segment, r.offset, record.token, r.length)
+                 for r in record.replicas if r.segment != skip]
+    for p in record.repairs:
+        out.append(RepairCancelled(key, record.token, p.id, p.segment))
+        if p.segment != skip:
+            out.append(FreeRegion(p.segment, p.offset, record.token, record.length))
+    return tuple(out)
 
 
 def _release_space(segments: immutables.Map, record: ObjectRecord,
                    skip: str | None = None) -> immutables.Map:
-    """Return ``record``'s replicas to the ledger (spec ``FreeObjects``)."""
+    """Return ``record``'s replicas and repair regions to the ledger (spec
+    ``FreeObjects``)."""
     with segments.mutate() as m:
-        for r in record.replicas:
-            if r.segment != skip:
-                ledger = m[r.segment]
-                m[r.segment] = attrs.evolve(ledger, free=ledger.free + r.length)
+        for seg in [r.segment for r in record.replicas] + [p.segment for p in record.repairs]:
+            if seg != skip:
+                ledger = m[seg]
+                m[seg] = attrs.evolve(ledger, free=ledger.free + record.length)
         return m.finish()
 
 
@@ -329,20 +417,22 @@ def add_segment(state: Directory, ev: AddSegment):
 def restored(capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int) -> Directory:
     """The directory a new master opens with after ``spec/Failover.tla``'s
     ``Recover``: every object in ``objects`` (``(key, token, length, replicas)``,
-    or with its ``checksum`` as a fifth item) is published on its replicas, the segments in ``capacities`` are live with
+    or with its ``checksum`` as a fifth item and its requested replica count
+    as a sixth, 0: the replicas it had) is published on its replicas, the segments in ``capacities`` are live with
     those replicas' bytes taken from their free space, and tokens continue from
     ``next_token``. A replica on a segment not in ``capacities`` is dropped
     (its bytes are gone); an object left with no replica is not listed."""
     used = dict.fromkeys(capacities, 0)
     listed = {}
-    for key, token, length, replicas, *checksum in objects:
+    for key, token, length, replicas, *extra in objects:
         kept = tuple(r for r in replicas if r.segment in used)
         if not kept:
             continue
         for r in kept:
             used[r.segment] += r.length
-        listed[key] = ObjectRecord(Status.PUBLISHED, token, kept, length,
-                                   checksum=checksum[0] if checksum else 0)
+        checksum, requested = (list(extra) + [0, 0])[:2]
+        listed[key] = ObjectRecord(Status.PUBLISHED, token, kept, length, checksum=checksum,
+                                   requested=max(requested, len(kept)))
         next_token = max(next_token, token + 1)
     segments = {s: SegmentLedger(capacity=c, free=c - used[s]) for s, c in capacities.items()}
     if any(ledger.free < 0 for ledger in segments.values()):
@@ -391,7 +481,7 @@ def put_revoke(state: Directory, ev: PutRevoke):
     record = _pending_with(state, ev.key, ev.token)
     if record is None:
         return _refuse(state, errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
-    return _drop(state, ev.key, record), (Revoked(ev.key, ev.token),) + _free_effects(record)
+    return _drop(state, ev.key, record), (Revoked(ev.key, ev.token),) + _free_effects(ev.key, record)
 
 
 def reclaim_abandoned(state: Directory, ev: ReclaimAbandoned):
@@ -399,7 +489,7 @@ def reclaim_abandoned(state: Directory, ev: ReclaimAbandoned):
     record = _pending_with(state, ev.key, ev.token)
     if record is None:
         return _refuse(state, errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
-    return _drop(state, ev.key, record), (Revoked(ev.key, ev.token),) + _free_effects(record)
+    return _drop(state, ev.key, record), (Revoked(ev.key, ev.token),) + _free_effects(ev.key, record)
 
 
 def read_begin(state: Directory, ev: ReadBegin):
@@ -430,7 +520,7 @@ def remove(state: Directory, ev: Remove):
         return _refuse(state, errors.NotPublished(f"{ev.key!r} is being put"))
     if record.reads:
         return _refuse(state, errors.ObjectBusy(f"{ev.key!r} has {record.reads} reader(s)"))
-    return _drop(state, ev.key, record), (Removed(ev.key, record.token),) + _free_effects(record)
+    return _drop(state, ev.key, record), (Removed(ev.key, record.token),) + _free_effects(ev.key, record)
 
 
 def segment_lost(state: Directory, ev: SegmentLost):
@@ -444,7 +534,8 @@ def segment_lost(state: Directory, ev: SegmentLost):
     segments = state.segments.set(ev.segment, SegmentLedger(ledger.capacity, 0, live=False))
     with state.objects.mutate() as objects:
         for key, record in state.objects.items():
-            if not any(r.segment == ev.segment for r in record.replicas):
+            if not any(r.segment == ev.segment for r in record.replicas) \
+                    and not any(p.segment == ev.segment for p in record.repairs):
                 continue
             kept = tuple(r for r in record.replicas if r.segment != ev.segment)
             if record.status is Status.PENDING or not kept:
@@ -452,17 +543,88 @@ def segment_lost(state: Directory, ev: SegmentLost):
                 segments = _release_space(segments, record, skip=ev.segment)
                 effects.append(Revoked(key, record.token) if record.status is Status.PENDING
                                else Removed(key, record.token))
-                effects.extend(f for f in _free_effects(record) if f.segment != ev.segment)
+                effects.extend(_free_effects(key, record, skip=ev.segment))
             else:
-                objects[key] = attrs.evolve(record, replicas=kept)
+                ended = [p for p in record.repairs if p.segment == ev.segment]
+                effects.extend(RepairCancelled(key, record.token, p.id, p.segment) for p in ended)
+                objects[key] = attrs.evolve(record, replicas=kept, repairs=tuple(
+                    p for p in record.repairs if p.segment != ev.segment))
         new = attrs.evolve(state, objects=objects.finish(), segments=segments)
     return new, tuple(effects)
+
+
+def repair_start(state: Directory, ev: RepairStart):
+    """Spec ``RepairStart``: the object is published (with ``token``) and below
+    its requested count, and the region fits on a live segment holding none
+    of it; the repair's id is the next token."""
+    record = state.objects.get(ev.key)
+    if record is None or record.status is not Status.PUBLISHED or record.token != ev.token:
+        return _refuse(state, errors.StaleToken(f"no published {ev.key!r} with token {ev.token}"))
+    if not record.below():
+        return _refuse(state, errors.InvalidArgument(
+            f"{ev.key!r} has the {record.requested} replica(s) it requested"))
+    r = ev.replica
+    if any(h.segment == r.segment for h in record.replicas + record.repairs):
+        return _refuse(state, errors.InvalidArgument("two replicas on one segment"))
+    ledger = state.segments.get(r.segment)
+    if ledger is None or not ledger.live:
+        return _refuse(state, errors.SegmentUnavailable(f"segment {r.segment!r} is not live"))
+    if r.length != record.length or ledger.free < r.length or r.offset < 0 \
+            or r.offset + r.length > ledger.capacity:
+        return _refuse(state, errors.NoSpace(f"segment {r.segment!r} cannot hold {r.length} bytes"))
+    repair = state.next_token
+    record = attrs.evolve(record, repairs=record.repairs + (RepairRegion(r.segment, r.offset, repair),))
+    segments = state.segments.set(r.segment, attrs.evolve(ledger, free=ledger.free - r.length))
+    new = Directory(state.objects.set(ev.key, record), segments, repair + 1)
+    return new, (RepairStarted(ev.key, ev.token, repair, r),
+                 AssignRegion(r.segment, r.offset, r.length, ev.key, ev.token))
+
+
+def _repair_of(state: Directory, key: bytes, segment: str, repair: int):
+    """``(record, repair region)`` of repair ``repair`` into ``segment``, or None."""
+    record = state.objects.get(key)
+    if record is not None:
+        for p in record.repairs:
+            if p.segment == segment and p.id == repair:
+                return record, p
+    return None
+
+
+def list_replica(state: Directory, ev: ListReplica):
+    """Spec ``ListReplica``: the report names a repair in flight (a late report
+    of a cancelled one is refused); its region becomes a listed replica."""
+    found = _repair_of(state, ev.key, ev.segment, ev.repair)
+    if found is None:
+        return _refuse(state, errors.StaleToken(
+            f"no repair {ev.repair} of {ev.key!r} into {ev.segment!r} in flight"))
+    record, p = found
+    replica = Replica(p.segment, p.offset, record.length)
+    record = attrs.evolve(record, replicas=record.replicas + (replica,),
+                          repairs=tuple(q for q in record.repairs if q is not p))
+    return (attrs.evolve(state, objects=state.objects.set(ev.key, record)),
+            (ReplicaListed(ev.key, record.token, ev.repair, replica),))
+
+
+def repair_cancel(state: Directory, ev: RepairCancel):
+    """Spec ``RepairCancel``: the repair ends unlisted and its region is freed."""
+    found = _repair_of(state, ev.key, ev.segment, ev.repair)
+    if found is None:
+        return _refuse(state, errors.StaleToken(
+            f"no repair {ev.repair} of {ev.key!r} into {ev.segment!r} in flight"))
+    record, p = found
+    ledger = state.segments[p.segment]
+    segments = state.segments.set(p.segment, attrs.evolve(ledger, free=ledger.free + record.length))
+    kept = attrs.evolve(record, repairs=tuple(q for q in record.repairs if q is not p))
+    return (Directory(state.objects.set(ev.key, kept), segments, state.next_token),
+            (RepairCancelled(ev.key, record.token, p.id, p.segment),
+             FreeRegion(p.segment, p.offset, record.token, record.length)))
 
 
 _MASTER_HANDLERS: dict[type, Callable] = {
     AddSegment: add_segment, PutStart: put_start, PutEnd: put_end, PutRevoke: put_revoke,
     ReclaimAbandoned: reclaim_abandoned, ReadBegin: read_begin, ReadEnd: read_end,
-    Remove: remove, SegmentLost: segment_lost,
+    Remove: remove, SegmentLost: segment_lost, RepairStart: repair_start,
+    ListReplica: list_replica, RepairCancel: repair_cancel,
 }
 
 
@@ -694,6 +856,67 @@ def sys_segment_lost(sys: System, segment: str) -> Optional[System]:
                                        handed=handed)
 
 
+def sys_repair_start(sys: System, key: bytes, segment: str, offset: int) -> Optional[System]:
+    """Spec ``RepairStart`` into the region at ``offset`` of ``segment``."""
+    record = sys.directory.objects.get(key)
+    if record is None:
+        return None
+    return _on_master(RepairStart(key, record.token, Replica(segment, offset, record.length)))(sys)
+
+
+def sys_copy_replica(sys: System, key: bytes, segment: str) -> Optional[System]:
+    """Spec ``CopyReplica``: the copier reads a listed replica (``ReadReplica``
+    at its node, under the object's token) and writes the bytes into the
+    repair's region (``WriteReplica`` at the destination node)."""
+    record = sys.directory.objects.get(key)
+    repair = None if record is None else next(
+        (p for p in record.repairs if p.segment == segment), None)
+    table = sys.tables.get(segment)
+    if repair is None or table is None or record.status is not Status.PUBLISHED:
+        return None
+    for src in record.replicas:
+        _, read = storage_step(sys.tables[src.segment], ReadReplica(src.segment, src.offset, record.token))
+        if _accepted(read):
+            break
+    else:
+        return None
+    table, effects = storage_step(table, WriteReplica(segment, repair.offset, record.token))
+    if not _accepted(effects):
+        return None
+    bytes_of = sys.content.get((src.segment, src.offset), 0)
+    content = sys.content.set((segment, repair.offset), bytes_of) if bytes_of \
+        else sys.content.delete((segment, repair.offset))
+    return sys._with(tables=sys.tables.set(segment, table), content=content)
+
+
+def repair_copied(sys: System, key: bytes, segment: str, offset: int) -> bool:
+    """Spec ``RepairCopied``: the copier reports only a complete copy (its
+    region at the destination node is written)."""
+    table = sys.tables.get(segment)
+    region = None if table is None else table.regions.get(offset)
+    return region is not None and region.done
+
+
+def sys_list_replica(sys: System, key: bytes, segment: str) -> Optional[System]:
+    """Spec ``ListReplica``, on the copier's report of a complete copy."""
+    record = sys.directory.objects.get(key)
+    repair = None if record is None else next(
+        (p for p in record.repairs if p.segment == segment), None)
+    if repair is None or not repair_copied(sys, key, segment, repair.offset):
+        return None
+    return _on_master(ListReplica(key, segment, repair.id))(sys)
+
+
+def sys_repair_cancel(sys: System, key: bytes, segment: str) -> Optional[System]:
+    """Spec ``RepairCancel``."""
+    record = sys.directory.objects.get(key)
+    repair = None if record is None else next(
+        (p for p in record.repairs if p.segment == segment), None)
+    if repair is None:
+        return None
+    return _on_master(RepairCancel(key, segment, repair.id))(sys)
+
+
 #: The spec's actions, each as a function on :class:`System` that returns the
 #: successor or ``None`` when the action is not enabled.
 ACTIONS: dict[str, Callable[..., Optional[System]]] = {
@@ -707,6 +930,10 @@ ACTIONS: dict[str, Callable[..., Optional[System]]] = {
     "ReadEnd": sys_read_end,
     "Remove": sys_remove,
     "SegmentLost": sys_segment_lost,
+    "RepairStart": sys_repair_start,
+    "CopyReplica": sys_copy_replica,
+    "ListReplica": sys_list_replica,
+    "RepairCancel": sys_repair_cancel,
 }
 
 
@@ -721,7 +948,10 @@ def type_ok(sys: System) -> bool:
     for record in d.objects.values():
         if not (isinstance(record, ObjectRecord) and isinstance(record.status, Status)
                 and 0 < record.token < d.next_token and record.reads >= 0
-                and all(r.length == record.length for r in record.replicas)):
+                and all(r.length == record.length for r in record.replicas)
+                and record.requested >= 1
+                and all(isinstance(p, RepairRegion) and 0 < p.id < d.next_token
+                        for p in record.repairs)):
             return False
     for ledger in d.segments.values():
         if not 0 <= ledger.free <= ledger.capacity:
@@ -758,9 +988,9 @@ def no_overlapping_allocation(sys: System) -> bool:
     owned: dict[tuple[str, int], tuple[bytes, int]] = {}
     extents: dict[str, list[tuple[int, int]]] = {}
     for key, record in sys.directory.objects.items():
-        for r in record.replicas:
-            owned[(r.segment, r.offset)] = (key, record.token)
-            extents.setdefault(r.segment, []).append((r.offset, r.offset + r.length))
+        for seg, off in _held(record):
+            owned[(seg, off)] = (key, record.token)
+            extents.setdefault(seg, []).append((off, off + record.length))
     for spans in extents.values():
         spans.sort()
         if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
@@ -770,12 +1000,28 @@ def no_overlapping_allocation(sys: System) -> bool:
     return stored == owned
 
 
+def _held(record: ObjectRecord) -> list[tuple[str, int]]:
+    """``(segment, offset)`` of each replica and repair region (spec ``SlotsOf``)."""
+    return [(r.segment, r.offset) for r in record.replicas] + \
+        [(p.segment, p.offset) for p in record.repairs]
+
+
+def never_above_requested(sys: System) -> bool:
+    """Spec ``NeverAboveRequested``: replicas and repairs in flight stay within
+    the requested count, one per segment."""
+    for record in sys.directory.objects.values():
+        segs = [seg for seg, _ in _held(record)]
+        if len(segs) > record.requested or len(set(segs)) != len(segs):
+            return False
+    return True
+
+
 def space_accounted(sys: System) -> bool:
     """Spec ``SpaceAccounted``: free + allocated = capacity on live segments."""
     used: dict[str, int] = {}
     for record in sys.directory.objects.values():
-        for r in record.replicas:
-            used[r.segment] = used.get(r.segment, 0) + r.length
+        for seg, _ in _held(record):
+            used[seg] = used.get(seg, 0) + record.length
     for seg, ledger in sys.directory.segments.items():
         if ledger.live and ledger.free + used.get(seg, 0) != ledger.capacity:
             return False
@@ -811,6 +1057,7 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
     "SpaceAccounted": space_accounted,
     "OneAttemptPublishes": one_attempt_publishes,
     "PublishedBytesAreTheAttempts": published_bytes_are_the_attempts,
+    "NeverAboveRequested": never_above_requested,
 }
 
 
@@ -846,7 +1093,7 @@ class Constants:
 def placements(sys: System, c: Constants) -> Iterator[tuple[Replica, ...]]:
     """Every placement the allocator could choose: ``replica_count`` live
     segments, one free slot on each."""
-    taken = {(r.segment, r.offset) for rec in sys.directory.objects.values() for r in rec.replicas}
+    taken = {held for rec in sys.directory.objects.values() for held in _held(rec)}
     live = [s for s in c.segments if sys.directory.segments[s].live
             and sys.directory.segments[s].free > 0]
     for segs in itertools.combinations(live, c.replica_count):
@@ -877,6 +1124,18 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
         yield from emit("Remove", sys_remove(sys, k))
     for s in c.segments:
         yield from emit("SegmentLost", sys_segment_lost(sys, s))
+    if sys.directory.next_token <= c.max_token:
+        taken = {held for rec in sys.directory.objects.values() for held in _held(rec)}
+        for k in c.keys:
+            for s in c.segments:
+                for i in range(c.slots_per_segment):
+                    if (s, i) not in taken:
+                        yield from emit("RepairStart", sys_repair_start(sys, k, s, i))
+    for k in c.keys:
+        for s in c.segments:
+            yield from emit("CopyReplica", sys_copy_replica(sys, k, s))
+            yield from emit("ListReplica", sys_list_replica(sys, k, s))
+            yield from emit("RepairCancel", sys_repair_cancel(sys, k, s))
 
 
 NONE = ModelValue("None")
@@ -896,8 +1155,11 @@ def to_tla(sys: System, c: Constants) -> Fn:
     def record(rec: Optional[ObjectRecord]):
         if rec is None:
             return NONE
+        repairs = Fn.of({ModelValue(p.segment): Fn.of({"slot": p.offset + 1, "id": p.id})
+                         for p in rec.repairs}) if rec.repairs else ()
         return Fn.of({"status": rec.status.value, "token": rec.token,
-                      "replicas": placement(rec.replicas), "reads": rec.reads})
+                      "replicas": placement(rec.replicas), "requested": rec.requested,
+                      "repairs": repairs, "reads": rec.reads})
 
     def slots(seg: str) -> tuple:
         table = sys.tables.get(seg)

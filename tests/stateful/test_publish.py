@@ -23,9 +23,9 @@ CAPACITY = 64
 
 def free_offset(sys: P.System, segment: str, length: int):
     """First fit over the directory's extents: what an allocator could choose."""
-    spans = sorted((r.offset, r.offset + r.length)
+    spans = sorted((offset, offset + rec.length)
                    for rec in sys.directory.objects.values()
-                   for r in rec.replicas if r.segment == segment)
+                   for seg, offset in P._held(rec) if seg == segment)
     cursor = 0
     for start, end in spans:
         if start - cursor >= length:
@@ -40,6 +40,7 @@ class PublishSystem(RuleBasedStateMachine):
         self.replicas = replicas
         self.sys = P.System.initial({s: CAPACITY for s in SEGMENTS}, WRITERS)
         self.published = 0
+        self.repairs = self.listed = 0
         self.steps = 0
         self.most_objects = 0
 
@@ -153,6 +154,71 @@ class PublishSystem(RuleBasedStateMachine):
             assert not new.directory.segments[segment].live
             self.sys = new
 
+    def _below(self):
+        return sorted(k for k, rec in self.sys.directory.objects.items()
+                      if rec.status is P.Status.PUBLISHED and rec.below())
+
+    @rule(key=st.sampled_from(KEYS), data=st.data())
+    def repair_start(self, key, data):
+        """RepairStart on a live segment holding none of the object: accepted
+        exactly for a published object below its count (mostly drawn from those)."""
+        below = self._below()
+        if below and data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(below))
+        record = self.sys.directory.objects.get(key)
+        if record is None:
+            return
+        held = {seg for seg, _ in P._held(record)}
+        live = [s for s in SEGMENTS if self.sys.directory.segments[s].live and s not in held]
+        if not live:
+            return
+        segment = data.draw(st.sampled_from(live))
+        offset = free_offset(self.sys, segment, record.length)
+        if offset is None:
+            return
+        new = P.sys_repair_start(self.sys, key, segment, offset)
+        assert (new is not None) == (record.status is P.Status.PUBLISHED and record.below())
+        if new is not None:
+            self.sys = new
+            self.repairs += 1
+
+    def _repairing(self):
+        return sorted((key, p.segment) for key, rec in self.sys.directory.objects.items()
+                      for p in rec.repairs)
+
+    @precondition(lambda self: self._repairing())
+    @rule(data=st.data(), how=st.sampled_from(["copy", "list", "cancel", "copy and list"]))
+    def repair_step(self, data, how):
+        """The copier copies, the master lists on its report, or cancels."""
+        key, segment = data.draw(st.sampled_from(self._repairing()))
+        if "copy" in how:
+            new = P.sys_copy_replica(self.sys, key, segment)
+            self.sys = new if new is not None else self.sys
+        if "list" in how:
+            new = P.sys_list_replica(self.sys, key, segment)
+            if new is not None:
+                self.listed += 1
+                self.sys = new
+            else:
+                p = next(p for p in self.sys.directory.objects[key].repairs if p.segment == segment)
+                assert not P.repair_copied(self.sys, key, segment, p.offset)
+        if how == "cancel":
+            self.sys = P.sys_repair_cancel(self.sys, key, segment)
+
+    @rule(key=st.sampled_from(KEYS), repair=st.integers(0, 50), data=st.data())
+    def stale_repair_reports_change_nothing(self, key, repair, data):
+        """A report or cancel naming no repair in flight (a late one) is refused."""
+        d = self.sys.directory
+        record = d.objects.get(key)
+        segment = data.draw(st.sampled_from(SEGMENTS))
+        if record is not None and any(p.segment == segment and p.id == repair
+                                      for p in record.repairs):
+            return
+        for event in (P.ListReplica(key, segment, repair), P.RepairCancel(key, segment, repair)):
+            new, effects = P.master_step(d, event)
+            assert new is d
+            assert len(effects) == 1 and isinstance(effects[0].error, errors.StaleToken)
+
     @rule(key=st.sampled_from(KEYS), token=st.integers(0, 50))
     def stale_events_change_nothing(self, key, token):
         """Refused master events return the same directory and one Refused effect."""
@@ -178,6 +244,7 @@ class PublishSystem(RuleBasedStateMachine):
         event(f"steps >= {self.steps // 25 * 25}")
         event(f"objects at once >= {self.most_objects // 5 * 5}")
         event(f"publishes >= {self.published // 5 * 5}")
+        event(f"repairs started >= {min(self.repairs, 3)}, listed >= {min(self.listed, 3)}")
 
 
 TestPublishSystem = PublishSystem.TestCase
@@ -250,7 +317,7 @@ def test_remove_that_ignores_pins_breaks_only_published_readable(monkeypatch):
         if record is None or record.status is not P.Status.PUBLISHED:
             return P.remove(state, ev)
         return P._drop(state, ev.key, record), (P.Removed(ev.key, record.token),) \
-            + P._free_effects(record)
+            + P._free_effects(ev.key, record)
 
     monkeypatch.setitem(P._MASTER_HANDLERS, P.Remove, remove)
     assert "OnlyPublishedReadable" in _violations()
