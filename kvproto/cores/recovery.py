@@ -30,13 +30,13 @@ from kvproto.statemachines import failover as fm
 #: the numeric columns, in frame order, with their dtypes
 COLUMNS = (("term", np.int64), ("published", np.int8), ("by", np.int64),
            ("offset", np.int64), ("length", np.int64), ("token", np.int64),
-           ("checksum", np.uint64))
+           ("checksum", np.uint64), ("requested", np.int64))
 
 
 class IndexColumns:
     """A storage node's index as columns: entry ``i`` is ``keys[i]`` with
     ``term[i]``, ``published[i]``, ``by[i]``, ``offset[i]``, ``length[i]``,
-    ``token[i]``, ``checksum[i]`` (an
+    ``token[i]``, ``checksum[i]``, ``requested[i]`` (an
     :class:`~kvproto.statemachines.failover.IndexEntry` each)."""
 
     __slots__ = ("keys",) + tuple(name for name, _ in COLUMNS)
@@ -62,8 +62,8 @@ class IndexColumns:
     def entries(self) -> dict:
         """``key -> IndexEntry`` (O(n); for checks)."""
         cols = [getattr(self, name).tolist() for name, _ in COLUMNS]
-        return {key: fm.IndexEntry(term, bool(pub), by, off, length, checksum, tok)
-                for key, term, pub, by, off, length, tok, checksum in zip(self.keys, *cols)}
+        return {key: fm.IndexEntry(term, bool(pub), by, off, length, checksum, tok, req)
+                for key, term, pub, by, off, length, tok, checksum, req in zip(self.keys, *cols)}
 
     def frames(self) -> list:
         """The wire form: the keys joined, their end offsets, then one frame per column."""
@@ -100,7 +100,7 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     """The directory a master opens with after fencing the nodes of
     ``capacities`` (the live ones) whose indexes are ``indexes``: equal to
     ``publish.restored(capacities, [(key, e.token, e.length, replicas,
-    e.checksum) for the entries of failover.rebuild_directory(indexes, live)],
+    e.checksum, e.requested) for the entries of failover.rebuild_directory(indexes, live)],
     next_token)``. With a list ``mismatches``, appends to it
     ``failover.checksum_mismatches(indexes, live)``: the ``(key, node,
     offset)`` of each replica left out because its checksum differs from the
@@ -162,4 +162,4 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     names = [keys[i] for i in chosen.tolist()]
     next_token = max(next_token, int(tokens.max()) + 1)
     return DirectoryCore._build(capacities, names, tokens, lengths, sids, offs, next_token,
-                                used.tolist(), rows, sums[chosen])
+                                used.tolist(), rows, sums[chosen], cat["requested"][chosen])

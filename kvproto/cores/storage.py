@@ -48,7 +48,7 @@ class StorageNodeCore:
 
     __slots__ = ("segment", "term", "_reg", "_r_key", "_r_tok", "_r_len", "_r_done",
                  "_idx", "_i_term", "_i_pub", "_i_by", "_i_off", "_i_len", "_i_tok",
-                 "_i_sum", "_handlers", "regions", "index")
+                 "_i_sum", "_i_req", "_handlers", "regions", "index")
 
     def __init__(self, segment: str = "", term: int = 0) -> None:
         self.segment, self.term = segment, term
@@ -59,6 +59,7 @@ class StorageNodeCore:
         self._i_term, self._i_pub, self._i_by = array("q"), array("b"), array("q")
         self._i_off, self._i_len, self._i_tok = array("q"), array("q"), array("q")
         self._i_sum = array("Q")            # the checksum the publish recorded (0: none)
+        self._i_req = array("q")            # the replica count the publish recorded (0: none)
         self._setup()
 
     def _setup(self) -> None:
@@ -76,7 +77,7 @@ class StorageNodeCore:
 
     def _index_columns(self) -> tuple:
         return (self._i_term, self._i_pub, self._i_by, self._i_off, self._i_len, self._i_tok,
-                self._i_sum)
+                self._i_sum, self._i_req)
 
     def step(self, event) -> tuple:
         """Apply one event (those of ``publish.storage_step`` and ``failover.storage_step``)."""
@@ -167,7 +168,7 @@ class StorageNodeCore:
         row = self._idx.acquire(ev.key, 1)
         self._i_term[row], self._i_pub[row], self._i_by[row] = ev.term, 0, 0
         self._i_off[row], self._i_len[row], self._i_tok[row] = ev.offset, ev.length, ev.token
-        self._i_sum[row] = 0
+        self._i_sum[row] = self._i_req[row] = 0
         self.term = max(self.term, ev.term)
         return (fm.StorageAccepted(ev.key, ev.term),)
 
@@ -179,6 +180,7 @@ class StorageNodeCore:
         if ev.term < self.term:
             return self._stale(ev.term)
         self._i_pub[row], self._i_by[row], self._i_sum[row] = 1, ev.term, ev.checksum
+        self._i_req[row] = ev.requested
         self.term = max(self.term, ev.term)
         return (fm.StorageAccepted(ev.key, ev.term),)
 
@@ -246,7 +248,7 @@ class StorageNodeCore:
     def _entry(self, row: int) -> fm.IndexEntry:
         return fm.IndexEntry(self._i_term[row], bool(self._i_pub[row]), self._i_by[row],
                              self._i_off[row], self._i_len[row], self._i_sum[row],
-                             self._i_tok[row])
+                             self._i_tok[row], self._i_req[row])
 
     def index_columns(self) -> IndexColumns:
         """The index as :class:`~kvproto.cores.recovery.IndexColumns` (what an
@@ -260,7 +262,7 @@ class StorageNodeCore:
             ("term", self._i_term, np.int64), ("published", self._i_pub, np.int8),
             ("by", self._i_by, np.int64), ("offset", self._i_off, np.int64),
             ("length", self._i_len, np.int64), ("token", self._i_tok, np.int64),
-            ("checksum", self._i_sum, np.uint64))}
+            ("checksum", self._i_sum, np.uint64), ("requested", self._i_req, np.int64))}
         return IndexColumns(keys, **cols)
 
     def index_map(self) -> immutables.Map:
@@ -282,7 +284,7 @@ class StorageNodeCore:
         new._r_key = dict(self._r_key)
         new._r_tok, new._r_len, new._r_done = self._r_tok[:], self._r_len[:], self._r_done[:]
         (new._i_term, new._i_pub, new._i_by, new._i_off, new._i_len, new._i_tok,
-         new._i_sum) = (col[:] for col in self._index_columns())
+         new._i_sum, new._i_req) = (col[:] for col in self._index_columns())
         new._setup()
         return new
 

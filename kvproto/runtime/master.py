@@ -327,11 +327,12 @@ class MasterCore:
                     self.tenants.published(e.key)
                 self._lease_put(e.key, e.token)
                 # the storage nodes' index learns the publish (StampedPublish),
-                # with the object's checksum, so a new master recovers both
+                # with the object's checksum and requested replica count, so a
+                # new master recovers them
                 record = self.directory.objects[e.key]
                 for r in record.replicas:
-                    self._queue.append((r.segment, "publish",
-                                        [r.offset, e.key, e.token, record.checksum]))
+                    self._queue.append((r.segment, "publish", [r.offset, e.key, e.token,
+                                                               record.checksum, record.requested]))
             elif isinstance(e, Revoked):
                 self._forget_pending(e.token)
                 if self.tenants is not None:

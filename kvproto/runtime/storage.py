@@ -425,9 +425,10 @@ class StorageCore:
     def _op_publish(self, body, payloads):
         """``StampedPublish``: the master published the object; its region must
         hold that allocation, completely written. The index records the
-        object's checksum with the publish (when the master sends one)."""
+        object's checksum and requested replica count with the publish (when
+        the master sends them)."""
         node, term, results = self.node, body["term"], []
-        for offset, key, token, *checksum in body["regions"]:
+        for offset, key, token, *recorded in body["regions"]:
             region = node.region(offset)
             direct = self.direct.regions.get(offset)
             dtable, write = self.direct, False
@@ -448,7 +449,7 @@ class StorageCore:
                 results.append(wire.error_item(errors.StaleToken(
                     f"region {offset} does not hold a written {key!r} with token {token}")))
                 continue
-            publish = fm.StampedPublish(self.segment, key, term, *checksum)
+            publish = fm.StampedPublish(self.segment, key, term, *recorded)
             entry = node.entry(key)
             if entry is None or entry.published or term < node.term:
                 # not an open allocation here, or a stale term

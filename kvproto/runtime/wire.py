@@ -260,10 +260,11 @@ STORAGE_OPS: dict[str, OpSchema] = {
         optional={"direct": list_of(tuple_of(uint(), text(64, 1)))}),
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
-    # mark written regions published (after the master's PutEnd): [offset, key,
-    # token, checksum] (the checksum optional; 0 = none)
+    # mark written regions published (after the master's PutEnd or
+    # ListReplica): [offset, key, token, checksum, requested] (the checksum and
+    # the requested replica count optional; 0 = none)
     "publish": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
-        tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}),
+        tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF))), min_items=1)}),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     "fence": OpSchema({"segment": SEGMENT, "term": TERM}),

@@ -57,7 +57,9 @@ class IndexEntry:
 
     ``term`` is the term of the allocation, ``by`` the term of the publish that
     made it visible (0 while unpublished). ``offset``, ``length`` and
-    ``checksum`` locate and check the bytes; the spec abstracts them away.
+    ``checksum`` locate and check the bytes, ``requested`` is the replica
+    count the object's put asked for (0: not recorded); the spec abstracts
+    them away.
     """
 
     term: int
@@ -67,6 +69,7 @@ class IndexEntry:
     length: int = 1
     checksum: int = 0
     token: int = 0
+    requested: int = 0
 
 
 @attrs.frozen
@@ -86,6 +89,7 @@ class DirEntry:
     checksum: int = 0
     token: int = 0
     replicas: tuple = ()
+    requested: int = 0
 
 
 @attrs.frozen
@@ -250,6 +254,7 @@ class StampedPublish:
     key: str
     term: int
     checksum: int = 0
+    requested: int = 0
 
 
 @attrs.frozen
@@ -357,7 +362,8 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
         elif entry.by == held[1].by and entry.token == held[1].token \
                 and entry.checksum == held[1].checksum:
             held[2].append((node, entry.offset))
-    return map_of((k, DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r)))
+    return map_of((k, DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r),
+                               e.requested))
                   for k, (n, e, r) in best.items())
 
 
@@ -639,7 +645,8 @@ def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, E
             return _refuse(node, errors.NotPublished(f"{event.key!r} is not an open allocation here"))
         if not node_accepts(node, event.term):
             return _stale(node, event.term)
-        entry = attrs.evolve(entry, published=True, by=event.term, checksum=event.checksum)
+        entry = attrs.evolve(entry, published=True, by=event.term, checksum=event.checksum,
+                             requested=event.requested)
         return (StorageNode(max(node.term, event.term), node.index.set(event.key, entry)),
                 (StorageAccepted(event.key, event.term),))
     if isinstance(event, StampedRead):

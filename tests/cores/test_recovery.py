@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvproto.cores.recovery import IndexColumns, recovered
+from kvproto.cores.recovery import COLUMNS, IndexColumns, recovered
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.publish import Replica, restored
 
@@ -17,7 +17,8 @@ NODES = ["n-a", "n-b", "n-c", "n-d"]
 entries = st.builds(fm.IndexEntry, term=st.integers(1, 3), published=st.booleans(),
                     by=st.integers(0, 3), offset=st.integers(0, 1 << 40),
                     length=st.integers(1, 4096), token=st.integers(1, 4),
-                    checksum=st.sampled_from([0, 7, 7, 7, (1 << 64) - 1]))
+                    checksum=st.sampled_from([0, 7, 7, 7, (1 << 64) - 1]),
+                    requested=st.sampled_from([0, 1, 2, 3]))
 keys = st.sampled_from([b"k%d" % i for i in range(12)] + [b"", b"x" * 30, "k\u00e9".encode()])
 indexes = st.dictionaries(st.sampled_from(NODES), st.dictionaries(keys, entries, max_size=12),
                           max_size=4)
@@ -26,7 +27,7 @@ indexes = st.dictionaries(st.sampled_from(NODES), st.dictionaries(keys, entries,
 def reference(capacities, indexes, next_token):
     rebuilt = fm.rebuild_directory(indexes, frozenset(capacities))
     objects = [(key, e.token, e.length, tuple(Replica(n, off, e.length) for n, off in e.replicas),
-                e.checksum) for key, e in rebuilt.items()]
+                e.checksum, e.requested) for key, e in rebuilt.items()]
     return restored(capacities, objects, next_token)
 
 
@@ -71,8 +72,7 @@ def test_an_index_survives_its_wire_form(index):
 
 
 def _frames(keys):
-    zeros = {name: [0] * len(keys)
-             for name in ("term", "published", "by", "offset", "length", "token", "checksum")}
+    zeros = {name: [0] * len(keys) for name, _ in COLUMNS}
     return [bytes(f) for f in IndexColumns(keys, **zeros).frames()]
 
 
