@@ -24,7 +24,7 @@ out, so the allocator may refuse (``None``) a length the ledger would accept.
 from __future__ import annotations
 
 import bisect
-from typing import Iterable, Mapping, Optional
+from typing import Collection, Iterable, Mapping, Optional
 
 import numpy as np
 
@@ -163,12 +163,16 @@ class Placer:
     def drop(self, segment: str) -> None:
         self.allocators.pop(segment, None)
 
-    def place(self, length: int, replicas: int) -> Optional[tuple[Replica, ...]]:
-        """One region on each of ``replicas`` distinct segments, most free space
-        first; ``None`` (and nothing held) if that many segments cannot fit it."""
-        if replicas > len(self.allocators):
+    def place(self, length: int, replicas: int,
+              exclude: Collection[str] = ()) -> Optional[tuple[Replica, ...]]:
+        """One region on each of ``replicas`` distinct segments (none of
+        ``exclude``), most free space first; ``None`` (and nothing held) if that
+        many segments cannot fit it."""
+        candidates = [kv for kv in self.allocators.items() if kv[0] not in exclude] \
+            if exclude else list(self.allocators.items())
+        if replicas > len(candidates):
             return None
-        order = sorted(self.allocators.items(), key=lambda kv: kv[1].free_extent_bytes, reverse=True)
+        order = sorted(candidates, key=lambda kv: kv[1].free_extent_bytes, reverse=True)
         chosen: list[Replica] = []
         for segment, alloc in order:
             offset = alloc.allocate(length)

@@ -83,10 +83,12 @@ from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, recovered
 from kvproto.statemachines.publish import (
-    AddSegment, AssignRegion, FreeRegion, MasterEvent, PutEnd, PutGranted,
+    AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd, PutGranted,
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
-    Refused, Remove, Removed, Replica, Revoked, SegmentLost, Status,
+    Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairStart, RepairStarted,
+    Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
+from kvproto.runtime.repairs import RepairScheduler
 from kvproto.statemachines import failover as fm
 
 from kvproto.statemachines import lease as lm
@@ -204,7 +206,13 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             # copies of a request delivered twice on one connection (MasterServer)
             "duplicates_dropped",
             # tenancy (spec/Tenancy.tla): requests refused for their credential
-            "unauthorized")
+            "unauthorized",
+            # replica repair (spec/Publish.tla RepairStart .. ListReplica): repairs
+            # started, listed, cancelled (their copy failed, timed out, or their
+            # object or segment went), copier reports refused (a repair no
+            # longer in flight), and the bytes of the replicas listed
+            "repairs_started", "repairs_listed", "repairs_cancelled", "repairs_failed",
+            "repairs_timed_out", "repair_reports_refused", "bytes_repaired")
 
 
 class MasterCore:
@@ -226,7 +234,8 @@ class MasterCore:
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  fence_timeout: float = 5.0, term: Optional[int] = 1,
-                 tenants: Sequence = (), trace: Optional[str] = None) -> None:
+                 tenants: Sequence = (), trace: Optional[str] = None,
+                 repair_rate: float = 256 << 20, max_repairs: int = 4) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if lease_ttl <= 0:
@@ -276,6 +285,10 @@ class MasterCore:
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
         self.failover = fm.Master()
         self.fence_timeout = float(fence_timeout)
+        #: which objects below their requested count to repair next, from which
+        #: source, how fast (bytes a second per source node) and for how long
+        self.repairs = RepairScheduler(repair_rate, max_in_flight=max_repairs,
+                                       timeout=3 * self.storage_timeout)
         self._round: Optional[FenceRound] = None
         self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
@@ -337,6 +350,21 @@ class MasterCore:
                 self._forget_pending(e.token)
                 if self.tenants is not None:
                     self.tenants.abandoned(e.key)
+            elif isinstance(e, RepairStarted):
+                self.counters["repairs_started"] += 1
+            elif isinstance(e, ReplicaListed):
+                # listed on its copier's report; its node's index learns the
+                # publish, so a new master recovers the replica too
+                self.counters["repairs_listed"] += 1
+                self.counters["bytes_repaired"] += e.replica.length
+                self.repairs.ended(e.repair)
+                record = self.directory.objects[e.key]
+                self._queue.append((e.replica.segment, "publish", [
+                    e.replica.offset, e.key, e.token, record.checksum, record.requested]))
+            elif isinstance(e, RepairCancelled):
+                self.counters["repairs_cancelled"] += 1
+                self.repairs.ended(e.repair)
+                self.repairs.stale = True
             elif isinstance(e, Removed):
                 self.counters["evictions" if self._evicting else "removes"] += 1
                 self._lease_drop(e.key)
@@ -566,6 +594,67 @@ class MasterCore:
             if length is not None and body["segment"] in self.segments:
                 self.placer.release([Replica(body["segment"], offset, length)])
         return 0, {}
+
+    def _op_repair_done(self, body, reply_to, request_id):
+        """A repair copier's report (runtime/copier.py): ``ListReplica``, or
+        ``RepairCancel`` when its copy failed. A report of a repair no longer
+        in flight is refused (``StaleToken``) and changes nothing."""
+        key, segment, repair = body["key"], body["segment"], body["repair"]
+        if "error" in body:
+            err, _ = self._step(RepairCancel(key, segment, repair))
+            self.counters["repairs_failed"] += err is None
+        else:
+            err, _ = self._step(ListReplica(key, segment, repair))
+        if err is not None:
+            self.counters["repair_reports_refused"] += 1
+            raise err
+        return 0, {}
+
+    def _repair(self) -> None:
+        """Start repairs of the objects below their requested count (``RepairStart``)
+        within the scheduler's limits (copies in flight, each source node's
+        bytes a second); cancel copies not reported in time (``RepairCancel``).
+        Not with a tenants file: a copier's read carries no credential."""
+        sched = self.repairs
+        if self.tenants is not None:
+            return
+        now = self.clock()
+        for repair, r in sched.overdue(now):
+            self.counters["repairs_timed_out"] += 1
+            self._step(RepairCancel(r.key, r.segment, repair))
+            sched.ended(repair)
+        if sched.room() <= 0 or len(self.segments) < 2:
+            return
+        if sched.stale:
+            sched.rescan(self.directory.below())
+        deferred: list = []
+        while sched.queue and sched.room() > 0:
+            key = sched.queue.popleft()
+            record = self.directory.objects.get(key)
+            if record is None or record.status is not Status.PUBLISHED or not record.below():
+                continue
+            sources = [r for r in record.replicas if r.segment in self.segments]
+            source = sched.source([r.segment for r in sources], record.length, now)
+            if source is None:
+                deferred.append(key)     # its sources' buckets are empty: later
+                continue
+            held = {r.segment for r in record.replicas} | {p.segment for p in record.repairs}
+            dst = self.placer.place(record.length, 1, exclude=held)
+            if dst is None:
+                sched.stale = True       # no live segment without it has room: scan again later
+                continue
+            err, effects = self._step(RepairStart(key, record.token, dst[0]))
+            if err is not None:
+                self.placer.release(dst)
+                continue
+            started, src = effects[0], next(r for r in sources if r.segment == source)
+            sched.started(started.repair, key, dst[0].segment, source, record.length, now)
+            self._queue.append((dst[0].segment, "repair", [
+                dst[0].offset, key, record.token, record.length, started.repair,
+                self.segments[source].endpoint, source, src.offset, record.checksum]))
+            if self.directory.objects[key].below():
+                deferred.append(key)
+        sched.queue.extend(deferred)
 
     def _op_deregister(self, body, reply_to, request_id):
         if body["segment"] not in self.segments:
@@ -945,9 +1034,13 @@ class MasterCore:
                   "high_watermark": self.high_watermark, "free_fraction": self.free_fraction}
         failover = {"term": self.failover.term, "phase": self.failover.phase.value,
                     "last": dict(self.last_failover)}
+        sched = self.repairs
+        repairs = {"in_flight": len(sched.in_flight), "queued": len(sched.queue),
+                   "max_in_flight": sched.max_in_flight, "rate": sched.rate,
+                   "burst": sched.burst}
         return {"counters": dict(self.counters), "objects": len(self.directory.objects),
                 "failover": failover,
-                "leases": leases,
+                "leases": leases, "repairs": repairs,
                 "pending": len(self._owner), "clients": len(self.sessions),
                 "next_token": self.directory.next_token, "segments": segments,
                 **({"tenants": self.tenants.usage()} if self.tenants is not None else {})}
@@ -1003,6 +1096,9 @@ class MasterCore:
                     # the writer's write to that node is refused too (its region
                     # was never assigned), and its put_end is StaleToken
                     self._step(PutRevoke(region[2], region[3]))
+                if cmd.op == "repair":
+                    # the node would not copy into the region: the repair ends
+                    self._step(RepairCancel(region[1], segment, region[4]))
         finally:
             self._settle(cmd)
             self._flush()
@@ -1148,6 +1244,8 @@ class MasterCore:
             for offset, length in draining:
                 self.draining[s][offset] = length
         self.placer = Placer()
+        self.repairs.in_flight.clear()   # a new directory has no repairs in flight
+        self.repairs.stale = True
         for s in live:
             info = rnd.infos[s]
             self.placer.add(s, info["capacity"], info["page_size"], used[s])
@@ -1210,6 +1308,7 @@ class MasterCore:
             log.log(logging.INFO if why == "deregistered" else logging.WARNING,
                     "segment %s lost (%s)", segment, why)
         self.placer.drop(segment)
+        self.repairs.forget_segment(segment)
         self.draining.pop(segment, None)
         for where in [w for w in self._direct if w[0] == segment]:
             del self._direct[where]
@@ -1266,6 +1365,7 @@ class MasterCore:
                 self.segment_lost(segment, "a command went unanswered")
         self._ltick()
         self.evict()
+        self._repair()
         self._flush()
 
 
@@ -1330,7 +1430,8 @@ class MasterServer:
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
                  fence_timeout: float = 5.0, tenants: Sequence = (),
-                 trace: Optional[str] = None) -> None:
+                 trace: Optional[str] = None, repair_rate: float = 256 << 20,
+                 max_repairs: int = 4) -> None:
         #: with a coordinator (which the server then owns and closes) this
         #: master campaigns, takes the term it wins, renews it, and steps down
         #: (a fresh standby core) when it cannot
@@ -1338,7 +1439,8 @@ class MasterServer:
         self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
                                free_fraction=free_fraction, fence_timeout=fence_timeout,
-                               tenants=tuple(tenants), trace=trace)
+                               tenants=tuple(tenants), trace=trace, repair_rate=repair_rate,
+                               max_repairs=max_repairs)
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
         self._renewer: Optional[_Renewer] = None

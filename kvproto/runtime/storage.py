@@ -79,6 +79,8 @@ from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
 from kvproto.ops.tenants import Credentials
 from kvproto.runtime import wire
+from kvproto.runtime.copier import Copier, Copy
+from kvproto.runtime.datapath import checksum
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
 from kvproto.runtime.shm import SegmentMemory, gen_word, host_id, writer_alive
 from kvproto.runtime.units import parse_size
@@ -110,7 +112,10 @@ class StorageCore:
                 "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
                 "stale_reads", "reads_delayed", "published", "fences", "stale_terms", "purged",
                 "bytes_purged", "direct_granted", "direct_published", "draining", "drained",
-                "unauthorized")
+                "unauthorized",
+                # repair copies into this segment (runtime/copier.py): started,
+                # written and reported, failed (reported with their error)
+                "repairs_started", "repairs_copied", "repairs_failed", "bytes_repaired")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory
@@ -137,6 +142,9 @@ class StorageCore:
         self.direct = dw.DirectTable()
         #: offset -> length of the draining regions (what the master must keep out)
         self.draining: dict[int, int] = {}
+        #: repair copies the master asked for, to start (``repair``; the server's
+        #: :class:`~kvproto.runtime.copier.Copier` pulls them): ``(copy, term)``
+        self.copies: list[tuple[Copy, int]] = []
 
     @property
     def segment(self) -> str:
@@ -464,6 +472,39 @@ class StorageCore:
             results.append(wire.ok_item())
         return {"results": results}, []
 
+    def _op_repair(self, body, payloads):
+        """A repair copy into a region assigned to the object's token for it:
+        accepted when the region is assigned to that token, unwritten, and
+        holds that key; the copy runs after the reply (``repair_done``)."""
+        results = []
+        for offset, key, token, length, repair, source, segment, src_offset, checksum \
+                in body["regions"]:
+            region = self.node.region(offset)
+            if region is None or region.token != token or region.key != key or region.done \
+                    or region.length != length:
+                self.counters["refused"] += 1
+                results.append(wire.error_item(errors.RegionMismatch(
+                    f"region {offset} is not an unwritten region of {key!r} with token {token}")))
+                continue
+            self.copies.append((Copy(repair, key, token, offset, length, source, segment,
+                                     src_offset, checksum), body["term"]))
+            self.counters["repairs_started"] += 1
+            results.append(wire.ok_item())
+        return {"results": results}, []
+
+    def copied(self, copy: Copy, data: Optional[memoryview]) -> None:
+        """Write a repair copy's bytes into its region (``WriteReplica``), after
+        checking them against the object's checksum; raises the typed error
+        that fails the copy."""
+        if copy.checksum and checksum(data) != copy.checksum:
+            raise errors.ChecksumMismatch(f"{copy.key!r} from {copy.source_segment} does not "
+                                          f"match its checksum")
+        self._write_region(copy.offset, copy.token, data)
+        self.counters["writes"] -= 1          # counted as a repair, not a client's write
+        self.counters["bytes_written"] -= copy.length
+        self.counters["repairs_copied"] += 1
+        self.counters["bytes_repaired"] += copy.length
+
     def _op_fence(self, body, payloads):
         """``Fence`` then ``IndexRequest``: learn the new term, answer the index
         as columns (:class:`~kvproto.cores.recovery.IndexColumns`, one payload
@@ -607,7 +648,7 @@ class StorageServer:
     ASSIGN_WAIT = 2.0
     MAX_AWAITING = 4096
     #: the master's commands: not a tenant's, carrying no tenant credential
-    CONTROL_OPS = frozenset({"assign", "free", "publish", "fence", "purge"})
+    CONTROL_OPS = frozenset({"assign", "free", "publish", "fence", "purge", "repair"})
     FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms",
               "read_delay_ms")
 
@@ -689,6 +730,8 @@ class StorageServer:
         self._seq = itertools.count()
         #: ``observe(op, seconds)`` after each request is served (metrics; None: off)
         self.observe = None
+        #: pulls the repair copies the master asks for (runtime/copier.py)
+        self.copier = Copier(self.ctx, self.poller)
 
     @property
     def segment(self) -> str:
@@ -847,10 +890,33 @@ class StorageServer:
                 if self.dealer is not None and events.get(self.dealer):
                     for frames in wire.waiting(self.dealer, self.BURST):
                         self._on_master_reply(frames)
+                if self.core.copies or len(self.copier):
+                    self._copy()
                 self._timers()
             self._deregister()
         finally:
             self.close()
+
+    def _copy(self) -> None:
+        """Start the repair copies the master asked for; write those whose
+        bytes came and report every finished one (``repair_done``)."""
+        core = self.core
+        for copy, term in core.copies:
+            self.copier.start(copy, term)
+        core.copies.clear()
+        for copy, data, err in self.copier.answered():
+            if err is None:
+                try:
+                    core.copied(copy, data)
+                except errors.KvError as e:
+                    err = e
+            body = {"segment": self.segment, "key": copy.key, "repair": copy.repair}
+            if err is not None:
+                core.counters["repairs_failed"] += 1
+                log.warning("segment %s: repair %d of %r from %s failed: %s", self.segment,
+                            copy.repair, copy.key, copy.source_segment, err)
+                body["error"] = [err.code, str(err)[:4000]]
+            self._to_master("repair_done", body)
 
     def _deregister(self, wait: float = 0.5) -> None:
         if not self.registered.is_set() or self.dealer is None:
@@ -990,6 +1056,7 @@ class StorageServer:
                 pass
             self.coordinator.close()
             self.coordinator = None
+        self.copier.close()
         if self.dealer is not None and not self.dealer.closed:
             self.dealer.close(linger=0)
         if not self.router.closed:

@@ -204,6 +204,10 @@ MASTER_OPS: dict[str, OpSchema] = {
     "storage_heartbeat": OpSchema({"segment": SEGMENT}),
     # regions that drained for their direct writer (spec/DirectWrite.tla Drain): free now
     "storage_drained": OpSchema({"segment": SEGMENT, "offsets": list_of(uint(), min_items=1)}),
+    # a repair's copier is done (spec/Publish.tla ListReplica): ``error``
+    # ([code, message]) when its copy failed, so the master cancels it
+    "repair_done": OpSchema({"segment": SEGMENT, "key": KEY, "repair": TOKEN},
+                            optional={"error": tuple_of(uint(), text(4096))}),
     "deregister": OpSchema({"segment": SEGMENT}),
     # writer / reader -> master
     # ``writer``/``host``: the client may write replicas on its own host itself
@@ -267,6 +271,13 @@ STORAGE_OPS: dict[str, OpSchema] = {
         tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF))), min_items=1)}),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
+    # copy an object into a region assigned for its repair (spec/Publish.tla
+    # CopyReplica): [offset, key, token, length, repair, source endpoint,
+    # source segment, source offset, checksum]; the node answers at once and
+    # reports the copy with ``repair_done``
+    "repair": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
+        tuple_of(uint(), KEY, TOKEN, uint(min_value=1), TOKEN, text(MAX_NAME, 1), SEGMENT,
+                 uint(), CHECKSUM), min_items=1)}),
     "fence": OpSchema({"segment": SEGMENT, "term": TERM}),
     "purge": OpSchema({"segment": SEGMENT, "term": TERM, "below": TERM}),
     # client -> storage node (data), stamped with the term of the master that

@@ -24,6 +24,7 @@ from kvproto.runtime.allocator import AllocatorCorrupt, Placer, SegmentAllocator
 from kvproto.runtime.master import MasterCore
 from kvproto.runtime.shm import SegmentMemory, gen_word
 from kvproto.runtime.storage import StorageCore
+from kvproto.statemachines import publish as P
 from kvproto.statemachines.publish import Status
 
 PAGE = 512
@@ -168,8 +169,10 @@ class Harness:
                 continue
             alloc = core.placer.allocators[seg]
             assert alloc.free_bytes == ledger.free, seg
-            regions = [(r.offset, alloc.rounded(r.length)) for rec in d.objects.values()
-                       for r in rec.replicas if r.segment == seg]
+            # replicas and repair regions in flight (spec SlotsOf)
+            held = [(k, rec, off) for k, rec in d.objects.items()
+                    for s, off in P._held(rec) if s == seg]
+            regions = [(off, alloc.rounded(rec.length)) for _, rec, off in held]
             pos = 0
             for off, length in sorted(regions + alloc.extents()):
                 assert off == pos, (seg, off, pos)
@@ -177,13 +180,13 @@ class Harness:
             assert pos == alloc.capacity
             node = self.nodes[seg]
             stored = {off: (reg.key, reg.token) for off, reg in node.node.regions.items()}
-            expected = {r.offset: (k, rec.token) for k, rec in d.objects.items()
-                        for r in rec.replicas if r.segment == seg}
+            expected = {off: (k, rec.token) for k, rec, off in held}
             assert stored == expected, seg
             for off, reg in node.node.regions.items():
                 assert node.memory.word(off) == gen_word(reg.token, reg.done)
                 rec = d.objects[reg.key]
-                if rec.status is Status.PUBLISHED:
+                if rec.status is Status.PUBLISHED and any(r.segment == seg and r.offset == off
+                                                          for r in rec.replicas):
                     assert reg.done
         pending = {rec.token for rec in d.objects.values() if rec.status is Status.PENDING}
         assert set(core._owner) == pending

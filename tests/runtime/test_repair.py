@@ -1,0 +1,161 @@
+"""Replica repair with real processes (spec/Publish.tla RepairStart ..
+ListReplica): a master, three storage nodes and objects of two replicas; one
+node is killed, and the objects it held are copied from their live replica
+onto the third node, listed only once their copy is complete, and read back
+with their checksums."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import kvproto
+from kvproto import errors
+
+from runtime_helpers import wait_for
+
+pytestmark = pytest.mark.runtime
+
+STORAGE_TIMEOUT = 1.5
+SEGMENT = 16 << 20
+OBJECTS = 12
+SIZE = 96 << 10
+#: how long each node holds its read replies while the repairs run, so the
+#: copies stay in flight long enough to be looked at
+READ_DELAY_MS = 300
+#: repair bytes a second per source node: two objects (the burst: half of one)
+RATE = 2 * SIZE
+
+
+def start_master(spawn, rate: int):
+    m = spawn(f"""
+        import logging; logging.basicConfig(level=logging.WARNING)
+        from kvproto.runtime.embedded import run_master
+        run_master("tcp://127.0.0.1:*", writer_timeout=5.0, storage_timeout={STORAGE_TIMEOUT},
+                   repair_rate={rate}, max_repairs=2)
+    """)
+    line = m.readline()
+    assert line.startswith("kvproto master listening on tcp://127.0.0.1:"), line
+    return m, line.rsplit(" ", 1)[1]
+
+
+def start_storage(spawn, master):
+    s = spawn(f"""
+        from kvproto.runtime.embedded import run_storage
+        run_storage({master!r}, "{SEGMENT}", debug=True)
+    """)
+    assert s.readline().startswith("kvproto storage listening on tcp://127.0.0.1:")
+    return s
+
+
+def payload(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+
+
+def listed(raw, master: str, keys: list) -> dict:
+    """key -> the segments the master hands readers now (a leased read, so no
+    pin is left behind), or None for a miss."""
+    reply = raw(master).call("read_begin", {"client": "repair-probe", "keys": keys,
+                                            "lease": True})
+    assert reply.status == 0, reply.body
+    out = {}
+    for key, (code, item) in zip(keys, reply.body["items"]):
+        out[key] = [(seg, off, item["token"]) for seg, off, _ in item["replicas"]] if code == 0 \
+            else None
+    return out, reply.body["segments"]
+
+
+def test_the_objects_of_a_killed_node_are_repaired_to_their_count(children, raw):
+    master, address = start_master(children, rate=RATE)
+    nodes = [start_storage(children, address) for _ in range(3)]
+    client = kvproto.Client(master=address, timeout=10.0, local_reads=False)
+    try:
+        wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,
+                 what="three storage nodes")
+        keys = [b"obj-%02d" % i for i in range(OBJECTS)]
+        for i, key in enumerate(keys):
+            client.put(key, payload(i), replicas=2)
+        before, endpoints = listed(raw, address, keys)
+        assert all(len(r) == 2 for r in before.values())
+        segments = {s: info for s, info in client.stats()["segments"].items() if info["live"]}
+        # the node holding the most replicas dies; every source left is slowed
+        on = {s: sum(any(seg == s for seg, _, _ in r) for r in before.values()) for s in segments}
+        victim = max(on, key=on.get)
+        hit = [k for k, r in before.items() if any(seg == victim for seg, _, _ in r)]
+        assert hit
+        for s, info in segments.items():
+            if s != victim:
+                assert raw(info["endpoint"]).call(
+                    "debug", {"read_delay_ms": READ_DELAY_MS}).status == 0
+        _child_of(nodes, segments, victim, raw).stop(signal.SIGKILL)
+
+        # while the repairs run: every replica the master lists is complete at
+        # its node (a node refuses a read of an unwritten region) with the
+        # object's bytes, looked at as soon as it is listed
+        seen_in_flight, checked, first = 0, set(), None
+        deadline = time.monotonic() + 60
+        while True:
+            stats = client.stats()
+            in_flight = stats["repairs"]["in_flight"]
+            if in_flight and first is None:
+                first = time.monotonic()
+            now, endpoints = listed(raw, address, keys)
+            for key, replicas in now.items():
+                assert replicas, f"{key!r} was lost"
+                for seg, off, token in replicas:
+                    if (seg, off, token) in before[key] or (seg, off, token) in checked:
+                        continue     # an original replica (or the victim's, until noticed)
+                    reply = raw(endpoints[seg][0]).call(
+                        "read", {"segment": seg, "offset": off, "token": token,
+                                 "term": stats["failover"]["term"], "length": SIZE},
+                        timeout=10.0)
+                    assert reply.status == 0, (key, seg, reply.body)
+                    assert bytes(reply.payloads[0]) == payload(keys.index(key))
+                    checked.add((seg, off, token))
+            seen_in_flight += in_flight > 0
+            if all(len(r) == 2 and all(seg != victim for seg, _, _ in r) for r in now.values()):
+                break
+            assert time.monotonic() < deadline, (stats["counters"], stats["repairs"])
+            time.sleep(0.01)
+        took = time.monotonic() - first
+        stats = client.stats()
+        assert seen_in_flight, "no repair was seen in flight: the check above proved nothing"
+        assert len(checked) == len(hit)
+        # the rate limit: two sources, each at most RATE a second plus its burst
+        # (a take may overdraw a bucket by one object)
+        assert took >= 0.8 * (len(hit) * SIZE / 2 - SIZE) / RATE, took
+        assert stats["counters"]["repairs_listed"] == len(hit)
+        assert stats["counters"]["bytes_repaired"] == len(hit) * SIZE
+        assert stats["counters"]["repair_reports_refused"] == 0
+        # every object back at two replicas on two live, distinct segments, and
+        # its bytes right (checked against the writer's checksum) from each
+        after, _ = listed(raw, address, keys)
+        for key in keys:
+            segs = [seg for seg, _, _ in after[key]]
+            assert len(set(segs)) == 2 and victim not in segs
+        for s, info in client.stats()["segments"].items():
+            if info["live"]:
+                raw(info["endpoint"]).call("debug", {"read_delay_ms": 0})
+        for i, key in enumerate(keys):
+            assert client.get(key, verify=True) == payload(i)
+        # a copier's report naming no repair in flight (a late report of a
+        # cancelled copy) is refused and lists nothing
+        seg = after[keys[0]][-1][0]
+        late = raw(address).call("repair_done", {"segment": seg, "key": keys[0], "repair": 1})
+        assert late.status == errors.StaleToken.code, late.body
+        assert listed(raw, address, keys[:1])[0] == {keys[0]: after[keys[0]]}
+        assert client.stats()["counters"]["repair_reports_refused"] == 1
+    finally:
+        client.close()
+
+
+def _child_of(nodes, segments, victim, raw):
+    """The child process serving segment ``victim``."""
+    assert raw(segments[victim]["endpoint"]).call("stats", {}).body["segment"] == victim
+    # the segment id is host:pid:nonce (runtime/storage.py new_segment_id)
+    pid = int(victim.split(":")[-2])
+    (child,) = [c for c in nodes if c.proc.pid == pid]
+    return child
