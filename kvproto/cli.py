@@ -390,6 +390,11 @@ def _master_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-timeout", type=_seconds, default=5.0,
                         help="seconds a new master waits for storage nodes' fence acks; "
                              "a node that does not answer is lost with its objects")
+    parser.add_argument("--repair-rate", type=_size, default=256 << 20, metavar="BYTES",
+                        help="repair copies read at most this many bytes a second from each "
+                             "source node, leaving the rest to foreground reads (default: 256MiB)")
+    parser.add_argument("--max-repairs", type=_count, default=4,
+                        help="repair copies in flight at once (default: 4)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="append every step of the master's publish machine to FILE as JSON "
                              "lines, for 'kvproto trace check FILE' (default: off; also "
@@ -469,7 +474,8 @@ def master(args: argparse.Namespace) -> int:
                    advertise=args.advertise, fence_timeout=args.fence_timeout,
                    log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
                    metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                   tenants=tenants, trace=args.trace)
+                   tenants=tenants, trace=args.trace, repair_rate=args.repair_rate,
+                   max_repairs=args.max_repairs)
     except (KvError, OSError, zmq.ZMQError) as e:
         if coordinator is not None:
             coordinator.close()

@@ -94,6 +94,12 @@ METRICS: dict[str, Metric] = {
     "kvproto_master_publish_marks_total": _m(C, ("result",), "Publishes recorded in the storage nodes' indexes: ok or refused."),
     "kvproto_master_stale_term_refusals_total": _m(C, (), "Commands a storage node refused for a stale term (a newer master exists)."),
     "kvproto_master_checksum_mismatches_total": _m(C, (), "Replicas a takeover left out because their node's index records another checksum than the replica listed."),
+    # master: replica repair
+    "kvproto_master_repairs_total": _m(C, ("event",), "Repairs of objects below their requested replica count (spec/Publish.tla): started, listed (on the copier's report of a complete copy), cancelled (every repair ended unlisted), failed (the copier reported an error), timed_out (not reported in time)."),
+    "kvproto_master_repair_reports_refused_total": _m(C, (), "Copier reports refused because they named a repair no longer in flight (a late report of a cancelled copy); nothing is listed."),
+    "kvproto_master_repaired_bytes_total": _m(C, (), "Bytes of the repaired replicas listed."),
+    "kvproto_master_repairs_in_flight": _m(G, (), "Repair copies in flight now (at most the master's max_repairs)."),
+    "kvproto_master_repairs_queued": _m(G, (), "Objects below their requested count waiting for a repair (from the last scan)."),
     "kvproto_failover_last_term": _m(G, (), "Term of the last takeover."),
     "kvproto_failover_last_seconds": _m(G, ("stage",), "The last takeover's duration: fence (until the nodes answered), recover (rebuilding the directory), open (term to open)."),
     "kvproto_failover_last_nodes": _m(G, ("state",), "Storage nodes at the last takeover: fenced, or lost (did not answer)."),
@@ -124,6 +130,8 @@ METRICS: dict[str, Metric] = {
     "kvproto_storage_fences_total": _m(C, (), "Fences by a new master's term."),
     "kvproto_storage_purged_total": _m(C, (), "Unpublished allocations purged after a failover."),
     "kvproto_storage_purged_bytes_total": _m(C, (), "Bytes freed by those purges."),
+    "kvproto_storage_repairs_total": _m(C, ("event",), "Repair copies into this segment: started (the master's repair command accepted), copied (pulled from the source, checked and written), failed (reported to the master with their error)."),
+    "kvproto_storage_repaired_bytes_total": _m(C, (), "Bytes written into this segment by repair copies (not counted as client writes)."),
     "kvproto_storage_injected_faults_total": _m(C, ("fault",), "Test-only faults: dropped, duplicated, read_delayed replies."),
     # client
     "kvproto_client_master_seconds": _m(H, ("op",), "Round trip of a request to the master, by operation, as the client saw it."),
@@ -178,6 +186,13 @@ MASTER_COUNTERS: dict[str, tuple[str, dict]] = {
     "not_open": ("kvproto_master_not_open_refusals_total", {}),
     "unauthorized": ("kvproto_master_unauthorized_total", {}),
     "checksum_mismatches": ("kvproto_master_checksum_mismatches_total", {}),
+    "repairs_started": ("kvproto_master_repairs_total", {"event": "started"}),
+    "repairs_listed": ("kvproto_master_repairs_total", {"event": "listed"}),
+    "repairs_cancelled": ("kvproto_master_repairs_total", {"event": "cancelled"}),
+    "repairs_failed": ("kvproto_master_repairs_total", {"event": "failed"}),
+    "repairs_timed_out": ("kvproto_master_repairs_total", {"event": "timed_out"}),
+    "repair_reports_refused": ("kvproto_master_repair_reports_refused_total", {}),
+    "bytes_repaired": ("kvproto_master_repaired_bytes_total", {}),
 }
 
 #: StorageCore counter -> (metric, labels)
@@ -207,6 +222,10 @@ STORAGE_COUNTERS: dict[str, tuple[str, dict]] = {
     "direct_published": ("kvproto_storage_direct_regions_total", {"event": "published"}),
     "draining": ("kvproto_storage_direct_regions_total", {"event": "draining"}),
     "drained": ("kvproto_storage_direct_regions_total", {"event": "drained"}),
+    "repairs_started": ("kvproto_storage_repairs_total", {"event": "started"}),
+    "repairs_copied": ("kvproto_storage_repairs_total", {"event": "copied"}),
+    "repairs_failed": ("kvproto_storage_repairs_total", {"event": "failed"}),
+    "bytes_repaired": ("kvproto_storage_repaired_bytes_total", {}),
 }
 
 #: Client.lease_counters / failover_counters / transfer_counters /
@@ -283,6 +302,9 @@ def master_samples(s: Mapping[str, Any]) -> list[Sample]:
                             ("quota_stored", quota.get("stored", 0)),
                             ("quota_in_flight", quota.get("in_flight", 0))):
             add("kvproto_tenant_bytes", value, tenant=tenant, kind=kind)
+    repairs = s.get("repairs", {})
+    add("kvproto_master_repairs_in_flight", repairs.get("in_flight", 0))
+    add("kvproto_master_repairs_queued", repairs.get("queued", 0))
     failover = s.get("failover", {})
     add("kvproto_master_term", failover.get("term") or 0)
     for phase in PHASES:
