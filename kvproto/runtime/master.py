@@ -608,6 +608,7 @@ class MasterCore:
         if err is not None:
             self.counters["repair_reports_refused"] += 1
             raise err
+        self._repair()     # its slot is free: the next repair need not wait for a tick
         return 0, {}
 
     def _repair(self) -> None:
