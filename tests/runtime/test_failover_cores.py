@@ -801,3 +801,62 @@ def test_a_freed_token_is_never_issued_again_by_the_next_master(cluster):
         assert local.read(off, length, held["token"], nonce) is None
     finally:
         local.close()
+
+
+def test_the_requested_count_survives_a_takeover_and_the_new_master_repairs_to_it(cluster):
+    """A node of a two-replica object dies during a takeover: the new master
+    recovers the object with its requested count (the nodes' indexes carry
+    it), repairs it onto the third node, lists the new replica only on its
+    copier's report, and refuses the late report of a copy it cancelled."""
+    c = cluster(3)
+    data = value(b"k", 1, 1000)
+    err, grant = c.put(b"k", data, replicas=2)
+    assert err is None
+    held = [seg for seg, _, _ in grant["replicas"]]
+    for s in held:
+        assert c.nodes[s].node.index[b"k"].requested == 2
+    new = c.failover(["n0", "n1", "n2"], lose_during=[held[0]])
+    rec = new.directory.objects[b"k"]
+    assert rec.requested == 2 and [r.segment for r in rec.replicas] == [held[1]]
+    (dst,) = set(c.nodes) - set(held)
+
+    def start_repair():
+        c.clock.t += 2e5          # past the master's tick interval
+        new.tick()
+        c.deliver(new)
+        (copy, term), = c.nodes[dst].copies
+        c.nodes[dst].copies.clear()
+        return copy, term
+
+    def listed():
+        (_, body), _ = c.call(new, "read_begin", {"client": "r", "keys": [b"k"], "lease": True})
+        return [seg for seg, _, _ in wire.item_result(body["items"][0])[1]["replicas"]]
+
+    # the first copy fails (reported with its error): cancelled, its region
+    # freed, and the next repair started at once
+    first, term = start_repair()
+    assert listed() == [held[1]]
+    (status, _), delivered = c.call(new, "repair_done", {
+        "segment": dst, "key": b"k", "repair": first.repair,
+        "error": [errors.RequestTimeout.code, "slow"]})
+    assert status == 0 and new.counters["repairs_cancelled"] == 1
+    assert [(s, op, st) for s, op, _, st in delivered] == [
+        (dst, "free", 0), (dst, "assign", 0), (dst, "repair", 0)]
+    # the second copies from the live replica; a late success report of the
+    # first is refused and lists nothing
+    (second, term), = c.nodes[dst].copies
+    assert second.repair != first.repair and second.source_segment == held[1]
+    c.nodes[dst].copied(second, memoryview(c.read(second.source_segment, second.source_offset,
+                                                  second.length, second.token, term)))
+    (status, _), _ = c.call(new, "repair_done", {"segment": dst, "key": b"k", "repair": first.repair})
+    assert status == errors.StaleToken.code and listed() == [held[1]]
+    (status, _), delivered = c.call(new, "repair_done", {"segment": dst, "key": b"k",
+                                                         "repair": second.repair})
+    assert status == 0 and [(s, op, st) for s, op, _, st in delivered] == [(dst, "publish", 0)]
+    assert listed() == [held[1], dst]
+    rec = new.directory.objects[b"k"]
+    assert c.read(dst, rec.replicas[1].offset, 1000, rec.token, new.failover.term) == data
+    entry = c.nodes[dst].node.index[b"k"]
+    assert entry.published and entry.requested == 2 and entry.checksum == rec.checksum
+    assert new.counters["repairs_listed"] == 1 and new.counters["repair_reports_refused"] == 1
+    assert new.placer.allocators[dst].free_bytes == new.directory.segments[dst].free
