@@ -95,17 +95,17 @@ Extend(f, s, v) == [x \in DOMAIN f \cup {s} |-> IF x = s THEN v ELSE f[x]]
 Without(f, s) == [x \in DOMAIN f \ {s} |-> f[x]]
 
 (* The segments holding a region of k: its replicas and its repairs. *)
-Holds(k) == DOMAIN dir[k].replicas \cup DOMAIN dir[k].repairs
+SegmentsOf(k) == DOMAIN dir[k].replicas \cup DOMAIN dir[k].repairs
 (* The slots of k: <<segment, slot>> of each replica and each repair. *)
 SlotsOf(k) == {<<s, dir[k].replicas[s]>> : s \in DOMAIN dir[k].replicas}
               \cup {<<s, dir[k].repairs[s].slot>> : s \in DOMAIN dir[k].repairs}
 
 (* Slot i of segment s is allocated to some object in the directory. *)
 Allocated(s, i) == \E k \in Keys : Exists(k) /\ <<s, i>> \in SlotsOf(k)
-UsedSlots(s) == Cardinality({k \in Keys : Exists(k) /\ s \in Holds(k)})
+UsedSlots(s) == Cardinality({k \in Keys : Exists(k) /\ s \in SegmentsOf(k)})
 
 (* The object has fewer replicas, listed or being repaired, than it asked for. *)
-Below(k) == Cardinality(Holds(k)) < dir[k].requested
+Below(k) == Cardinality(SegmentsOf(k)) < dir[k].requested
 
 (* Free every region of the objects whose keys are in ks: the master's *)
 (* ledger and the storage nodes' region tables change together, and a   *)
@@ -113,7 +113,7 @@ Below(k) == Cardinality(Holds(k)) < dir[k].requested
 FreeObjects(ks) ==
     LET freed(s, i) == \E k \in ks : <<s, i>> \in SlotsOf(k) IN
     /\ free' = [s \in Segments |->
-                  free[s] + Cardinality({k \in ks : s \in Holds(k)})]
+                  free[s] + Cardinality({k \in ks : s \in SegmentsOf(k)})]
     /\ store' = [s \in Segments |-> [i \in Slots |->
                   IF freed(s, i) THEN None ELSE store[s][i]]]
     /\ content' = [s \in Segments |-> [i \in Slots |->
@@ -262,7 +262,7 @@ SegmentLost(s) ==
          /\ live' = live \ {s}
          /\ free' = [s2 \in Segments |->
                        IF s2 = s THEN 0
-                       ELSE free[s2] + Cardinality({k \in gone : s2 \in Holds(k)})]
+                       ELSE free[s2] + Cardinality({k \in gone : s2 \in SegmentsOf(k)})]
          /\ store' = [s2 \in Segments |->
                         IF s2 = s THEN [i \in Slots |-> None]
                         ELSE [i \in Slots |->
@@ -273,7 +273,7 @@ SegmentLost(s) ==
                           THEN 0 ELSE content[s2][i]]]
          /\ dir' = [k \in Keys |->
                       IF k \in gone THEN None
-                      ELSE IF Exists(k) /\ s \in Holds(k)
+                      ELSE IF Exists(k) /\ s \in SegmentsOf(k)
                       THEN [dir[k] EXCEPT !.replicas = Without(@, s), !.repairs = Without(@, s)]
                       ELSE dir[k]]
          /\ publishedToken' = [k \in Keys |-> IF k \in gone THEN 0 ELSE publishedToken[k]]
@@ -287,7 +287,7 @@ RepairStart(k, s, i) ==
     /\ Published(k)
     /\ Below(k)
     /\ nextToken \in Tokens
-    /\ s \in live \ Holds(k)
+    /\ s \in live \ SegmentsOf(k)
     /\ free[s] > 0
     /\ ~Allocated(s, i)
     /\ dir' = [dir EXCEPT ![k].repairs = Extend(@, s, [slot |-> i, id |-> nextToken])]

@@ -177,8 +177,14 @@ class _Mapping:
     def record(self, rec: Optional[dict]):
         if rec is None:
             return NONE
+        repairs = Fn.of({self.segments(p["segment"]):
+                         Fn.of({"slot": self.slot(p["segment"], p["offset"])[1],
+                                "id": self.token(p["id"])})
+                         for p in rec.get("repairs", ())}) if rec.get("repairs") else ()
         return Fn.of({"status": rec["status"], "token": self.token(rec["token"]),
-                      "replicas": self.placement(rec["replicas"]), "reads": rec["reads"]})
+                      "replicas": self.placement(rec["replicas"]),
+                      "requested": rec.get("requested", len(rec["replicas"])),
+                      "repairs": repairs, "reads": rec["reads"]})
 
 
 def _record(m: _Mapping, step: dict, joined: set) -> Fn:

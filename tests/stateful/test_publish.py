@@ -182,6 +182,13 @@ class PublishSystem(RuleBasedStateMachine):
             self.sys = new
             self.repairs += 1
 
+    @precondition(lambda self: self._below())
+    @rule(data=st.data())
+    def repair_all_below(self, data):
+        """The master's planner: a repair for every object below its count."""
+        for key in self._below():
+            self.repair_start(key, data)
+
     def _repairing(self):
         return sorted((key, p.segment) for key, rec in self.sys.directory.objects.items()
                       for p in rec.repairs)
