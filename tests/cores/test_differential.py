@@ -23,6 +23,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, event, settings, strategies as st
+from hypothesis import event as hypothesis_event   # step() names its argument event
 from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test,
 )
@@ -54,10 +55,13 @@ def _norm(effect):
 
 
 def _groups(effects) -> Counter:
-    """``SegmentLost`` effects as a multiset of per-object runs."""
+    """``SegmentLost`` effects as a multiset of per-object runs (an object
+    that keeps its other replicas has only the cancellations of its repairs)."""
     runs: list = []
     for e in effects:
-        if isinstance(e, (P.Revoked, P.Removed)) or not runs:
+        key = getattr(e, "key", None)
+        if isinstance(e, (P.Revoked, P.Removed)) or not runs \
+                or (key is not None and key != runs[-1][0].key):
             runs.append([])
         runs[-1].append(e)
     return Counter(tuple(r) for r in runs)
@@ -177,7 +181,8 @@ class DirectoryDiff(Differential):
 
     ACTIONS = ("add_segment", "put_start", "put_start", "put_start", "put_start", "put_end",
                "put_end", "put_end", "put_revoke", "reclaim_abandoned", "read_begin",
-               "read_end", "remove", "segment_lost")
+               "read_end", "remove", "segment_lost", "repair_start", "repair_start",
+               "repair_end", "repair_end")
 
     def begin(self, c: Choose):
         segments = c.some(SEGMENTS, 1, len(SEGMENTS))
@@ -212,6 +217,11 @@ class DirectoryDiff(Differential):
         got = self.core.step(event)
         assert_same(expected, got, "objects" if isinstance(event, P.SegmentLost) else "exact")
         assert self.core.reference() == self.ref
+        assert set(self.core.below()) == {k for k, r in self.ref.objects.items()
+                                          if r.status is P.Status.PUBLISHED and r.below()}
+        if isinstance(event, (P.RepairStart, P.ListReplica, P.RepairCancel)):
+            ok = not (expected and isinstance(expected[0], Refused))
+            hypothesis_event(f"{type(event).__name__} {'accepted' if ok else 'refused'}")
 
     def key_in(self, c: Choose, status) -> bytes:
         return c.mostly([k for k, r in self.ref.objects.items() if r.status is status], KEYS)
@@ -263,6 +273,46 @@ class DirectoryDiff(Differential):
 
     def remove(self, c: Choose):
         self.step(P.Remove(self.key_in(c, P.Status.PUBLISHED)))
+
+    def repair_start(self, c: Choose):
+        """A repair of a published object (mostly one below its count), into a
+        region of a live segment (mostly one holding none of it)."""
+        below = [k for k, r in self.ref.objects.items()
+                 if r.status is P.Status.PUBLISHED and r.below()]
+        several = sorted({r.replicas[0].segment for r in self.ref.objects.values()
+                          if r.status is P.Status.PUBLISHED and len(r.replicas) > 1})
+        if not below and several and not c.rare(3):
+            # lose a segment of an object with another replica: it is below now
+            self.step(P.SegmentLost(c.one(several)))
+            fresh = [s for s in SEGMENTS if s not in self.ref.segments]
+            if fresh:
+                self.step(P.AddSegment(fresh[0], 1 << 30))
+            below = [k for k, r in self.ref.objects.items()
+                     if r.status is P.Status.PUBLISHED and r.below()]
+        key = c.mostly(below, KEYS, 4)
+        record = self.ref.objects.get(key)
+        length = record.length if record is not None else c.int(1, 64)
+        held = set() if record is None else \
+            {r.segment for r in record.replicas} | {p.segment for p in record.repairs}
+        live = [s for s, l in self.ref.segments.items() if l.live]
+        segment = c.mostly([s for s in live if s not in held], SEGMENTS + GONE, 6)
+        ledger = self.ref.segments.get(segment)
+        room = max(0, (ledger.capacity if ledger else 64) - length)
+        offset = c.int(0, room) if not c.rare(20) else room + 1
+        token = self.token_for(c, key)
+        self.step(P.RepairStart(key, token, P.Replica(segment, offset,
+                                                     length if not c.rare(20) else length + 1)))
+
+    def repair_end(self, c: Choose):
+        """A copier's report (``ListReplica``) or a cancel, of a repair in flight
+        mostly, of none sometimes (a late report)."""
+        flying = [(k, p) for k, r in self.ref.objects.items() for p in r.repairs]
+        if flying and not c.rare(5):
+            key, p = c.one(flying)
+            segment, repair = p.segment, p.id if not c.rare(10) else p.id + 1
+        else:
+            key, segment, repair = c.one(KEYS), c.one(SEGMENTS), c.int(0, self.ref.next_token)
+        self.step(c.one([P.ListReplica, P.RepairCancel])(key, segment, repair))
 
     def segment_lost(self, c: Choose):
         """A segment dies; a node joins with a new one (as a restarted node does)."""
