@@ -33,6 +33,7 @@ import time
 from typing import Any, Iterable, Optional, Sequence
 
 from kvproto import errors
+from kvproto.cores.pool import PoolCore
 from kvproto.gpu.layout import KVLayout
 from kvproto.runtime.transfers import MachinePool
 from kvproto.statemachines import timeout as T
@@ -161,7 +162,7 @@ class StagingBuffers:
         self._views = {n: memoryview(memory[i * size:(i + 1) * size]) for i, n in enumerate(self.names)}
 
     @property
-    def state(self) -> T.Pool:
+    def state(self) -> PoolCore:
         return self.blocks.state
 
     first_free = MachinePool.first_free
@@ -172,12 +173,13 @@ class StagingBuffers:
 
 
 class _Copy:
-    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline",
+    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline", "unit",
                  "done", "error", "next_cancel", "on_settled")
 
-    def __init__(self, pool, gen, buffer, request, handle, deadline) -> None:
+    def __init__(self, pool, gen, buffer, request, handle, deadline, unit: list) -> None:
         self.pool, self.gen, self.buffer, self.request = pool, gen, buffer, request
         self.handle, self.deadline = handle, deadline
+        self.unit = unit                       # the records of one submission, this one among them
         self.done = threading.Event()          # the copy's outcome is known to the caller
         self.error: Optional[errors.KvError] = None
         self.next_cancel: Optional[float] = None
@@ -238,14 +240,12 @@ class Copier:
                    pairs: Sequence[tuple], timeout: float, *,
                    sources: Iterable[str] = ()) -> list[DeviceCopy]:
         """One copy unit that writes several ``buffers`` of ``pool`` (a scatter
-        into blocks): an ``Issue`` per buffer, all or none, one submission; each
-        buffer's generation completes with the unit."""
+        into blocks): an ``Issue`` per buffer, stepped all or none, one
+        submission; each buffer's generation completes with the unit."""
+        sources = frozenset(sources)
         with self.cv:
-            issued = []
+            issued = self.check(pool.step_all([T.Issue(request, b, sources) for b in buffers]))
             try:
-                for buffer in buffers:
-                    (ev,) = self.check(pool.step(T.Issue(request, buffer, frozenset(sources))))
-                    issued.append(ev)
                 handle = self.backend.submit(pairs)
             except BaseException:
                 # never submitted: none can write. Abandon them through the machine.
@@ -255,9 +255,10 @@ class Copier:
                     self._apply(pool.step(T.CancelAck(ev.gen)))
                 raise
             deadline = time.monotonic() + timeout
-            copies = []
+            copies, unit = [], []
             for ev, buffer in zip(issued, buffers):
-                rec = _Copy(pool, ev.gen, buffer, request, handle, deadline)
+                rec = _Copy(pool, ev.gen, buffer, request, handle, deadline, unit)
+                unit.append(rec)
                 self._copies[(id(pool), ev.gen)] = rec
                 copies.append(DeviceCopy(self, rec))
             self.cv.notify_all()
@@ -277,6 +278,14 @@ class Copier:
         """Step ``pool`` (refusals raise) and carry out the effects."""
         with self.cv:
             effects = self.check(pool.step(event))
+            self._apply(effects, pool)
+            return effects
+
+    def step_all(self, pool: MachinePool, events: Sequence) -> tuple:
+        """Step ``events`` all or none (a refusal raises, nothing changed) and
+        carry out the effects."""
+        with self.cv:
+            effects = self.check(pool.step_all(events))
             self._apply(effects, pool)
             return effects
 
@@ -330,14 +339,17 @@ class Copier:
         rec.done.wait()
 
     def _observe(self, rec: _Copy) -> None:
-        """The backend says the copy can no longer write: completion or cancel ack."""
+        """The backend says the copy can no longer write: completion or cancel
+        ack, for every copy of its unit (one submission) still tracked."""
         with self.cv:
-            if self._copies.get((id(rec.pool), rec.gen)) is not rec:
-                return
-            if rec.handle.stopped:
-                self._apply(rec.pool.step(T.CancelAck(rec.gen)), rec.pool)
-            else:
-                self._apply(rec.pool.step(T.Complete(rec.gen, rec.buffer)), rec.pool)
+            pool, stopped = rec.pool, rec.handle.stopped
+            effects: list = []
+            for r in rec.unit:
+                if self._copies.get((id(pool), r.gen)) is r:
+                    effects.extend(pool.step(T.CancelAck(r.gen) if stopped
+                                             else T.Complete(r.gen, r.buffer)))
+            if effects:
+                self._apply(tuple(effects), pool)
 
     def _expire(self, rec: _Copy) -> None:
         with self.cv:
@@ -398,21 +410,24 @@ class Copier:
                 if not self._copies:
                     self.cv.wait(0.1)
                     continue
-                recs = list(self._copies.values())
+                units = list({id(rec.unit): rec.unit for rec in self._copies.values()}.values())
             now = time.monotonic()
-            for rec in recs:
-                if rec.handle.query():
-                    self._observe(rec)
+            for unit in units:
+                if unit[0].handle.query():
+                    self._observe(unit[0])
+                    continue
+                if now < unit[0].deadline and all(rec.next_cancel is None for rec in unit):
                     continue
                 with self.cv:
-                    t = rec.pool.state.transfers.get(rec.gen)
-                    if t is None or self._copies.get((id(rec.pool), rec.gen)) is not rec:
-                        continue
-                    if t.state is T.XferState.INFLIGHT:
-                        if now >= rec.deadline:
-                            self._expire(rec)
-                    elif t.state is T.XferState.TIMEDOUT and rec.next_cancel is not None \
-                            and now >= rec.next_cancel:
-                        self._retry(rec)
+                    for rec in unit:
+                        t = rec.pool.state.transfers.get(rec.gen)
+                        if t is None or self._copies.get((id(rec.pool), rec.gen)) is not rec:
+                            continue
+                        if t.state is T.XferState.INFLIGHT:
+                            if now >= rec.deadline:
+                                self._expire(rec)
+                        elif t.state is T.XferState.TIMEDOUT and rec.next_cancel is not None \
+                                and now >= rec.next_cancel:
+                            self._retry(rec)
             time.sleep(self.poll_interval)
 
