@@ -180,7 +180,7 @@ class _Copy:
         self.pool, self.gen, self.buffer, self.request = pool, gen, buffer, request
         self.handle, self.deadline = handle, deadline
         self.unit = unit                       # the records of one submission, this one among them
-        self.done = threading.Event()          # the copy's outcome is known to the caller
+        self.done = False                      # the copy's outcome is known (set under the copier's cv)
         self.error: Optional[errors.KvError] = None
         self.next_cancel: Optional[float] = None
         self.on_settled: list = []             # called once it can no longer write
@@ -194,7 +194,7 @@ class DeviceCopy:
         self.gen, self.buffer = rec.gen, rec.buffer
 
     def done(self) -> bool:
-        return self._rec.done.is_set()
+        return self._rec.done
 
     def wait(self) -> None:
         """Until the copy completed (returns) or failed: ``TransferTimeout`` past
@@ -328,7 +328,7 @@ class Copier:
     # ------------------------------------------------------------------ observing
 
     def _wait(self, rec: _Copy) -> None:
-        while not rec.done.is_set():
+        while not rec.done:
             left = rec.deadline - time.monotonic()
             if left <= 0:
                 self._expire(rec)
@@ -336,7 +336,8 @@ class Copier:
             if rec.handle.wait(min(left, 0.01)):   # the outcome may also come from elsewhere
                 self._observe(rec)
                 break
-        rec.done.wait()
+        with self.cv:
+            self.cv.wait_for(lambda: rec.done)
 
     def _observe(self, rec: _Copy) -> None:
         """The backend says the copy can no longer write: completion or cancel
@@ -382,11 +383,11 @@ class Copier:
             if isinstance(eff, T.Loaded):
                 if rec is not None:
                     self._untrack(rec)
-                    rec.done.set()
+                    rec.done = True
             elif isinstance(eff, T.LoadFailed):
                 if rec is not None:
                     rec.error = eff.error
-                    rec.done.set()
+                    rec.done = True
                     if isinstance(eff.error, errors.RequestNotActive):   # abandoned: cancel it
                         self._retry(rec)
             elif isinstance(eff, T.SendCancel):
@@ -399,7 +400,7 @@ class Copier:
             elif isinstance(eff, T.Drained):
                 if rec is not None:
                     self._untrack(rec)
-                    rec.done.set()
+                    rec.done = True
         self.cv.notify_all()
 
     def _poll_loop(self) -> None:
