@@ -205,16 +205,13 @@ def test_a_release_of_a_source_still_read_is_caught(monkeypatch):
 
 
 def accept_late(self, ev):
-    """``PoolCore._complete`` that hands a timed-out copy's late bytes to its
-    request (the Timeout_Weak_AcceptLate flaw) instead of draining them."""
+    """``PoolCore._complete`` that takes a timed-out copy for one still in
+    flight, so its late bytes go to its request (the Timeout_Weak_AcceptLate
+    flaw) instead of draining."""
     t = self._xfers.get(ev.gen)
-    if t is None or t.buffer != ev.buffer or t.state is not T.XferState.TIMEDOUT:
-        return ORIGINAL_COMPLETE(self, ev)
-    self._del(self._rpending[t.request], t.gen)
-    self._del(self._xfers, t.gen)
-    buf = self._bufs[t.buffer]
-    self._set(self._bufs, t.buffer, T.Buffer(buf.owner, buf.gen, T.BufState.READY))
-    return (T.Loaded(t.request, t.buffer, t.gen),)
+    if t is not None and t.buffer == ev.buffer and t.state is T.XferState.TIMEDOUT:
+        self._xfers[ev.gen] = T.Transfer(t.gen, t.request, t.buffer)
+    return ORIGINAL_COMPLETE(self, ev)
 
 
 ORIGINAL_COMPLETE = PoolCore._complete
