@@ -1,15 +1,16 @@
 """The fast cores inside the spec's closed systems, for the conformance graphs.
 
 Each reference module (:mod:`kvproto.statemachines.publish`, ``lease``,
-``failover``) defines its closed ``System``, the successor relation and the
+``failover``, ``timeout``) defines its closed ``System``, the successor relation and the
 stated mapping ``to_tla`` over its own step functions and values. Here the
 same code runs with the fast cores in their place: every function of the
 module, and the methods of its ``System`` and ``Constants``, are re-created
 over a copy of the module's namespace in which the step functions
 (``master_step``, ``storage_step``, ``pool_step``) and the constructors
 (``Directory``, ``RegionTable``, ``new_table``, ``restored_table``,
-``StorageNode``, ``new_pool``) name the fast cores. Nothing of the closed system is written twice, so the graph
-compared with TLC's is the fast core's and only the core differs.
+``StorageNode``, ``new_pool``) name the fast cores. Nothing of the closed
+system is written twice, so the graph compared with TLC's is the fast core's
+and only the core differs.
 
 A state of the closed system holds a :class:`Snapshot`, a core that is never
 mutated again: a step copies the core and steps the copy (a refused step

@@ -506,11 +506,6 @@ class PoolCore:
         return new
 
 
-def new_pool(buffers: Iterable[str], *, max_cancels: int = 3, max_leaked: int = 4) -> PoolCore:
-    """The drop-in for ``timeout.new_pool``."""
-    return PoolCore(buffers, max_cancels=max_cancels, max_leaked=max_leaked)
-
-
 # --------------------------------------------------------------------------
 # Read views with the frozen Pool's shape
 # --------------------------------------------------------------------------

@@ -34,8 +34,9 @@ class PoolDiff(Differential):
     write-offs against small budgets, requests cancelled and finished."""
 
     ACTIONS = ("acquire", "issue", "complete", "acquire", "issue", "complete", "batch", "consume",
-               "release", "release", "consume", "timeout", "timeout", "cancel", "cancel_ack", "give_up", "batch", "start_request",
-               "start_request", "request_cancel", "request_finish", "add_buffer", "queries")
+               "release", "release", "consume", "timeout", "timeout", "cancel", "cancel_ack",
+               "give_up", "batch", "start_request", "start_request", "request_cancel",
+               "request_finish", "add_buffer", "queries")
 
     def begin(self, c: Choose):
         names = PBUFFERS[:c.int(16, len(PBUFFERS) if SOAK else 64)]
