@@ -114,7 +114,7 @@ class PoolDiff(Differential):
     def complete(self, c: Choose):
         g = self.gen(c)
         t = self.ref.transfers.get(g)
-        buffer = t.buffer if t is not None and not c.rare(6) else c.one(list(self.ref.buffers))
+        buffer = t.buffer if t is not None and not c.rare(6) else c.one(sorted(self.ref.buffers))
         self.step(T.Complete(g, buffer))
 
     def timeout(self, c: Choose):
