@@ -7,7 +7,8 @@ verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc
 measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
 and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
-tenant's token or checks a tenants file; ``kvproto chaos`` runs the fault
+tenant's token or checks a tenants file, ``kvproto ns`` steps a tenant's namespaces
+through their upgrade lifecycle; ``kvproto chaos`` runs the fault
 matrix, ``kvproto fuzz`` fuzzes frames, ``kvproto mutate`` runs the
 runtime mutants and ``kvproto trace check`` has TLC check a master's recorded
 run (:mod:`kvproto.checking`);
@@ -638,6 +639,16 @@ def tenant(args: argparse.Namespace) -> int:
     return tenants.main(args)
 
 
+def _ns_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import nscli
+    nscli.add_arguments(parser)
+
+
+def ns(args: argparse.Namespace) -> int:
+    from .ops import nscli
+    return nscli.main(args)
+
+
 # --- subcommands ----------------------------------------------------------------
 
 # name -> (help, add_arguments(parser), handler(args) -> exit code).
@@ -658,6 +669,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               _stats_arguments, stats),
     "tenant": ("make a tenant's secret token, or check a tenants file (quotas, namespaces, grants)",
                _tenant_arguments, tenant),
+    "ns": ("a tenant's namespaces at a running master: list them, or create, prewarm, switch, "
+           "route back or drop one (the upgrade lifecycle)", _ns_arguments, ns),
     "chaos": ("run the fault matrix: real processes, faults at chosen protocol phases, every "
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "

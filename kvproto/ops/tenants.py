@@ -106,6 +106,12 @@ def _name(value: Any, where: str) -> str:
     return value
 
 
+def namespace_name(value: Any) -> str:
+    """``value`` if it names a namespace (1 to 64 letters, digits, ``.``,
+    ``_``, ``-``), else :class:`~kvproto.errors.InvalidArgument`."""
+    return _name(value, "namespace")
+
+
 def _names(value: Any, where: str) -> list[str]:
     if not isinstance(value, list):
         raise _problem(where, "expected a list of names")

@@ -63,6 +63,7 @@ Payload bytes never reach the master: its ROUTER accepts no payload frames.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -203,8 +204,9 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "checksum_mismatches",
             # copies of a request delivered twice on one connection (MasterServer)
             "duplicates_dropped",
-            # tenancy (spec/Tenancy.tla): requests refused for their credential
-            "unauthorized")
+            # tenancy (spec/Tenancy.tla): requests refused for their credential,
+            # objects of retiring namespaces aged out
+            "unauthorized", "aged_out")
 
 
 class MasterCore:
@@ -505,7 +507,7 @@ class MasterCore:
                 except errors.Unauthorized:
                     self.counters["unauthorized"] += 1
                     raise
-            elif body.get("ns", "default") != "default" or op in ("grant", "revoke"):
+            elif body.get("ns", "default") != "default" or op in wire.TENANT_OPS:
                 raise errors.InvalidArgument("this master has no tenants (kvproto master "
                                              "--tenants FILE): no namespaces nor grants")
             if self.failover.phase is not fm.Phase.OPEN and op != "stats":
@@ -924,6 +926,53 @@ class MasterCore:
         self.tenants.grant(body, revoke=True)
         return 0, {}
 
+    def _op_ns_create(self, body, reply_to, request_id):
+        """Spec ``Create``: a canary namespace next to the owner's live one."""
+        self.tenants.create(body)
+        return 0, {}
+
+    def _lifecycle(self, op, body, reply_to=None, request_id=0):
+        """Spec ``PreWarm``, ``Switch``, ``RouteBack`` or ``Drop`` by the
+        namespace's owner. ``RouteBack`` abandons the namespace's writes in
+        progress: each pending attempt is revoked (``PutRevoke``, mirrored as
+        ``WriteAbort``) before the step is committed. A namespace that retires
+        ages out (:meth:`age_out`)."""
+        event = self.tenants.lifecycle(op, body)
+        if op == "ns_route_back":
+            prefix = self.tenants.prefix(event.ns)
+            for key, record in list(self.directory.objects.items()):
+                if record.status is Status.PENDING and key.startswith(prefix):
+                    self._step(PutRevoke(key, record.token))
+        self.tenants.advance(event)
+        self.age_out()
+        return 0, {}
+
+    _op_ns_prewarm = functools.partialmethod(_lifecycle, "ns_prewarm")
+    _op_ns_switch = functools.partialmethod(_lifecycle, "ns_switch")
+    _op_ns_route_back = functools.partialmethod(_lifecycle, "ns_route_back")
+    _op_ns_drop = functools.partialmethod(_lifecycle, "ns_drop")
+
+    def _op_ns_list(self, body, reply_to, request_id):
+        return 0, {"namespaces": self.tenants.namespaces(body["tenant"])}
+
+    def age_out(self) -> int:
+        """Spec ``AgeOut``: remove the unleased objects of retiring namespaces
+        (a batch per call; the lease machine must agree, then the publish
+        machine's ``Remove``). Returns the count."""
+        if self.tenants is None or not self.tenants.aging:
+            return 0
+        self._ltick()
+        done = 0
+        for key in self.tenants.aged():
+            if key in self.leases.objects and self.leases.reclaimable(key) is not None:
+                continue
+            err, _ = self._step(Remove(key))
+            done += err is None
+        if done:
+            self.counters["aged_out"] += done
+            self._flush()
+        return done
+
     def stats(self) -> dict:
         segments = {}
         for seg, ledger in self.directory.segments.items():
@@ -1265,6 +1314,7 @@ class MasterCore:
                 self.segment_lost(segment, "a command went unanswered")
         self._ltick()
         self.evict()
+        self.age_out()
         self._flush()
 
 

@@ -110,7 +110,7 @@ class StorageCore:
                 "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
                 "stale_reads", "reads_delayed", "published", "fences", "stale_terms", "purged",
                 "bytes_purged", "direct_granted", "direct_published", "draining", "drained",
-                "unauthorized")
+                "unauthorized", "tickets_refused")
 
     def __init__(self, memory: SegmentMemory, segment: str) -> None:
         self.memory = memory

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 from kvproto import errors
 from kvproto.ops.tenants import (
-    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, object_key,
+    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, namespace_name, object_key,
     split_object_key,
 )
 from kvproto.runtime import wire
@@ -49,6 +49,11 @@ STORAGE_PLANE = frozenset({"register", "storage_heartbeat", "storage_drained", "
 OWNER_OPS = frozenset({"put_start", "put_end", "put_revoke", "put_abandon", "remove"})
 #: lookups that need the owner or a read grant (``read_begin``: ``Begin`` per key)
 LOOKUP_OPS = frozenset({"exists", "list"})
+#: the upgrade lifecycle's ops after ``ns_create``: the machine's step of each
+LIFECYCLE = {"ns_prewarm": tm.PreWarm, "ns_switch": tm.Switch, "ns_route_back": tm.RouteBack,
+             "ns_drop": tm.Drop}
+#: how many objects of retiring namespaces one pass of :meth:`Tenants.aged` names
+AGE_OUT_BATCH = 4096
 
 
 class Tenants:
@@ -61,6 +66,8 @@ class Tenants:
         # memory is the allocator's and the eviction policy's: the registry
         # counts each tenant's bytes against its quotas, not the store's room
         self.registry = Registry(configs, capacity=UNLIMITED, ttl=ttl, now=clock())
+        #: retiring namespaces that may still hold objects (spec ``AgeOut``)
+        self.aging: set[Namespace] = set()
 
     def __repr__(self) -> str:
         return f"Tenants({self.registry!r})"
@@ -106,6 +113,11 @@ class Tenants:
             raise errors.InvalidArgument(f"key of {len(key)} bytes: with its namespace it "
                                          f"exceeds {wire.MAX_KEY_BYTES} bytes")
         return okey
+
+    @staticmethod
+    def prefix(ns: Namespace) -> bytes:
+        """What every directory key of ``ns`` starts with."""
+        return object_key(ns, b"")
 
     @staticmethod
     def strip(ns: Namespace, keys: list) -> list:
@@ -213,7 +225,80 @@ class Tenants:
             return
         for holder in sorted(state.readers.get(o, ()), key=repr):
             self.commit(tm.Release(holder))
-        self.commit(tm.Remove(obj.owner, *o))
+        if state.namespaces[o[0]].phase is tm.Phase.RETIRING:
+            self.commit(tm.AgeOut(*o))       # the master's age-out pass (or its owner)
+        else:
+            self.commit(tm.Remove(obj.owner, *o))
+
+    # ------------------------------------------------------------------ the upgrade lifecycle
+
+    def create(self, body: dict) -> None:
+        """Spec ``Create``: namespace ``body["ns"]`` of the requesting tenant, a
+        canary upgrading its live namespace ``body["previous"]``."""
+        tenant = body["tenant"]
+        owner, _, name = body["ns"].rpartition("/")
+        if owner and owner != tenant:
+            raise errors.AccessDenied(f"tenant {tenant!r} creates namespaces of its own only")
+        previous = self.registry.namespace(tenant, body["previous"])
+        self.registry.step(tm.Create(tenant, (tenant, namespace_name(name)), previous),
+                           self.clock())
+
+    def lifecycle(self, op: str, body: dict) -> tm.Event:
+        """The step of ``op`` (:data:`LIFECYCLE`) by the tenant on the
+        namespace it names, checked (nothing changes): commit it with
+        :meth:`advance`."""
+        tenant = body["tenant"]
+        return self.check(LIFECYCLE[op](tenant, self.registry.namespace(tenant, body["ns"])))
+
+    def advance(self, event: tm.Event) -> None:
+        """Commit a checked lifecycle step; a namespace it retires starts aging
+        out (:meth:`aged`)."""
+        self.commit(event)
+        self.aging |= {ns for ns, rec in self.registry.state.namespaces.items()
+                       if rec.phase is tm.Phase.RETIRING}
+
+    def aged(self) -> list[bytes]:
+        """Directory keys of objects of retiring namespaces that spec ``AgeOut``
+        takes now (unleased, published), at most :data:`AGE_OUT_BATCH`; a
+        retiring namespace with nothing left stops aging."""
+        if not self.aging:
+            return []
+        state, now = self.registry.state, self.clock()
+        out: list[bytes] = []
+        left: set = set()
+        for (ns, key), obj in state.objects.items():
+            if ns not in self.aging:
+                continue
+            left.add(ns)
+            if len(out) < AGE_OUT_BATCH:
+                try:
+                    self.registry.check(tm.AgeOut(ns, key), now)
+                except errors.KvError:
+                    continue
+                out.append(object_key(ns, key))
+        self.aging &= left
+        return out
+
+    def namespaces(self, tenant: str) -> dict:
+        """The namespaces ``tenant`` owns or may read (``owner/name`` for
+        another's): phase, the namespace it upgrades, objects and bytes held,
+        and, for its own, the tenants holding read grants."""
+        state = self.registry.state
+        held: dict = {}
+        for (ns, _), obj in state.objects.items():
+            count, size = held.get(ns, (0, 0))
+            held[ns] = (count + 1, size + obj.size)
+        out = {}
+        for ns, rec in state.namespaces.items():
+            if not tm.may_read(state, tenant, ns):
+                continue
+            entry = {"phase": rec.phase.value, "objects": held.get(ns, (0, 0))[0],
+                     "bytes": held.get(ns, (0, 0))[1],
+                     "previous": rec.previous[1] if rec.previous is not None else None}
+            if rec.owner == tenant:
+                entry["grants"] = sorted(rec.grants)
+            out[ns[1] if rec.owner == tenant else "/".join(ns)] = entry
+        return out
 
     # ------------------------------------------------------------------ grants and usage
 

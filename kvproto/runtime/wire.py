@@ -237,7 +237,20 @@ MASTER_OPS: dict[str, OpSchema] = {
     # letting it (spec/Tenancy.tla GrantRead, RevokeRead); needs a tenants file
     "grant": OpSchema({"ns": NAMESPACE, "grantee": text(64, 1)}),
     "revoke": OpSchema({"ns": NAMESPACE, "grantee": text(64, 1)}),
+    # the upgrade lifecycle of the owner's namespaces (spec/Tenancy.tla Create,
+    # PreWarm, Switch, RouteBack, Drop); ``ns_list``: the tenant's namespaces
+    # and their phases; all need a tenants file
+    "ns_create": OpSchema({"ns": NAMESPACE, "previous": NAMESPACE}),
+    "ns_prewarm": OpSchema({"ns": NAMESPACE}),
+    "ns_switch": OpSchema({"ns": NAMESPACE}),
+    "ns_route_back": OpSchema({"ns": NAMESPACE}),
+    "ns_drop": OpSchema({"ns": NAMESPACE}),
+    "ns_list": OpSchema({}),
 }
+
+#: the master ops that only a master with tenants serves
+TENANT_OPS = frozenset({"grant", "revoke", "ns_create", "ns_prewarm", "ns_switch",
+                        "ns_route_back", "ns_drop", "ns_list"})
 
 #: the master ops that name keys: they take ``ns``
 KEYED_OPS = frozenset({"put_start", "put_end", "put_revoke", "put_abandon", "read_begin",

@@ -9,6 +9,7 @@ import pytest
 import kvproto
 from kvproto import errors
 from kvproto.ops.metrics import master_samples
+from kvproto.runtime import wire
 
 from runtime_helpers import Child, wait_for
 
@@ -20,7 +21,7 @@ QUOTA = 64 << 10        # gamma's stored bytes
 TENANTS = f"""
 [tenants.alpha]
 tokens = ["{ALPHA}"]
-namespaces = ["default", "shared"]
+namespaces = ["default", "shared", "model-r1"]
 
 [tenants.beta]
 tokens = ["{BETA}"]
@@ -130,6 +131,109 @@ def test_a_tenant_past_its_stored_bytes_is_refused_and_nothing_changes(store):
     gamma.remove(b"first")                       # freed bytes count again
     gamma.put(b"second", b"g" * 2000)
     assert gamma.stats()["tenants"]["gamma"]["held"] == 2000
+
+
+def _items(reply):
+    assert reply.status == 0, reply.body
+    err, value = wire.item_result(reply.body["items"][0])
+    return err, value
+
+
+def test_an_upgrade_canary_prewarm_switch_route_back_and_drop(store, raw):
+    address, client, _ = store
+    old = client(ALPHA, namespace="model-r1")
+    old.put(b"prefix-1", b"1" * 3000, replicas=2)
+    old.put(b"only-old", b"o" * 100)
+    old.ns_create("model-r2", previous="model-r1")          # a canary
+    new = client(ALPHA, namespace="model-r2")
+    assert not new.exists(b"prefix-1")                       # old and new never cross
+    new.put(b"prefix-1", b"2" * 2000)                        # a canary write, the same key
+    assert bytes(old.get(b"prefix-1")) == b"1" * 3000
+    assert bytes(new.get(b"prefix-1")) == b"2" * 2000
+    with pytest.raises(errors.KeyNotFound):
+        new.get(b"only-old")
+    with pytest.raises(errors.InvalidArgument):              # a canary is not switched
+        old.ns_switch("model-r2")
+    old.ns_prewarm("model-r2")
+    new.put(b"hot", b"h" * 500)                              # recomputed into the new one
+    assert new.keys() == [b"hot", b"prefix-1"] and old.keys() == [b"only-old", b"prefix-1"]
+    # only the owner steps its namespaces
+    beta = client(BETA)
+    for attempt in (lambda: beta.ns_switch("alpha/model-r2"),
+                    lambda: beta.ns_create("alpha/x", previous="alpha/model-r1"),
+                    lambda: beta.ns_create("x", previous="alpha/model-r1")):
+        with pytest.raises(errors.AccessDenied):
+            attempt()
+    assert "alpha/model-r2" not in beta.ns_list()
+    old.ns_switch("model-r2")
+    listed = old.ns_list()
+    assert listed["model-r2"]["phase"] == "live" and listed["model-r1"]["phase"] == "retiring"
+    with pytest.raises(errors.NamespaceClosed):              # the retiring one takes no writes
+        old.put(b"late", b"x")
+    wait_for(lambda: not old.exists(b"prefix-1"), what="the retiring namespace aging out")
+    assert alpha_counter(old, "aged_out") >= 2
+    new.put(b"after-switch", b"a" * 700)
+    # a write in progress in the new namespace when it is routed back
+    master = raw(address)
+    err, grant = _items(master.call("put_start", {
+        "client": "inspector", "replicas": 1, "items": [[b"in-progress", 100]],
+        "cred": ALPHA.encode(), "ns": "model-r2"}))
+    assert err is None
+    old.ns_route_back("model-r2")
+    listed = old.ns_list()
+    assert listed["model-r1"]["phase"] == "live" and listed["model-r2"]["phase"] == "held"
+    err, _ = _items(master.call("put_end", {"client": "inspector", "cred": ALPHA.encode(),
+                                            "ns": "model-r2",
+                                            "items": [[b"in-progress", grant["token"]]]}))
+    assert isinstance(err, errors.StaleToken)                # abandoned at the route back
+    with pytest.raises(errors.NamespaceClosed):              # writes to it stop
+        new.put(b"more", b"x")
+    # its objects are kept, readable by their owner for inspection, and not removable
+    assert new.keys() == [b"after-switch", b"hot", b"prefix-1"]
+    assert bytes(new.get(b"prefix-1")) == b"2" * 2000
+    with pytest.raises(errors.NamespaceClosed):
+        new.remove(b"hot")
+    old.put(b"prefix-1", b"3" * 1000)                        # the old one is live again
+    assert bytes(old.get(b"prefix-1")) == b"3" * 1000
+    assert bytes(new.get(b"prefix-1")) == b"2" * 2000
+    assert listed["model-r2"]["objects"] == 3
+    old.ns_drop("model-r2")                                  # inspection over: it ages out
+    wait_for(lambda: not new.keys(), what="the dropped namespace aging out")
+    assert old.ns_list()["model-r2"]["phase"] == "retiring"
+    assert bytes(old.get(b"prefix-1")) == b"3" * 1000
+
+
+def alpha_counter(client, name):
+    return client.stats()["counters"][name]
+
+
+def test_the_ns_command_steps_and_lists_namespaces(store, tmp_path, monkeypatch, capsys):
+    from kvproto import cli
+    address, client, _ = store
+    token = tmp_path / "token"
+    token.write_text(GAMMA + "\n")
+    assert cli.main(["ns", "create", "gamma-r2", "--from", "default", "--master", address,
+                     "--token-file", str(token)]) == 0
+    monkeypatch.setenv("KVPROTO_TOKEN", GAMMA)
+    assert cli.main(["ns", "prewarm", "gamma-r2", "--master", address]) == 0
+    capsys.readouterr()
+    assert cli.main(["ns", "list", "--master", address]) == 0
+    out = capsys.readouterr().out
+    assert "gamma-r2: warming, 0 object(s), 0 bytes, upgrades default" in out
+    assert GAMMA not in out
+    for mistake in (["ns", "switch", "--master", address],                     # no name
+                    ["ns", "create", "x", "--master", address],                # no --from
+                    ["ns", "switch", "no-such", "--master", address],          # refused
+                    ["ns", "create", "bad/name!", "--from", "default", "--master", address],
+                    ["ns", "drop", "gamma-r2", "--master", address],           # not held
+                    ["ns", "list", "--master", address, "--token-file", str(tmp_path / "none")]):
+        assert cli.main(mistake) == 2, mistake
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("kvproto ns") and GAMMA not in err
+    monkeypatch.setenv("KVPROTO_TOKEN", "not-a-token")
+    assert cli.main(["ns", "list", "--master", address]) == 2
+    assert "credential" in capsys.readouterr().err
+    assert client(GAMMA).ns_list()["gamma-r2"]["phase"] == "warming"
 
 
 def test_a_bad_or_missing_token_is_unauthorized_and_the_store_keeps_serving(store, raw):
