@@ -403,17 +403,31 @@ def _tenants_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, metavar="FILE",
                         help="a tenants file (TOML, see 'kvproto tenant check'): every request "
                              "must carry a tenant's token (default: none, one shared key space)")
+    parser.add_argument("--ticket-key", default=None, metavar="FILE",
+                        help="with --tenants (required): the file holding the key of the read "
+                             "tickets, the same for the master and every storage node "
+                             "('kvproto tenant key' makes one)")
 
 
 def _tenants(command: str, args: argparse.Namespace):
-    """The tenants of ``--tenants`` (``()`` without it), or ``None`` after
-    printing the one-line mistake."""
+    """``{"tenants": ..., "ticket_key": ...}`` of ``--tenants`` and
+    ``--ticket-key`` (empty without them), or ``None`` after printing the
+    one-line mistake."""
     if args.tenants is None:
-        return ()
+        if args.ticket_key is not None:
+            print(f"kvproto {command}: --ticket-key goes with --tenants", file=sys.stderr)
+            return None
+        return {}
+    if args.ticket_key is None:
+        print(f"kvproto {command}: --tenants needs --ticket-key FILE, the key of the read "
+              "tickets shared by the master and its storage nodes ('kvproto tenant key')",
+              file=sys.stderr)
+        return None
     from .errors import KvError
-    from .ops.tenants import load_tenants
+    from .ops.tenants import load_ticket_key, load_tenants
     try:
-        return load_tenants(args.tenants)
+        return {"tenants": load_tenants(args.tenants),
+                "ticket_key": load_ticket_key(args.ticket_key)}
     except KvError as err:
         print(f"kvproto {command}: {err}", file=sys.stderr)
         return None
@@ -470,7 +484,7 @@ def master(args: argparse.Namespace) -> int:
                    advertise=args.advertise, fence_timeout=args.fence_timeout,
                    log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
                    metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                   tenants=tenants, trace=args.trace)
+                   trace=args.trace, **tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         if coordinator is not None:
             coordinator.close()
@@ -514,7 +528,7 @@ def storage(args: argparse.Namespace) -> int:
     try:
         run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
                     page_size=args.page_size, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host, tenants=tenants)
+                    metrics_host=args.metrics_host, **tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         return _fail("storage", _start_failure(e, args.listen))
     return 0

@@ -225,14 +225,20 @@ def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replic
 class ReadLease:
     """A read lease the master granted (``read_begin``): where the bytes are,
     the lease id and TTL, and ``sent``, the local time the request (or the last
-    accepted renewal) was sent: the deadline runs from there, never from the reply."""
+    accepted renewal) was sent: the deadline runs from there, never from the reply.
+    At a store with tenants, ``tickets`` holds the read ticket of each replica
+    (in the order of ``replicas``; a ``read`` or ``load`` of it carries it as
+    ``ticket``), renewed with the lease."""
 
-    __slots__ = ("key", "lease", "ttl", "sent", "token", "length", "replicas", "segments")
+    __slots__ = ("key", "lease", "ttl", "sent", "token", "length", "replicas", "segments",
+                 "tickets")
 
     def __init__(self, key: bytes, lease: int, ttl: float, sent: float, token: int,
-                 length: int, replicas: list, segments: dict) -> None:
+                 length: int, replicas: list, segments: dict,
+                 tickets: Optional[list] = None) -> None:
         self.key, self.lease, self.ttl, self.sent = key, lease, ttl, sent
         self.token, self.length, self.replicas, self.segments = token, length, replicas, segments
+        self.tickets = tickets
 
     def deadline(self, max_skew: float) -> float:
         """The local time by which the last byte must have been read."""
@@ -931,7 +937,7 @@ class Client:
                 err, grant = wire.item_result(item)
                 if err is None:
                     granted[i] = (grant["token"], grant["length"], list(grant["replicas"]),
-                                  grant.get("checksum", 0))
+                                  grant.get("checksum", 0), grant.get("tickets"))
                     if "lease" in grant:
                         lease_of[i] = (grant["lease"], float(grant["ttl"]))
                 elif raise_miss or not isinstance(err, errors.KeyNotFound):
@@ -1114,7 +1120,8 @@ class Client:
                     out.append(None)
                     continue
                 out.append(ReadLease(k, g["lease"], float(g["ttl"]), sent, g["token"],
-                                     g["length"], list(g["replicas"]), segments))
+                                     g["length"], list(g["replicas"]), segments,
+                                     g.get("tickets")))
             return out
 
     def renew(self, leases: Sequence[ReadLease], *, timeout: Optional[float] = None
@@ -1134,6 +1141,7 @@ class Client:
                 err, value = wire.item_result(item)
                 if err is None:
                     l.sent, l.ttl = sent, float(value["ttl"])
+                    l.tickets = value.get("tickets", l.tickets)
                     self.lease_counters["renewals"] += 1
                 else:
                     self.lease_counters["renewals_refused"] += 1

@@ -228,7 +228,8 @@ class MasterCore:
                  clock: Callable[[], float] = time.monotonic, *, lease_ttl: float = 5.0,
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  fence_timeout: float = 5.0, term: Optional[int] = 1,
-                 tenants: Sequence = (), trace: Optional[str] = None) -> None:
+                 tenants: Sequence = (), trace: Optional[str] = None,
+                 ticket_key: Optional[bytes] = None) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if lease_ttl <= 0:
@@ -272,7 +273,9 @@ class MasterCore:
         #: with a tenants file (``TenantConfig``s): the tenancy machine and its
         #: checks (spec/Tenancy.tla, :mod:`kvproto.runtime.tenanted`); none:
         #: one shared key space, no credentials
-        self.tenants: Optional[Tenants] = (Tenants(tenants, ttl=float(lease_ttl), clock=clock)
+        #: and the read tickets it issues under ``ticket_key``
+        self.tenants: Optional[Tenants] = (Tenants(tenants, ttl=float(lease_ttl), clock=clock,
+                                                   ticket_key=ticket_key)
                                            if tenants else None)
         #: the failover phase machine (spec/Failover.tla), replaced only by
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
@@ -765,6 +768,8 @@ class MasterCore:
                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
             if grant.checksum:
                 item["checksum"] = grant.checksum
+            if tenants is not None:   # one per replica, for the nodes (NodeAdmits)
+                item["tickets"] = tenants.read_tickets(body["tenant"], grant.token, grant.replicas)
             if leased:
                 self._step(ReadEnd(key, grant.token))
                 lease_id = self._next_lease
@@ -828,11 +833,14 @@ class MasterCore:
                     items.append(wire.error_item(err))
                     continue
             err, effects = self._lstep(lm.Renew((client, lease_id)))
+            renewed = {"ttl": self.leases.ttl}
             if err is None and renewal is not None:
                 self.tenants.commit(renewal)
+                renewed["tickets"] = self.tenants.renewed_tickets((client, lease_id),
+                                                                  self.directory.objects)
             if err is None:
                 self.counters["lease_renewals"] += 1
-                items.append(wire.ok_item({"ttl": self.leases.ttl}))
+                items.append(wire.ok_item(renewed))
             else:
                 self.counters["lease_renewals_refused"] += 1
                 items.append(wire.error_item(err))
@@ -1379,7 +1387,7 @@ class MasterServer:
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
                  fence_timeout: float = 5.0, tenants: Sequence = (),
-                 trace: Optional[str] = None) -> None:
+                 trace: Optional[str] = None, ticket_key: Optional[bytes] = None) -> None:
         #: with a coordinator (which the server then owns and closes) this
         #: master campaigns, takes the term it wins, renews it, and steps down
         #: (a fresh standby core) when it cannot
@@ -1387,7 +1395,7 @@ class MasterServer:
         self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
                                free_fraction=free_fraction, fence_timeout=fence_timeout,
-                               tenants=tuple(tenants), trace=trace)
+                               tenants=tuple(tenants), trace=trace, ticket_key=ticket_key)
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
         self._renewer: Optional[_Renewer] = None

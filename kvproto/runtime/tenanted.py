@@ -30,13 +30,15 @@ Storage-plane requests (a storage node's ``register``, heartbeats, drains and
 from __future__ import annotations
 
 import logging
+import secrets
+import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Callable, Optional
 
 from kvproto import errors
 from kvproto.ops.tenants import (
-    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, namespace_name, object_key,
-    split_object_key,
+    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, Tickets, namespace_name,
+    object_key, split_object_key,
 )
 from kvproto.runtime import wire
 from kvproto.statemachines import tenancy as tm
@@ -61,8 +63,13 @@ class Tenants:
     ``clock`` is the master's: the machine's time is an argument of each step."""
 
     def __init__(self, configs: Sequence[TenantConfig], *, ttl: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], ticket_key: Optional[bytes] = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        #: the read tickets this master issues (``ticket_key``, shared with its
+        #: storage nodes; none given: a key of its own, which no node accepts)
+        self.tickets = Tickets(ticket_key or secrets.token_bytes(32))
+        self.wall = wall
         # memory is the allocator's and the eviction policy's: the registry
         # counts each tenant's bytes against its quotas, not the store's room
         self.registry = Registry(configs, capacity=UNLIMITED, ttl=ttl, now=clock())
@@ -159,6 +166,23 @@ class Tenants:
         if read.tenant != tenant:
             raise errors.AccessDenied(f"lease {holder!r} is not tenant {tenant!r}'s")
         return self.check(tm.Renew(holder))
+
+    def read_tickets(self, tenant: str, token: int, replicas: Sequence) -> list:
+        """One read ticket per replica (``segment``, ``offset``) of the object
+        ``token`` names, for ``tenant``, expiring one lease TTL from now on
+        the wall clock (spec ``Begin``'s ticket; checked by the nodes:
+        ``NodeAdmits``)."""
+        expires = int((self.wall() + self.registry.state.ttl) * 1000)
+        return [self.tickets.issue(tenant, r.segment, r.offset, token, expires) for r in replicas]
+
+    def renewed_tickets(self, holder: Hashable, objects) -> list:
+        """Fresh read tickets for renewed read ``holder`` (its lease runs one
+        TTL from now), from the directory's record of its object."""
+        read = self.registry.state.reads.get(holder)
+        record = objects.get(object_key(read.src, read.key)) if read is not None else None
+        if record is None:
+            return []
+        return self.read_tickets(read.tenant, record.token, record.replicas)
 
     def release(self, holder: Hashable) -> None:
         """Spec ``Release``: the read ended (released or its lease expired)."""

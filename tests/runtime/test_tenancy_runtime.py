@@ -40,17 +40,23 @@ def _cli(*args: str) -> Child:
     """)
 
 
+TICKET_KEY = "a1" * 32     # the read tickets' key, shared by the master and the nodes
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     path = tmp_path_factory.mktemp("tenancy") / "tenants.toml"
     path.write_text(TENANTS)
-    started = [_cli("master", "--listen", "tcp://127.0.0.1:*", "--tenants", str(path))]
+    key = path.parent / "ticket.key"
+    key.write_text(TICKET_KEY + "\n")
+    tenancy = ("--tenants", str(path), "--ticket-key", str(key))
+    started = [_cli("master", "--listen", "tcp://127.0.0.1:*", *tenancy)]
     try:
         line = started[0].readline()
         assert line.startswith("kvproto master listening on tcp://127.0.0.1:"), line
         address = line.rsplit(" ", 1)[1]
         for _ in range(2):
-            node = _cli("storage", "--master", address, "--size", "4MiB", "--tenants", str(path))
+            node = _cli("storage", "--master", address, "--size", "4MiB", *tenancy)
             started.append(node)
             assert node.readline().startswith("kvproto storage listening on")
         alpha = kvproto.Client(address, token=ALPHA, timeout=10.0)
@@ -300,6 +306,87 @@ def test_a_bad_tenants_file_is_one_line_and_status_2(command, tmp_path, capsys):
     from kvproto import cli
     bad = tmp_path / "tenants.toml"
     bad.write_text('[tenants.alpha]\ntokens = ["t0k3n-of-alpha"]\nstored = "lots"\n')
-    assert cli.main([*command, "--tenants", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "tenants.alpha.stored" in err and "t0k3n" not in err
+    key, short = tmp_path / "ticket.key", tmp_path / "short.key"
+    key.write_text(TICKET_KEY)
+    short.write_text("k3y-too-short")
+    good = tmp_path / "good.toml"
+    good.write_text(TENANTS)
+    for args, says in (([*command, "--tenants", str(bad), "--ticket-key", str(key)],
+                        "tenants.alpha.stored"),
+                       ([*command, "--tenants", str(good)], "--ticket-key"),
+                       ([*command, "--ticket-key", str(key)], "goes with --tenants"),
+                       ([*command, "--tenants", str(good), "--ticket-key", str(short)],
+                        "at least 32"),
+                       ([*command, "--tenants", str(good), "--ticket-key", str(tmp_path / "no")],
+                        "cannot read ticket key file")):
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+        assert "t0k3n" not in err and "k3y" not in err and TICKET_KEY not in err
+
+
+def test_tenant_key_prints_a_ticket_key_a_node_loads(tmp_path, capsys):
+    from kvproto import cli
+    from kvproto.ops.tenants import load_ticket_key
+    assert cli.main(["tenant", "key"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert len(key) == 64 and int(key, 16) >= 0
+    (tmp_path / "k").write_text(key + "\n")
+    assert load_ticket_key(tmp_path / "k") == key.encode()
+
+
+def test_a_tenant_guessing_a_region_token_reads_nothing(store, raw):
+    import time
+    from kvproto.ops.tenants import Tickets
+    _, client, _ = store
+    alpha = client(ALPHA, local_reads=False)     # every read goes through a node's check
+    alpha.put(b"secret", b"S" * 4096, replicas=2)
+    assert bytes(alpha.get(b"secret")) == b"S" * 4096          # served under its tickets
+    lease = alpha.read_begin([b"secret"])[0]
+    assert len(lease.tickets) == 2
+    term = alpha.stats()["failover"]["term"]
+    (seg, offset, length), (other_seg, other_offset, _) = lease.replicas
+    node = raw(lease.segments[seg][0])
+    where = {"segment": seg, "offset": offset, "token": lease.token, "term": term,
+             "length": length}
+    load = {**where, "owner": "guesser", "xfer": 1, "buffer": "b0"}
+    counters = lambda: node.call("stats", {"cred": ALPHA.encode()}).body["counters"]  # noqa: E731
+    before = counters()
+    now_ms = int(time.time() * 1000)
+    forged = Tickets(b"not-the-store-key-but-as-long-as-one-0123")
+    refused = [
+        (BETA, None),                                    # beta guessed the location and token
+        (BETA, lease.tickets[0]),                        # ... and stole alpha's ticket
+        (BETA, forged.issue("beta", seg, offset, lease.token, now_ms + 60_000)),
+        (BETA, [now_ms + 60_000, lease.tickets[0][1]]),  # alpha's MAC, a later expiry
+        (ALPHA, None),                                   # the owner, without its ticket
+        (ALPHA, lease.tickets[1]),                       # the other replica's ticket
+        (ALPHA, Tickets(TICKET_KEY.encode()).issue(      # a ticket of the key, expired
+            "alpha", seg, offset, lease.token, now_ms - 1)),
+    ]
+    for tenant, ticket in refused:
+        for op, body in (("read", where), ("load", load)):
+            body = {**body, "cred": tenant.encode(), **({"ticket": ticket} if ticket else {})}
+            reply = node.call(op, body)
+            assert reply.status == errors.TicketRefused.code, (tenant, op, reply.body)
+            assert not reply.payloads
+    after = counters()
+    assert after["tickets_refused"] - before["tickets_refused"] == 2 * len(refused)
+    for name in ("reads", "loads", "bytes_read", "refused"):     # nothing else ran
+        assert after[name] == before[name], name
+    served = node.call("read", {**where, "cred": ALPHA.encode(), "ticket": lease.tickets[0]})
+    assert served.status == 0 and bytes(served.payloads[0]) == b"S" * 4096
+    renewed = alpha.renew([lease])                               # a renewal renews the tickets
+    assert renewed == [None] and lease.tickets[0][0] >= now_ms
+    assert raw(lease.segments[other_seg][0]).call("read", {
+        **where, "segment": other_seg, "offset": other_offset, "cred": ALPHA.encode(),
+        "ticket": lease.tickets[1]}).status == 0
+    alpha.release([lease])
+    # a transfer engine's loads carry their tickets too
+    engine = alpha.transfer_engine(buffers=1, buffer_size=8192)
+    request = engine.request()
+    buf = request.acquire()
+    got = request.consume(request.get_into(b"secret", buf, timeout=10.0))
+    assert bytes(got[:4096]) == b"S" * 4096
+    request.finish()
+    engine.close()
