@@ -16,7 +16,9 @@ from runtime_helpers import Child, wait_for
 pytestmark = pytest.mark.runtime
 
 ALPHA, BETA, GAMMA = "alpha-token-7Qx2mZ0pW", "beta-token-Rk4vN8sLc", "gamma-token-3HdY9uTfe"
+DELTA = "delta-token-Vb7pQ2wKe"
 QUOTA = 64 << 10        # gamma's stored bytes
+RATE = 64 << 10         # delta's write bandwidth (bytes per second) and burst
 
 TENANTS = f"""
 [tenants.alpha]
@@ -29,6 +31,11 @@ tokens = ["{BETA}"]
 [tenants.gamma]
 tokens = ["{GAMMA}"]
 stored = {QUOTA}
+
+[tenants.delta]
+tokens = ["{DELTA}"]
+write_rate = {RATE}
+write_burst = {RATE}
 """
 
 
@@ -240,6 +247,70 @@ def test_the_ns_command_steps_and_lists_namespaces(store, tmp_path, monkeypatch,
     assert cli.main(["ns", "list", "--master", address]) == 2
     assert "credential" in capsys.readouterr().err
     assert client(GAMMA).ns_list()["gamma-r2"]["phase"] == "warming"
+
+
+def _p50(samples):
+    return sorted(samples)[len(samples) // 2]
+
+
+def test_a_tenant_hammering_past_its_write_bandwidth_leaves_another_tenants_gets_alone(
+        store, tmp_path):
+    import json
+    import time
+    address, client, _ = store
+    beta = client(BETA)
+    keys = [b"warm-%d" % i for i in range(16)]
+    for k in keys:
+        beta.put(k, k * 200)
+
+    def gets(rounds):
+        took = []
+        for i in range(rounds):
+            k = keys[i % len(keys)]
+            started = time.perf_counter()
+            assert bytes(beta.get(k)) == k * 200         # every one of beta's gets succeeds
+            took.append(time.perf_counter() - started)
+        return took
+
+    gets(50)
+    baseline = _p50(gets(300))
+    stop = tmp_path / "stop"
+    hammer = Child(f"""
+        import json, os, kvproto
+        from kvproto import errors
+        c = kvproto.Client({address!r}, token={DELTA!r}, timeout=10.0)
+        accepted, refused, other, i = [], [], [], 0
+        while not os.path.exists({str(stop)!r}):
+            key = b"h-%d" % i
+            i += 1
+            try:
+                c.put(key, b"x" * 16384)
+                accepted.append(key.decode())
+            except errors.QuotaExceeded:
+                refused.append(key.decode())
+                if len(refused) == 1:
+                    print("hammering", flush=True)
+            except errors.KvError as err:
+                other.append(repr(err))
+        print(json.dumps({{"accepted": accepted, "refused": refused, "other": other}}), flush=True)
+        c.close()
+    """)
+    try:
+        assert hammer.readline(timeout=60.0) == "hammering"
+        under = gets(300)
+        stop.touch()
+        result = json.loads(hammer.readline(timeout=60.0))
+    finally:
+        stop.touch()
+        hammer.stop()
+    assert not result["other"], result["other"][:3]
+    assert len(result["refused"]) > 10 * len(result["accepted"]) > 0
+    # a refused write changed nothing: delta holds exactly what it was let write
+    delta = client(DELTA)
+    assert delta.stats()["tenants"]["delta"]["held"] == 16384 * len(result["accepted"])
+    assert sorted(delta.keys(b"h-")) == sorted(k.encode() for k in result["accepted"])
+    # generous, relative to the baseline of this run (and a floor of 1 ms for it)
+    assert _p50(under) <= 10 * max(baseline, 0.001), (baseline, _p50(under))
 
 
 def test_a_bad_or_missing_token_is_unauthorized_and_the_store_keeps_serving(store, raw):
