@@ -964,14 +964,15 @@ class MasterCore:
         return 0, {"namespaces": self.tenants.namespaces(body["tenant"])}
 
     def age_out(self) -> int:
-        """Spec ``AgeOut``: remove the unleased objects of retiring namespaces
-        (a batch per call; the lease machine must agree, then the publish
-        machine's ``Remove``). Returns the count."""
-        if self.tenants is None or not self.tenants.aging:
+        """Spec ``AgeOut``: remove the unleased objects of retiring namespaces,
+        and recovered objects no tenant can reach (``Tenants.recovered``), a
+        batch per call; the lease machine must agree, then the publish
+        machine's ``Remove``. Returns the count."""
+        if self.tenants is None or not (self.tenants.aging or self.tenants.orphans):
             return 0
         self._ltick()
         done = 0
-        for key in self.tenants.aged():
+        for key in self.tenants.aged(self.directory.objects.__contains__):
             if key in self.leases.objects and self.leases.reclaimable(key) is not None:
                 continue
             err, _ = self._step(Remove(key))
@@ -1216,6 +1217,8 @@ class MasterCore:
         self.leases = LeaseCore.inherit(self.directory, ttl, max(self.leases.now, self.clock()),
                                         quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
                                         + self.INHERIT_MARGIN_S)
+        if self.tenants is not None:   # each tenant's objects, named by their keys
+            self.tenants.recovered(self.directory.objects.items())
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
         for s in live:

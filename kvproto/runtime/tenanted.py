@@ -75,6 +75,9 @@ class Tenants:
         self.registry = Registry(configs, capacity=UNLIMITED, ttl=ttl, now=clock())
         #: retiring namespaces that may still hold objects (spec ``AgeOut``)
         self.aging: set[Namespace] = set()
+        #: directory keys a new master recovered that the registry cannot
+        #: take (:meth:`recovered`): removed once their inherited leases end
+        self.orphans: list[bytes] = []
 
     def __repr__(self) -> str:
         return f"Tenants({self.registry!r})"
@@ -203,7 +206,10 @@ class Tenants:
         """Whether the watermark policy may take ``dkey``: its owner holds more
         than its reserve (a tenant within its reserve never loses bytes to
         eviction, spec ``FairEviction``), and ``Remove`` by the owner is accepted."""
-        (owner, name), key = split_object_key(dkey)
+        o = _split(dkey)
+        if o is None:
+            return False
+        (owner, name), key = o
         t = self.registry.state.tenants.get(owner)
         if t is None or t.held <= t.quota.reserve:
             return False
@@ -222,8 +228,8 @@ class Tenants:
         state = self.registry.state
         held = {name: t.held for name, t in state.tenants.items()}
         for key, size in candidates:
-            o = split_object_key(key)
-            obj = state.objects.get(o)
+            o = _split(key)
+            obj = state.objects.get(o) if o is not None else None
             if obj is None or held[obj.owner] <= state.tenants[obj.owner].quota.reserve:
                 continue
             held[obj.owner] -= obj.size
@@ -242,10 +248,10 @@ class Tenants:
     def removed(self, dkey: bytes) -> None:
         """A published object left the directory (removed, evicted or lost):
         its reads end (``Release``) and its owner's bytes are freed (``Remove``)."""
-        o = split_object_key(dkey)
+        o = _split(dkey)
         state = self.registry.state
-        obj = state.objects.get(o)
-        if obj is None:
+        obj = state.objects.get(o) if o is not None else None
+        if obj is None:     # an orphan (see recovered)
             return
         for holder in sorted(state.readers.get(o, ()), key=repr):
             self.commit(tm.Release(holder))
@@ -281,14 +287,16 @@ class Tenants:
         self.aging |= {ns for ns, rec in self.registry.state.namespaces.items()
                        if rec.phase is tm.Phase.RETIRING}
 
-    def aged(self) -> list[bytes]:
-        """Directory keys of objects of retiring namespaces that spec ``AgeOut``
-        takes now (unleased, published), at most :data:`AGE_OUT_BATCH`; a
-        retiring namespace with nothing left stops aging."""
+    def aged(self, present: Callable[[bytes], bool]) -> list[bytes]:
+        """Directory keys to remove now, at most :data:`AGE_OUT_BATCH`: the
+        orphans still ``present`` in the directory, then the objects of
+        retiring namespaces that spec ``AgeOut`` takes now (unleased,
+        published); a retiring namespace with nothing left stops aging."""
+        self.orphans = [k for k in self.orphans if present(k)]
+        out: list[bytes] = self.orphans[:AGE_OUT_BATCH]
         if not self.aging:
-            return []
+            return out
         state, now = self.registry.state, self.clock()
-        out: list[bytes] = []
         left: set = set()
         for (ns, key), obj in state.objects.items():
             if ns not in self.aging:
@@ -302,6 +310,33 @@ class Tenants:
                 out.append(object_key(ns, key))
         self.aging &= left
         return out
+
+    def recovered(self, objects: Iterable[tuple[bytes, object]]) -> None:
+        """A new master's registry learns the objects it recovered (directory
+        key -> record; the key names the namespace, so the owner): each is
+        set up as published (``AddObject``, its replicas' bytes held). A
+        namespace the tenants file does not name (created at run time under
+        an earlier master) is set up live with no predecessor
+        (``AddNamespace``): lifecycle phases and grants made at run time are
+        not kept across a failover. An object of no tenant of the file, or
+        over its owner's stored-bytes quota, is an orphan: no tenant can
+        reach it, and the master removes it once its inherited leases end."""
+        now, reg = self.clock(), self.registry
+        for dkey, record in objects:
+            try:
+                o = _split(dkey)
+                if o is None:
+                    raise errors.InvalidArgument("not a key of a namespace")
+                ns, key = o
+                if ns not in reg.state.namespaces:
+                    reg.step(tm.AddNamespace(ns[0], ns), now)
+                    log.warning("namespace %s/%s of recovered objects is not in the tenants "
+                                "file: it is live again, with no predecessor", *ns)
+                reg.step(tm.AddObject(ns, key, record.length * len(record.replicas)), now)
+            except errors.KvError as err:
+                self.orphans.append(dkey)
+                log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
+                            dkey, err)
 
     def namespaces(self, tenant: str) -> dict:
         """The namespaces ``tenant`` owns or may read (``owner/name`` for
@@ -344,3 +379,13 @@ class Tenants:
         for name, entry in usage.items():
             entry["namespaces"] = per_ns.get(name, {})
         return usage if tenant is None else {tenant: usage[tenant]}
+
+
+def _split(dkey: bytes) -> Optional[tuple[Namespace, bytes]]:
+    """:func:`~kvproto.ops.tenants.split_object_key`, or ``None`` for a key
+    no namespace names (recovered from a store that had no tenants)."""
+    try:
+        ns, key = split_object_key(dkey)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return (ns, key) if object_key(ns, key) == dkey else None

@@ -313,6 +313,98 @@ def test_a_tenant_hammering_past_its_write_bandwidth_leaves_another_tenants_gets
     assert _p50(under) <= 10 * max(baseline, 0.001), (baseline, _p50(under))
 
 
+def test_tenants_objects_survive_a_master_failover(tmp_path):
+    import signal
+    url = f"file://{tmp_path}/coordinator"
+    (tmp_path / "tenants.toml").write_text(TENANTS)
+    (tmp_path / "ticket.key").write_text(TICKET_KEY)
+    tenancy = ("--tenants", str(tmp_path / "tenants.toml"),
+               "--ticket-key", str(tmp_path / "ticket.key"))
+    masters = ("master", "--listen", "tcp://127.0.0.1:*", "--coordinator", url, "--ttl", "1",
+               "--fence-timeout", "3", *tenancy)
+    started: list = []
+    clients: list = []
+
+    def client(token, **kwargs):
+        c = kvproto.Client(url, token=token, timeout=20.0, local_reads=False, **kwargs)
+        clients.append(c)
+        return c
+    try:
+        first = _cli(*masters)
+        started.append(first)
+        assert first.readline().startswith("kvproto master listening on")
+        standby = _cli(*masters, "--standby")
+        started.append(standby)
+        assert standby.readline().startswith("kvproto master listening on")
+        for _ in range(2):
+            node = _cli("storage", "--master", url, "--size", "4MiB", *tenancy)
+            started.append(node)
+            assert node.readline().startswith("kvproto storage listening on")
+        alpha = client(ALPHA)
+        wait_for(lambda: sum(s["live"] for s in alpha.stats()["segments"].values()) == 2,
+                 timeout=30.0, what="two storage nodes")
+        alpha.put(b"kept", b"A" * 5000, replicas=2)
+        client(BETA).put(b"kept", b"B" * 3000)
+        alpha.ns_create("model-r2", previous="model-r1")       # a namespace made at run time
+        client(ALPHA, namespace="model-r2").put(b"kept", b"N" * 1000)
+        client(GAMMA).put(b"first", b"g" * (QUOTA - 1000))
+        first.stop(signal.SIGKILL)
+
+        def took_over():
+            try:
+                failover = alpha.stats(timeout=2.0)["failover"]
+            except errors.KvError:
+                return False
+            return failover["term"] >= 2 and failover["phase"] == "open"
+        wait_for(took_over, timeout=60.0, what="the standby taking over")
+        # each tenant's objects, rebuilt from their keys, under the same rules
+        assert bytes(alpha.get(b"kept")) == b"A" * 5000         # under a new master's tickets
+        assert bytes(client(BETA).get(b"kept")) == b"B" * 3000
+        assert bytes(client(ALPHA, namespace="model-r2").get(b"kept")) == b"N" * 1000
+        with pytest.raises(errors.AccessDenied):
+            client(BETA, namespace="alpha/default").get(b"kept")
+        gamma = client(GAMMA)
+        assert gamma.stats()["tenants"]["gamma"]["held"] == QUOTA - 1000
+        with pytest.raises(errors.QuotaExceeded):               # its bytes count again
+            gamma.put(b"second", b"g" * 2000)
+        assert alpha.stats()["tenants"]["alpha"]["held"] == 2 * 5000 + 1000
+        # a namespace made at run time is back live, with no predecessor
+        assert alpha.ns_list()["model-r2"] == {"phase": "live", "objects": 1, "bytes": 1000,
+                                               "previous": None, "grants": []}
+    finally:
+        for c in clients:
+            c.close()
+        for child in reversed(started):
+            child.stop()
+
+
+def test_a_new_master_sets_up_what_it_recovered_and_orphans_what_no_tenant_reaches():
+    from types import SimpleNamespace
+    from kvproto.ops.tenants import object_key, parse_tenants
+    from kvproto.runtime.tenanted import Tenants
+    tenants = Tenants(parse_tenants({"tenants": {"alpha": {"tokens": [ALPHA], "stored": 10000},
+                                                 "beta": {"tokens": [BETA]}}}),
+                      ttl=5.0, clock=lambda: 1.0, ticket_key=TICKET_KEY.encode())
+
+    def record(length, replicas=1):
+        return SimpleNamespace(length=length, replicas=[None] * replicas)
+    objects = [(object_key(("alpha", "default"), b"a"), record(3000, 2)),
+               (object_key(("alpha", "later"), b"b"), record(1000)),     # made at run time
+               (object_key(("alpha", "default"), b"big"), record(5000)),  # over alpha's quota
+               (object_key(("zeta", "default"), b"z"), record(10)),       # no such tenant
+               (b"plain-key", record(10))]                                # no namespace at all
+    tenants.recovered(objects)
+    orphans = [objects[2][0], objects[3][0], b"plain-key"]
+    assert tenants.orphans == orphans
+    assert tenants.usage("alpha")["alpha"]["held"] == 7000
+    assert tenants.usage("alpha")["alpha"]["namespaces"] == {"default": 6000, "later": 1000}
+    assert tenants.namespaces("alpha")["later"]["phase"] == "live"
+    assert tenants.aged(lambda k: k != b"plain-key") == orphans[:2]   # those still present
+    for key in orphans:                    # removing an orphan touches no tenant
+        tenants.removed(key)
+    assert tenants.usage()["alpha"]["held"] == 7000 and tenants.usage()["beta"]["held"] == 0
+
+
 def test_a_bad_or_missing_token_is_unauthorized_and_the_store_keeps_serving(store, raw):
     address, client, _ = store
     alpha = client(ALPHA)
