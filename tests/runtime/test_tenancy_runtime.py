@@ -188,17 +188,24 @@ def test_an_upgrade_canary_prewarm_switch_route_back_and_drop(store, raw):
     new.put(b"after-switch", b"a" * 700)
     # a write in progress in the new namespace when it is routed back
     master = raw(address)
-    err, grant = _items(master.call("put_start", {
+    started = master.call("put_start", {
         "client": "inspector", "replicas": 1, "items": [[b"in-progress", 100]],
-        "cred": ALPHA.encode(), "ns": "model-r2"}))
+        "cred": ALPHA.encode(), "ns": "model-r2"})
+    err, grant = _items(started)
     assert err is None
-    old.ns_route_back("model-r2")
+    (seg, offset, _), = grant["replicas"]
+    wrote = raw(started.body["segments"][seg][0]).call(      # its bytes are written ...
+        "write", {"segment": seg, "offset": offset, "token": grant["token"],
+                  "term": started.body["term"], "cred": ALPHA.encode()}, payloads=[b"w" * 100])
+    assert wrote.status == 0, wrote.body
+    old.ns_route_back("model-r2")                            # ... but not yet published
     listed = old.ns_list()
     assert listed["model-r1"]["phase"] == "live" and listed["model-r2"]["phase"] == "held"
     err, _ = _items(master.call("put_end", {"client": "inspector", "cred": ALPHA.encode(),
                                             "ns": "model-r2",
                                             "items": [[b"in-progress", grant["token"]]]}))
     assert isinstance(err, errors.StaleToken)                # abandoned at the route back
+    assert not new.exists(b"in-progress")
     with pytest.raises(errors.NamespaceClosed):              # writes to it stop
         new.put(b"more", b"x")
     # its objects are kept, readable by their owner for inspection, and not removable
