@@ -451,6 +451,8 @@ def test_without_a_tenants_file_the_store_is_one_shared_key_space():
             cluster.client(namespace="other").get(b"k")
         with pytest.raises(errors.InvalidArgument):
             plain.grant("beta")
+        with pytest.raises(errors.InvalidArgument):    # nor an upgrade lifecycle
+            plain.ns_list()
 
 
 def test_eviction_never_takes_a_tenant_within_its_reserve():
