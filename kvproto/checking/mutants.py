@@ -72,6 +72,7 @@ LEASE_CORE = "kvproto/cores/leases.py"
 LEASES = "tests/runtime/test_leases.py"
 SAME_HOST = "tests/runtime/test_same_host_reads.py"
 FAILOVER = "tests/runtime/test_failover_cores.py"
+TENANCY = "tests/runtime/test_tenancy_runtime.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -170,6 +171,21 @@ MUTANTS: tuple[Mutant, ...] = (
         _one(CLIENT, "                        verify=verify) if relookup else [None] * len(stale)\n",
              "                        verify=verify) if False else [None] * len(stale)\n"),
         ("tests/runtime/test_embedded.py::test_a_get_with_a_stale_descriptor_looks_up_again",)),
+    Mutant(
+        "node-skips-read-ticket",
+        "a storage node with tenants serves any authenticated tenant's read or "
+        "load of a location whose token it is sent, without its read ticket",
+        _one(STORAGE, "                if req.op in self.TICKET_OPS:   # spec NodeAdmits, before anything runs\n",
+             "                if False:\n"),
+        (f"{TENANCY}::test_a_tenant_guessing_a_region_token_reads_nothing",),
+        twin="Tenancy_Weak_FastPathSkipsGrant"),
+    Mutant(
+        "route-back-keeps-writes",
+        "a route back leaves the held namespace's writes in progress pending, "
+        "so they still publish into a namespace that takes no writes",
+        _one(MASTER, "                    self._step(PutRevoke(key, record.token))\n",
+             "                    pass\n"),
+        (f"{TENANCY}::test_an_upgrade_canary_prewarm_switch_route_back_and_drop",)),
 )
 
 

@@ -60,6 +60,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_master_refusals_total": _m(C, (), "Events the publish machine refused, each answered with its typed error (misses included)."),
     "kvproto_master_not_open_refusals_total": _m(C, (), "Requests refused because the master was not open (standby, fencing, recovering)."),
     "kvproto_master_unauthorized_total": _m(C, (), "Requests refused because their credential authenticates no tenant (a master with a tenants file)."),
+    "kvproto_master_aged_out_total": _m(C, (), "Objects of retiring namespaces removed by the age-out pass (spec/Tenancy.tla AgeOut)."),
     # master: objects
     "kvproto_master_objects": _m(G, (), "Objects in the directory (pending and published)."),
     "kvproto_master_pending_puts": _m(G, (), "Allocations granted and not yet published or revoked."),
@@ -116,6 +117,7 @@ METRICS: dict[str, Metric] = {
     "kvproto_storage_refusals_total": _m(C, (), "Requests the region table or the fence refused (typed errors)."),
     "kvproto_storage_rejected_total": _m(C, (), "Requests refused before decoding."),
     "kvproto_storage_unauthorized_total": _m(C, (), "Requests refused because their credential authenticates no tenant (a node with a tenants file)."),
+    "kvproto_storage_ticket_refusals_total": _m(C, (), "Reads and loads refused for lack of a valid read ticket (a node with a tenants file)."),
     "kvproto_storage_stale_reads_total": _m(C, (), "Reads refused because the region's generation no longer names the token."),
     "kvproto_storage_stale_term_refusals_total": _m(C, (), "Requests refused for a term below the fence."),
     "kvproto_storage_cancels_total": _m(C, (), "Cancels acknowledged."),
@@ -177,6 +179,7 @@ MASTER_COUNTERS: dict[str, tuple[str, dict]] = {
     "stale_term_refusals": ("kvproto_master_stale_term_refusals_total", {}),
     "not_open": ("kvproto_master_not_open_refusals_total", {}),
     "unauthorized": ("kvproto_master_unauthorized_total", {}),
+    "aged_out": ("kvproto_master_aged_out_total", {}),
     "checksum_mismatches": ("kvproto_master_checksum_mismatches_total", {}),
 }
 
@@ -192,6 +195,7 @@ STORAGE_COUNTERS: dict[str, tuple[str, dict]] = {
     "refused": ("kvproto_storage_refusals_total", {}),
     "rejected": ("kvproto_storage_rejected_total", {}),
     "unauthorized": ("kvproto_storage_unauthorized_total", {}),
+    "tickets_refused": ("kvproto_storage_ticket_refusals_total", {}),
     "stale_reads": ("kvproto_storage_stale_reads_total", {}),
     "stale_terms": ("kvproto_storage_stale_term_refusals_total", {}),
     "cancels": ("kvproto_storage_cancels_total", {}),

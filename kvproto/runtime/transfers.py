@@ -435,8 +435,13 @@ class TransferEngine:
                 "client": client.client_id, "items": [[k, token]]})])
             self._wake()
             raise problem
-        seg, offset, _ = usable[token % len(usable)]
+        replica = usable[token % len(usable)]
+        seg, offset, _ = replica
         endpoint = segments[seg][0]
+        load = {"segment": seg, "offset": offset, "token": token, "length": length,
+                "term": reply.body.get("term", 0), "owner": self.owner, "buffer": buf.name}
+        if grant.get("tickets"):   # a store with tenants: this replica's read ticket
+            load["ticket"] = grant["tickets"][grant["replicas"].index(replica)]
         with self._cv:
             try:
                 effects = self._check(self.pool.step(T.Issue(request, buf.name)))
@@ -450,10 +455,8 @@ class TransferEngine:
             self._xfers[gen] = x
             client._hold()
             heapq.heappush(self._timers, (deadline, gen, _LOAD))
-            self._queue(endpoint, [self._request("load", gen << 1 | _LOAD, {
-                "segment": seg, "offset": offset, "token": token, "length": length,
-                "term": reply.body.get("term", 0),
-                "owner": self.owner, "xfer": gen, "buffer": buf.name})])
+            self._queue(endpoint, [self._request("load", gen << 1 | _LOAD,
+                                                 {**load, "xfer": gen})])
         self._wake()
         return Transfer(self, x)
 
