@@ -241,8 +241,9 @@ class MasterCore:
         #: master's clock, fed as ``Tick`` events; it also keeps the eviction
         #: recency (last put, grant, renewal or read)
         self.leases = LeaseCore(float(lease_ttl), rows=self.directory.rows)
-        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory is
-        #: recorded as a JSON line, for ``kvproto trace check`` (runtime/tracing.py)
+        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory and
+        #: of the lease table is recorded as a JSON line, for ``kvproto trace
+        #: check`` (runtime/tracing.py)
         trace = trace or os.environ.get(tracing.ENV)
         self.trace: Optional[tracing.Recorder] = tracing.Recorder(trace) if trace else None
         self.high_watermark = float(high_watermark)
@@ -399,11 +400,12 @@ class MasterCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _lstep(self, event) -> tuple[Optional[errors.KvError], tuple]:
+    def _lstep(self, event, by: Optional[str] = None) -> tuple[Optional[errors.KvError], tuple]:
         """Feed the master's clock (``Tick``), then ``event``, to the lease
-        machine; commit only an accepted step."""
+        machine; commit only an accepted step. ``by``: why the master feeds a
+        ``Release`` itself (recorded with ``trace``)."""
         self._ltick()
-        effects = self.leases.step(event)
+        effects = self._lease_step(event, by)
         if effects and isinstance(effects[0], lm.Refused):
             return effects[0].error, effects
         return None, effects
@@ -412,13 +414,19 @@ class MasterCore:
         now = self.clock()
         if now <= self.leases.now:
             return
-        effects = self.leases.step(lm.Tick(now))
+        effects = self._lease_step(lm.Tick(now))
         if effects and isinstance(effects[0], lm.Refused):
             return
         self.counters["lease_expiries"] += len(effects)
         if self.tenants is not None:
             for ended in effects:
                 self.tenants.release(ended.holder)
+
+    def _lease_step(self, event, by: Optional[str] = None) -> tuple:
+        """One step of the lease table, recorded with ``trace``."""
+        if self.trace is not None:
+            return self.trace.lease(self.leases, event, by)
+        return self.leases.step(event)
 
     def _lease_put(self, key: bytes, token: int) -> None:
         record = self.directory.objects.get(key)
@@ -439,7 +447,7 @@ class MasterCore:
         if key not in self.leases.objects:
             return
         for holder in self.leases.holders(key):
-            self._lstep(lm.Release(holder))
+            self._lstep(lm.Release(holder), by="dropped")
         if self.leases.is_inherited(key):
             self._lstep(lm.Disown(key))
         err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
@@ -894,7 +902,7 @@ class MasterCore:
                                 key, len(self.leases.holders(key)),
                                 " and the previous master's" if self.leases.is_inherited(key) else "")
                     for holder in self.leases.holders(key):
-                        self._lstep(lm.Release(holder))
+                        self._lstep(lm.Release(holder), by="forced")
                         if self.tenants is not None:
                             self.tenants.release(holder)
                     self._lstep(lm.Disown(key))

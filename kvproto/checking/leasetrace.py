@@ -1,0 +1,432 @@
+r"""Runtime traces checked by TLC: is what the master's lease table did a behaviour of ``spec/Lease.tla``?
+
+A master recording a trace (:mod:`kvproto.runtime.tracing`) writes every step
+of its lease table: the ``Tick`` of its clock before each event, ``Put`` of a
+published object, ``Grant``, ``Renew`` and ``Release`` of read leases,
+``Remove`` and ``Evict`` of objects, with the effects the table returned.
+:func:`check_lines` turns one recorded run into a module ``LeaseTrace`` that
+extends ``Lease`` and holds the run as a constant sequence of records; TLC
+walks it, and at step ``i`` the trace's ``Next`` takes the spec's action that
+record ``i`` names, with the recorded arguments, and requires the recorded
+effects to be the spec step's:
+
+* ``Tick(t)``: the spec's ``Tick``, and the leases it ended are exactly those
+  whose expiry ``t`` reached;
+* ``Put``: the spec's ``Put`` of the key into a free slot (its region);
+* ``Grant``: a lease on a cached object, in the slot the object is in,
+  expiring at ``now + TTL``; a miss is the spec's ``Grant`` that ends the read;
+* ``Renew``: only an unexpired lease, extended to ``now + TTL``;
+* ``Release`` by the lease's reader: the spec's ``Release``;
+* ``Remove``, ``Evict``: only an object no unexpired lease protects, freeing
+  the object's own slot (``Evict`` with the spec's memory pressure taken as
+  given: the runtime's watermark counts bytes, not the spec's slots);
+* a refused event changes nothing, and the spec must not have allowed it.
+
+The readers' own steps never reach the master: before a recorded ``Grant``
+the trace lets its reader send the request (``Request``), before a ``Renew``
+let the reply reach it (``Reply``), before its ``Release`` let its transfer
+complete (``Complete``, the outcome unseen). A ``Release`` the master feeds
+itself (``"by"`` in the record) is no reader's: while it ends an unexpired
+lease of an object removed or evicted it matches no step (the spec's
+``Remove`` and ``Evict`` need the object unleased), and refused it changes
+nothing. Where the master ends a lease on its own for a reason the spec does
+not model (an operator's forced remove, an object lost with its segment),
+the run leaves the spec's world: the steps before it are checked, and the
+verdict says where checking stopped.
+
+Mapping onto model values: keys, regions (slots) and holders (readers, one a
+lease) are numbered by first appearance. Times: the spec's clock counts ticks;
+the run's clock is the master's (seconds). Every time the run compares (each
+``Tick``, each expiry a ``Grant`` or ``Renew`` set, the time the table opened
+with) is mapped to a whole number of ticks, keeping their order and
+distinctness, the table's start at 0, and every expiry exactly ``TTL`` ticks
+after the grant or renewal that set it (:func:`abstract_times`); so every
+comparison the runtime made (``expires <= now``, ``expires > now``) has the
+same outcome in the spec. An expiry the runtime recorded that is not its
+``now + ttl`` keeps its order among the others but not that distance, and
+fails at its step. Checked runs start from a table with no object (one run per
+file).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import attrs
+
+from kvproto.checking.tla import Fn, ModelValue, format_value
+from kvproto.checking.tracerun import Numbered, TraceError, Verdict, failure, run_module
+
+NONE = ModelValue("None")
+
+#: the largest run checked (TLC re-evaluates the invariants over all readers,
+#: keys and slots in every state)
+LIMITS = {"steps": 3000, "keys": 64, "slots": 128, "readers": 256}
+
+INVARIANTS = ("TypeOK", "NoReclaimUnderLease", "NoConsumeOfReclaimedBytes",
+              "ReleaseIsNotDelete", "LeasesHeldByReads")
+
+
+# --- reading ---------------------------------------------------------------------
+
+
+def lease_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict]]]:
+    """The one run in the lease ``lines``: its ``opened`` header and its steps."""
+    opened = [i for i, (_, obj) in enumerate(lines) if "opened" in obj]
+    if not opened or opened[0] != 0:
+        raise TraceError("the lease steps do not start where a master opened its lease "
+                         "table (no lease 'opened' line first)")
+    if len(opened) > 1:
+        raise TraceError(f"the trace holds {len(opened)} lease tables (a master restarted or "
+                         "took over on the same file); record one run per file")
+    header = lines[0][1]["opened"]
+    if header.get("objects"):
+        raise TraceError(f"the lease table opened with {header['objects']} recovered "
+                         "object(s); only runs from an empty table are checked")
+    if not isinstance(header.get("ttl"), (int, float)) or header["ttl"] <= 0 \
+            or not isinstance(header.get("now"), (int, float)):
+        raise TraceError(f"line {lines[0][0]}: the lease header needs a positive 'ttl' and 'now'")
+    steps = lines[1:]
+    for number, obj in steps:
+        if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list):
+            raise TraceError(f"line {number}: a lease step needs 'event' and 'effects'")
+    return header, steps
+
+
+def _accepted(step: dict) -> bool:
+    effects = step["effects"]
+    return not (effects and effects[0].get("type") == "Refused")
+
+
+def outside(step: dict) -> Optional[str]:
+    """Why ``step`` leaves the world ``spec/Lease.tla`` models, or None: the
+    master ended an unexpired lease on its own for a reason the spec does not
+    model (an operator's forced remove, or its object lost with its segment)."""
+    if step["event"].get("type") != "Release" or not _accepted(step):
+        return None
+    by, during = step.get("by"), step.get("during") or {}
+    if by == "forced":
+        return "an operator's forced remove ended an unexpired lease"
+    if by == "dropped" and during.get("type") == "SegmentLost":
+        return (f"an unexpired lease ended with its object, lost with its segment "
+                f"(publish step {during.get('n')})")
+    return None
+
+
+# --- time ------------------------------------------------------------------------
+
+
+def _solve(n: int, into: list, links: list, ttl: int, passes: int) -> Optional[list[int]]:
+    """The least ``f`` over ranks ``0..n-1`` with ``f[k+1] >= f[k] + 1`` and
+    ``f[j] = f[i] + ttl`` per link ``(i, j)``, or None if ``passes`` sweeps do
+    not settle it (Bellman-Ford on the longest-path form)."""
+    f = list(range(n))
+    back = sorted(links, key=lambda l: -l[1])
+    for _ in range(passes):
+        changed = False
+        for k in range(1, n):
+            best = f[k - 1] + 1
+            for i in into[k]:
+                best = max(best, f[i] + ttl)
+            if best > f[k]:
+                f[k], changed = best, True
+        for i, j in back:
+            if f[j] - ttl > f[i]:
+                f[i], changed = f[j] - ttl, True
+        if not changed:
+            return f
+    return None
+
+
+def abstract_times(start: float, points: list[float],
+                   links: list[tuple[float, float]]) -> tuple[int, dict[float, int]]:
+    """Map the run's times onto the spec's ticks: ``(TTL, {time: tick})``.
+
+    ``start`` (the table's clock when it opened) maps to 0; distinct times map
+    to distinct ticks in the same order; each ``(granted, expires)`` link to
+    ticks exactly TTL apart. Such a map exists whenever TTL exceeds the number
+    of distinct times (a cycle of the constraints that gains must cross a link
+    backwards, losing TTL); a smaller TTL is tried first (the largest number of
+    times a link spans, then doubling), so that ticks read small."""
+    values = sorted({start, *points, *(t for link in links for t in link)})
+    if values[0] != start:
+        raise TraceError(f"a recorded time ({values[0]}) is before the lease table opened "
+                         f"({start})")
+    rank = {v: i for i, v in enumerate(values)}
+    pairs = sorted({(rank[a], rank[b]) for a, b in links})
+    into: list[list[int]] = [[] for _ in values]
+    for i, j in pairs:
+        into[j].append(i)
+    n = len(values)
+    ttl = max([j - i for i, j in pairs] + [1])
+    while True:
+        last = ttl >= n
+        ttl = min(ttl, n)
+        f = _solve(n, into, pairs, ttl, n + 1 if last else 32)
+        if f is not None:
+            break
+        if last:
+            raise TraceError("the run's times cannot be mapped onto whole ticks "
+                             "(an expiry closer to a grant than another's)")
+        ttl *= 2
+    base = f[0]
+    return ttl, {v: f[i] - base for i, v in enumerate(values)}
+
+
+# --- mapping onto model values ---------------------------------------------------
+
+
+def _holder(h) -> tuple:
+    return tuple(h) if isinstance(h, list) else (h,)
+
+
+def _region(r) -> tuple:
+    return tuple(r) if isinstance(r, list) else (r,)
+
+
+@attrs.frozen
+class TraceModel:
+    """A lease run mapped onto the spec: its constants and one record per step."""
+
+    constants: dict
+    records: tuple
+    model_values: tuple
+    numbers: tuple      # (recorded n, file line) per record
+    ticks: dict         # the run's time -> the spec's tick
+    stopped: Optional[tuple] = None   # (recorded n, line, why) of the first step not checked
+
+
+def _times(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, dict]:
+    """The run's times and expiry links (:func:`abstract_times`)."""
+    ttl, now = header["ttl"], header["now"]
+    points, links = [], []
+    for _, step in steps:
+        ev = step["event"]
+        if ev["type"] == "Tick":
+            points.append(ev["now"])
+            if _accepted(step):
+                now = ev["now"]
+        elif ev["type"] in ("Grant", "Renew") and _accepted(step):
+            links.append((now, now + ttl))
+            points.append(step["effects"][0]["expires"])
+    return abstract_times(header["now"], points, links)
+
+
+def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
+    """Map a lease run onto model values (see the module docstring); raise
+    :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape."""
+    stopped = None
+    for i, (number, step) in enumerate(steps):
+        try:
+            why = outside(step)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TraceError(f"line {number}: a lease step the checker cannot read ({e!r})") from None
+        if why is not None:
+            stopped, steps = (step.get("n"), number, why), steps[:i]
+            break
+    if len(steps) > LIMITS["steps"]:
+        raise TraceError(f"the run has {len(steps)} lease steps; at most {LIMITS['steps']} are "
+                         "checked (record a shorter run)")
+    keys, slots, readers = Numbered("key"), Numbered("slot"), Numbered("rd")
+    try:
+        ttl, ticks = _times(header, steps)
+        records = [_record(step, keys, slots, readers, ticks) for _, step in steps]
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise TraceError(f"a lease step the checker cannot read ({e!r})") from None
+    sizes = {"keys": len(keys.names), "slots": len(slots.names), "readers": len(readers.names)}
+    for name, size in sizes.items():
+        if size > LIMITS[name]:
+            raise TraceError(f"the run has {size} lease {name}; at most {LIMITS[name]} are "
+                             "checked (record a run with fewer)")
+    key_values = keys.values() or [ModelValue("key1")]
+    slot_values = slots.values() or [ModelValue("slot1")]
+    reader_values = readers.values() or [ModelValue("rd1")]
+    constants = {"Keys": frozenset(key_values), "Slots": frozenset(slot_values),
+                 "Readers": frozenset(reader_values), "TTL": ttl, "MaxSkew": 0,
+                 "MaxTime": max(ticks.values()), "MaxTakeovers": 0, "None": NONE}
+    values = tuple(dict.fromkeys([*key_values, *slot_values, *reader_values]))
+    return TraceModel(constants, tuple(records), values,
+                      tuple((s.get("n"), n) for n, s in steps), ticks, stopped)
+
+
+def _record(step: dict, keys: Numbered, slots: Numbered, readers: Numbered, ticks: dict) -> Fn:
+    """One step as the trace module's record (every record has every field)."""
+    ev, effects = step["event"], step["effects"]
+    ok = _accepted(step)
+    fields = {"act": ev["type"], "ok": ok, "err": "" if ok else effects[0]["error"]["type"],
+              "by": step.get("by") or "", "k": NONE, "h": NONE, "s": NONE, "t": 0, "exp": 0,
+              "ended": frozenset()}
+    if "key" in ev:
+        fields["k"] = keys(ev["key"])
+    if "holder" in ev:
+        fields["h"] = readers(_holder(ev["holder"]))
+    if "region" in ev:
+        fields["s"] = slots(_region(ev["region"]))
+    if ev["type"] == "Tick":
+        fields["t"] = ticks[ev["now"]]
+    for e in effects if ok else ():
+        kind = e["type"]
+        if kind in ("LeaseGranted", "LeaseRenewed", "LeaseReleased", "Reclaimed", "Cached"):
+            fields["k"] = keys(e["key"])
+        if kind in ("LeaseGranted", "Reclaimed", "Cached"):
+            fields["s"] = slots(_region(e["region"]))
+        if kind in ("LeaseGranted", "LeaseRenewed"):
+            fields["exp"] = ticks[e["expires"]]
+        elif kind == "LeaseEnded":
+            fields["ended"] |= {readers(_holder(e["holder"]))}
+            keys(e["key"])
+    return Fn.of(fields)
+
+
+# --- the trace module ------------------------------------------------------------
+
+_MODULE = r"""----------------------------- MODULE LeaseTrace -----------------------------
+(* A recorded run of the master's lease table (kvproto trace check): each   *)
+(* step must be the spec's action the record names, with its effects.       *)
+EXTENDS Lease, Sequences, TLC
+
+CONSTANTS %(values)s
+
+VARIABLE pos   \* the next record to match
+
+Trace == %(trace)s
+
+R == Trace[pos]
+
+\* Memory pressure is the runtime's watermark over bytes, not a count of the
+\* spec's slots: the trace takes an Evict's pressure as given.
+TracePressure == TRUE
+
+\* The recorded holder's read is of the recorded key.
+ReadOf(r) == reader[r.h] # None /\ reader[r.h].key = r.k
+
+\* The spec's step for an accepted event, with the recorded effects.
+Accepted(r) ==
+    \/ /\ r.act = "Tick" /\ Tick(r.t)
+       /\ {h \in Readers : lease[h] # None /\ lease[h].exp <= r.t} = r.ended
+    \/ r.act = "Put" /\ Put(r.k, r.s)
+    \/ /\ r.act = "Grant" /\ ReadOf(r) /\ Present(r.k) /\ dir[r.k] = r.s
+       /\ r.exp = now + TTL /\ Grant(r.h)
+    \/ /\ r.act = "Renew" /\ lease[r.h] # None /\ lease[r.h].key = r.k
+       /\ r.exp = now + TTL /\ Renew(r.h)
+    \/ /\ r.act = "Release" /\ r.by = "" /\ lease[r.h] # None /\ lease[r.h].key = r.k
+       /\ Release(r.h)
+    \/ r.act = "Remove" /\ Present(r.k) /\ dir[r.k] = r.s /\ Remove(r.k)
+    \/ r.act = "Evict" /\ Present(r.k) /\ dir[r.k] = r.s /\ Evict(r.k)
+    \/ /\ r.act = "Disown" /\ Present(r.k) /\ ~(r.k \in inherited /\ now < quietUntil)
+       /\ UNCHANGED vars
+
+\* A refused event: the spec's miss ends the read; a reader's release of a
+\* lease that already ended ends its read; anything else changes nothing, and
+\* the spec would not have taken it.
+Refused(r) ==
+    \/ /\ r.act = "Grant" /\ r.err = "KeyNotFound" /\ ReadOf(r) /\ ~Present(r.k)
+       /\ Grant(r.h)
+    \/ /\ r.act = "Release" /\ r.by = "" /\ lease[r.h] = None /\ reader[r.h] # None
+       /\ Release(r.h)
+    \/ /\ UNCHANGED vars
+       /\ \/ r.act = "Tick" /\ r.t <= now
+          \/ r.act = "Put" /\ r.err = "KeyExists" /\ Present(r.k)
+          \/ r.act = "Put" /\ r.err = "NoSpace" /\ r.s \notin FreeSlots
+          \/ r.act = "Put" /\ r.err = "InvalidArgument"
+          \/ r.act = "Grant" /\ r.err = "LeaseHeld" /\ lease[r.h] # None
+          \/ r.act = "Renew" /\ ~Unexpired(r.h)
+          \/ r.act = "Release" /\ lease[r.h] = None /\ (r.by # "" \/ reader[r.h] = None)
+          \/ r.act \in {"Remove", "Evict", "Disown"} /\ r.err = "KeyNotFound" /\ ~Present(r.k)
+          \/ r.act \in {"Remove", "Evict"} /\ r.err = "ObjectLeased" /\ Leased(r.k)
+
+Step ==
+    /\ pos <= Len(Trace)
+    /\ IF R.ok THEN Accepted(R) ELSE Refused(R)
+    /\ pos' = pos + 1
+
+\* The reader of the next record takes its own steps first (unseen by the
+\* master): it sends its request before its Grant, the grant's reply reaches
+\* it before it renews, and its transfer completes before it releases.
+ReaderSteps ==
+    /\ pos <= Len(Trace) /\ R.by = "" /\ R.h # None
+    /\ \/ R.act = "Grant" /\ Request(R.h, R.k)
+       \/ R.act \in {"Renew", "Release"} /\ Reply(R.h)
+       \/ R.act = "Release" /\ \E d \in Skews : Complete(R.h, d)
+    /\ UNCHANGED pos
+
+Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos>>
+
+TraceInit == Init /\ pos = 1
+TraceNext == Step \/ ReaderSteps \/ Done
+=============================================================================
+"""
+
+
+def module_text(model: TraceModel) -> str:
+    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
+        if model.records else "<<>>"
+    return _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace}
+
+
+def cfg_text(model: TraceModel) -> str:
+    lines = ["\\* expect: ok", "\\* deadlock: check", "CONSTANTS"]
+    lines += [f"    {name} = {format_value(value)}" for name, value in model.constants.items()]
+    lines += [f"    {v.name} = {v.name}" for v in model.model_values]
+    lines += ["    Pressure <- TracePressure"]
+    lines += ["INIT TraceInit", "NEXT TraceNext", "INVARIANTS"] + [f"    {n}" for n in INVARIANTS]
+    return "\n".join(lines) + "\n"
+
+
+# --- checking --------------------------------------------------------------------
+
+
+def check_lines(lines: list[tuple[int, dict]], *, keep: Optional[Path] = None,
+                on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """Have TLC check the lease run in ``lines`` (a trace file's lease lines,
+    with their line numbers) against ``spec/Lease.tla``."""
+    header, steps = lease_run(lines)
+    return check_run(header, steps, keep=keep, on_output=on_output)
+
+
+def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
+              on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    model = to_model(header, steps)
+    result = run_module("Lease", "LeaseTrace", module_text(model), cfg_text(model),
+                        keep=keep, on_output=on_output)
+    n = len(model.records)
+    common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
+                  machine="lease")
+    if result.verdict == "ok":
+        message = f"all {n} steps are steps of spec/Lease.tla"
+        if model.stopped is not None:
+            recorded, line, why = model.stopped
+            message = (f"the {n} steps before step {recorded} are steps of spec/Lease.tla; "
+                       f"step {recorded} (line {line}) and after are not checked: {why}")
+        return Verdict(True, message=message, **common)
+    if result.verdict == "deadlock" and result.trace:
+        i = result.trace[-1].state["pos"]
+        recorded, line = model.numbers[i - 1]
+        step = steps[i - 1][1]
+        return Verdict(False, failed_step=recorded, line=line, **common,
+                       message=f"lease step {recorded} (line {line}) is not a step of "
+                               f"spec/Lease.tla from the state the steps before it reached: "
+                               f"{describe(step)}")
+    if result.verdict == "safety":
+        return Verdict(False, **common, message=f"invariant {result.violated} is violated "
+                                                 "(the trace reached a state the spec forbids)")
+    raise failure(result)
+
+
+def describe(step: dict) -> str:
+    """A recorded lease step in one line: ``Release(holder=['c', 5]) by dropped
+    during publish step 9 (Remove) -> LeaseReleased``."""
+    ev = step["event"]
+    args = ", ".join(f"{k}={v!r}" for k, v in ev.items() if k != "type")
+    text = f"{ev['type']}({args})"
+    if step.get("by"):
+        during = step.get("during") or {}
+        text += f" by the master ({step['by']}" + (
+            f" during publish step {during.get('n')}, {during.get('type')})" if during else ")")
+    effects = step["effects"]
+    if effects and effects[0].get("type") == "Refused":
+        out = f"refused {effects[0]['error']['type']}"
+    else:
+        out = ", ".join(e["type"] for e in effects) or "no effects"
+    return f"{text} -> {out}"
