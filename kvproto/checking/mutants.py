@@ -155,7 +155,8 @@ MUTANTS: tuple[Mutant, ...] = (
          Edit(MASTER, "            if self.leases.reclaimable(key) is not None:\n"
                       "                continue\n",
               "            pass\n")),
-        (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",),
+        (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",
+         "tests/test_traces.py::test_a_recorded_lease_run_is_a_behaviour_of_the_spec"),
         twin="Lease_Weak_EvictIgnoresLeases"),
     Mutant(
         "put-retry-not-abandoned",
