@@ -374,7 +374,7 @@ def test_a_lease_step_changed_by_hand_is_rejected_with_its_number(leased, tmp_pa
     verdict = check_one(bad, "lease")
     assert not verdict.ok
     assert verdict.failed_step == n, verdict.message
-    assert f"lease step {n} " in verdict.message and kind in verdict.message
+    assert f"step {n} " in verdict.message and kind in verdict.message
 
 
 @needs_java

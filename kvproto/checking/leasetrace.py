@@ -405,8 +405,8 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
         recorded, line = model.numbers[i - 1]
         step = steps[i - 1][1]
         return Verdict(False, failed_step=recorded, line=line, **common,
-                       message=f"lease step {recorded} (line {line}) is not a step of "
-                               f"spec/Lease.tla from the state the steps before it reached: "
+                       message=f"step {recorded} (line {line}) is not a step of spec/Lease.tla "
+                               f"from the state the steps before it reached: "
                                f"{describe(step)}")
     if result.verdict == "safety":
         return Verdict(False, **common, message=f"invariant {result.violated} is violated "
