@@ -35,7 +35,10 @@ the run leaves the spec's world: the steps before it are checked, and the
 verdict says where checking stopped.
 
 Mapping onto model values: keys, regions (slots) and holders (readers, one a
-lease) are numbered by first appearance. Times: the spec's clock counts ticks;
+lease) are numbered by first appearance; a reader is used again once its
+holder's read is over at the master (its own release, or a miss), and a slot
+once its object was reclaimed and no read in progress was granted it, so a
+long run needs only as many readers and slots as are in use at once. Times: the spec's clock counts ticks;
 the run's clock is the master's (seconds). Every time the run compares (each
 ``Tick``, each expiry a ``Grant`` or ``Renew`` set, the time the table opened
 with) is mapped to a whole number of ticks, keeping their order and
@@ -61,7 +64,7 @@ from kvproto.checking.tracerun import Numbered, TraceError, Verdict, failure, ru
 NONE = ModelValue("None")
 
 #: the largest run checked (TLC re-evaluates the invariants over all readers,
-#: keys and slots in every state)
+#: keys and slots in every state); readers and slots count those in use at once
 LIMITS = {"steps": 3000, "keys": 64, "slots": 128, "readers": 256}
 
 INVARIANTS = ("TypeOK", "NoReclaimUnderLease", "NoConsumeOfReclaimedBytes",
@@ -228,13 +231,20 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
     if len(steps) > LIMITS["steps"]:
         raise TraceError(f"the run has {len(steps)} lease steps; at most {LIMITS['steps']} are "
                          "checked (record a shorter run)")
-    keys, slots, readers = Numbered("key"), Numbered("slot"), Numbered("rd")
     try:
         ttl, ticks = _times(header, steps)
-        records = [_record(step, keys, slots, readers, ticks) for _, step in steps]
-    except (KeyError, TypeError, AttributeError, IndexError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"a lease step the checker cannot read ({e!r})") from None
-    sizes = {"keys": len(keys.names), "slots": len(slots.names), "readers": len(readers.names)}
+    m = _Mapping(ticks)
+    records = []
+    for number, step in steps:
+        try:
+            records.append(m.record(step))
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            raise TraceError(f"line {number}: a lease step the checker cannot read ({e!r})") from None
+    keys, slots, readers = m.keys, m.slots, m.readers
+    sizes = {"keys": len(keys.values()), "slots": len(slots.values()),
+             "readers": len(readers.values())}
     for name, size in sizes.items():
         if size > LIMITS[name]:
             raise TraceError(f"the run has {size} lease {name}; at most {LIMITS[name]} are "
@@ -250,33 +260,113 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
                       tuple((s.get("n"), n) for n, s in steps), ticks, stopped)
 
 
-def _record(step: dict, keys: Numbered, slots: Numbered, readers: Numbered, ticks: dict) -> Fn:
-    """One step as the trace module's record (every record has every field)."""
-    ev, effects = step["event"], step["effects"]
-    ok = _accepted(step)
-    fields = {"act": ev["type"], "ok": ok, "err": "" if ok else effects[0]["error"]["type"],
-              "by": step.get("by") or "", "k": NONE, "h": NONE, "s": NONE, "t": 0, "exp": 0,
-              "ended": frozenset()}
-    if "key" in ev:
-        fields["k"] = keys(ev["key"])
-    if "holder" in ev:
-        fields["h"] = readers(_holder(ev["holder"]))
-    if "region" in ev:
-        fields["s"] = slots(_region(ev["region"]))
-    if ev["type"] == "Tick":
-        fields["t"] = ticks[ev["now"]]
-    for e in effects if ok else ():
-        kind = e["type"]
-        if kind in ("LeaseGranted", "LeaseRenewed", "LeaseReleased", "Reclaimed", "Cached"):
-            fields["k"] = keys(e["key"])
-        if kind in ("LeaseGranted", "Reclaimed", "Cached"):
-            fields["s"] = slots(_region(e["region"]))
-        if kind in ("LeaseGranted", "LeaseRenewed"):
-            fields["exp"] = ticks[e["expires"]]
-        elif kind == "LeaseEnded":
-            fields["ended"] |= {readers(_holder(e["holder"]))}
-            keys(e["key"])
-    return Fn.of(fields)
+class _Pool:
+    """Runtime names -> model values ``prefix1, prefix2, ...``, one runtime name
+    at a time: a value given back (:meth:`give_back`) stands for the next new
+    name. Holders and regions are used once each in the runtime; the spec's
+    readers and slots are used again and again, so a long run needs only as
+    many as are in use at once."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.active: dict = {}
+        self.free: list[ModelValue] = []
+        self.count = 0
+
+    def __call__(self, name) -> ModelValue:
+        value = self.active.get(name)
+        if value is None:
+            if self.free:
+                value = self.free.pop()
+            else:
+                self.count += 1
+                value = ModelValue(f"{self.prefix}{self.count}")
+            self.active[name] = value
+        return value
+
+    def give_back(self, name) -> None:
+        value = self.active.pop(name, None)
+        if value is not None:
+            self.free.append(value)
+
+    def values(self) -> list[ModelValue]:
+        return [ModelValue(f"{self.prefix}{i}") for i in range(1, self.count + 1)]
+
+
+class _Mapping:
+    """The run's keys, regions, holders and times as the spec's model values.
+
+    A holder's reader is given back once its read is over at the master (its
+    own ``Release``, accepted or refused, or a ``Grant`` that missed): the
+    spec's reader is then idle with no lease. A region's slot is given back
+    once its object was reclaimed and no read in progress was granted it, so
+    a reused slot carries nothing of its last object."""
+
+    def __init__(self, ticks: dict) -> None:
+        self.ticks = ticks
+        self.keys = Numbered("key")
+        self.slots = _Pool("slot")
+        self.readers = _Pool("rd")
+        self.cached: set = set()          # regions holding an object
+        self.reading: dict = {}           # region -> {holder: None}, reads granted it
+        self.granted: dict = {}           # holder -> region
+
+    def _end_read(self, holder) -> None:
+        self.readers.give_back(holder)
+        region = self.granted.pop(holder, None)
+        if region is not None:
+            users = self.reading[region]
+            del users[holder]
+            if not users:
+                del self.reading[region]
+                if region not in self.cached:
+                    self.slots.give_back(region)
+
+    def record(self, step: dict) -> Fn:
+        """One step as the trace module's record (every record has every field)."""
+        ev, effects = step["event"], step["effects"]
+        ok = _accepted(step)
+        act, by = ev["type"], step.get("by") or ""
+        fields = {"act": act, "ok": ok, "err": "" if ok else effects[0]["error"]["type"],
+                  "by": by, "k": NONE, "h": NONE, "s": NONE, "t": 0, "exp": 0,
+                  "ended": frozenset()}
+        holder = _holder(ev["holder"]) if "holder" in ev else None
+        if "key" in ev:
+            fields["k"] = self.keys(ev["key"])
+        if holder is not None:
+            fields["h"] = self.readers(holder)
+        if "region" in ev:
+            fields["s"] = self.slots(_region(ev["region"]))
+        if act == "Tick":
+            fields["t"] = self.ticks[ev["now"]]
+        for e in effects if ok else ():
+            kind = e["type"]
+            if kind in ("LeaseGranted", "LeaseRenewed", "LeaseReleased", "Reclaimed", "Cached"):
+                fields["k"] = self.keys(e["key"])
+            if kind in ("LeaseGranted", "Reclaimed", "Cached"):
+                fields["s"] = self.slots(_region(e["region"]))
+            if kind in ("LeaseGranted", "LeaseRenewed"):
+                fields["exp"] = self.ticks[e["expires"]]
+            elif kind == "LeaseEnded":
+                fields["ended"] |= {self.readers(_holder(e["holder"]))}
+                self.keys(e["key"])
+        record = Fn.of(fields)
+        # what the step changed in the use of model values, for the next steps
+        for e in effects if ok else ():
+            region = _region(e["region"]) if "region" in e else None
+            if e["type"] == "Cached":
+                self.cached.add(region)
+            elif e["type"] == "LeaseGranted":
+                self.reading.setdefault(region, {})[holder] = None
+                self.granted[holder] = region
+            elif e["type"] == "Reclaimed":
+                self.cached.discard(region)
+                if region not in self.reading:
+                    self.slots.give_back(region)
+        if holder is not None and not by and (
+                act == "Release" or (act == "Grant" and fields["err"] == "KeyNotFound")):
+            self._end_read(holder)
+        return record
 
 
 # --- the trace module ------------------------------------------------------------
