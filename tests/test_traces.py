@@ -421,6 +421,8 @@ def test_times_map_onto_ticks_keeping_order_and_the_ttl():
     order = sorted(ticks)
     assert [ticks[t] for t in order] == sorted(set(ticks.values()))   # strictly increasing
     assert ticks[12.2] < ticks[12.5] < ticks[12.6] < ticks[13.0] < ticks[13.1]
+    _, ticks = leasetrace.abstract_times(10.0, [9.0, 11.0], [(10.0, 12.0)])
+    assert ticks[9.0] < ticks[10.0] == 0 < ticks[11.0] < ticks[12.0]   # a Tick refused going back
 
 
 @pytest.mark.parametrize("content, says", [
@@ -431,6 +433,12 @@ def test_times_map_onto_ticks_keeping_order_and_the_ttl():
      "recovered directory of 2 object(s)"),
     ('{"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {}}}\n' * 2,
      "holds 2 runs"),
+    ('{"machine": "lease", "n": 1, "event": {"type": "Tick", "now": 1.0}, "effects": []}\n',
+     "no lease 'opened' line first"),
+    ('{"machine": "lease", "opened": {"ttl": 5.0, "now": 0.0, "quiet_until": 5.1, "objects": 3}}\n',
+     "opened with 3 recovered object(s)"),
+    ('{"machine": "lease", "opened": {"ttl": 5.0, "now": 0.0, "quiet_until": 0, "objects": 0}}\n' * 2,
+     "holds 2 lease tables"),
 ])
 def test_a_trace_that_cannot_be_checked_is_one_line_and_status_2(tmp_path, capsys, content, says):
     path = tmp_path / "t.trace"

@@ -146,16 +146,14 @@ def abstract_times(start: float, points: list[float],
                    links: list[tuple[float, float]]) -> tuple[int, dict[float, int]]:
     """Map the run's times onto the spec's ticks: ``(TTL, {time: tick})``.
 
-    ``start`` (the table's clock when it opened) maps to 0; distinct times map
+    ``start`` (the table's clock when it opened) maps to 0 (a time before it,
+    as a ``Tick`` refused for going back may carry, below 0); distinct times map
     to distinct ticks in the same order; each ``(granted, expires)`` link to
     ticks exactly TTL apart. Such a map exists whenever TTL exceeds the number
     of distinct times (a cycle of the constraints that gains must cross a link
     backwards, losing TTL); a smaller TTL is tried first (the largest number of
     times a link spans, then doubling), so that ticks read small."""
     values = sorted({start, *points, *(t for link in links for t in link)})
-    if values[0] != start:
-        raise TraceError(f"a recorded time ({values[0]}) is before the lease table opened "
-                         f"({start})")
     rank = {v: i for i, v in enumerate(values)}
     pairs = sorted({(rank[a], rank[b]) for a, b in links})
     into: list[list[int]] = [[] for _ in values]
@@ -173,7 +171,7 @@ def abstract_times(start: float, points: list[float],
             raise TraceError("the run's times cannot be mapped onto whole ticks "
                              "(an expiry closer to a grant than another's)")
         ttl *= 2
-    base = f[0]
+    base = f[rank[start]]     # a refused Tick's time may lie before it: below 0
     return ttl, {v: f[i] - base for i, v in enumerate(values)}
 
 
