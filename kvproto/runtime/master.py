@@ -405,7 +405,8 @@ class MasterCore:
         machine; commit only an accepted step. ``by``: why the master feeds a
         ``Release`` itself (recorded with ``trace``)."""
         self._ltick()
-        effects = self._lease_step(event, by)
+        effects = self.leases.step(event) if self.trace is None \
+            else self.trace.lease(self.leases, event, by)
         if effects and isinstance(effects[0], lm.Refused):
             return effects[0].error, effects
         return None, effects
@@ -414,19 +415,14 @@ class MasterCore:
         now = self.clock()
         if now <= self.leases.now:
             return
-        effects = self._lease_step(lm.Tick(now))
+        effects = self.leases.step(lm.Tick(now)) if self.trace is None \
+            else self.trace.lease(self.leases, lm.Tick(now))
         if effects and isinstance(effects[0], lm.Refused):
             return
         self.counters["lease_expiries"] += len(effects)
         if self.tenants is not None:
             for ended in effects:
                 self.tenants.release(ended.holder)
-
-    def _lease_step(self, event, by: Optional[str] = None) -> tuple:
-        """One step of the lease table, recorded with ``trace``."""
-        if self.trace is not None:
-            return self.trace.lease(self.leases, event, by)
-        return self.leases.step(event)
 
     def _lease_put(self, key: bytes, token: int) -> None:
         record = self.directory.objects.get(key)
