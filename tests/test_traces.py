@@ -227,10 +227,10 @@ def test_a_master_that_publishes_any_token_leaves_the_spec(tmp_path, monkeypatch
             raw.close()
     stale = steps_of(path, "PutEnd")[0]
     assert stale["effects"][0]["type"] == "Published"
-    verdict = check_one(path, "publish")
-    assert not verdict.ok and verdict.failed_step == stale["n"], verdict.message
     assert cli.main(["trace", "check", str(path)]) == 1
-    assert f"publish: step {stale['n']} " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"publish: step {stale['n']} (line " in out, out
+    assert "lease: all " in out, out                   # the lease steps are the spec's
 
 
 # --- the lease machine -----------------------------------------------------------
@@ -351,22 +351,12 @@ def _refuse_a_held_release(row):
     return True
 
 
-def _evict_the_leased(row):
-    """The eviction takes the held object: its lease is dropped first."""
-    if row["effects"][0]["type"] != "Refused" or "by" in row:
-        return False
-    row["by"], row["during"] = "dropped", {"n": 1, "type": "Remove"}
-    row["effects"] = [{"type": "LeaseReleased", "holder": row["event"]["holder"], "key": "ev11"}]
-    return True
-
-
 @needs_java
 @pytest.mark.parametrize("kind, change", [
     ("Grant", _grant_for_longer),
     ("Tick", _forget_an_expiry),
     ("Renew", _renew_the_expired),
     ("Release", _refuse_a_held_release),
-    ("Release", _evict_the_leased),
 ])
 def test_a_lease_step_changed_by_hand_is_rejected_with_its_number(leased, tmp_path, kind, change):
     bad = tmp_path / "bad.trace"
