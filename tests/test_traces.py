@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from hypothesis import given, settings, strategies as st
 
 import kvproto
 from kvproto import cli, errors
@@ -401,6 +402,23 @@ def test_a_master_whose_eviction_takes_leased_objects_leaves_the_spec(tmp_path, 
     assert not verdict["lease"].ok and verdict["lease"].failed_step == dropped[0]["n"], \
         verdict["lease"].message
     assert "by the master (dropped" in verdict["lease"].message
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 50.0), st.booleans()), max_size=60),
+       st.floats(0.01, 20.0))
+def test_any_run_of_times_maps_onto_ticks(times, ttl):
+    """Ticks and the expiries of grants among them (``t + ttl``): the map keeps
+    the order of every two times, puts the start at 0 and every expiry TTL
+    ticks after its grant."""
+    start = 100.0
+    points = [start + t for t, _ in times]
+    links = [(start + t, start + t + ttl) for t, granted in times if granted]
+    spec_ttl, ticks = leasetrace.abstract_times(start, points, links)
+    assert ticks[start] == 0 and spec_ttl >= 1
+    order = sorted(ticks)
+    assert all(ticks[a] < ticks[b] for a, b in zip(order, order[1:]))
+    assert all(ticks[b] - ticks[a] == spec_ttl for a, b in links)
 
 
 def test_times_map_onto_ticks_keeping_order_and_the_ttl():
