@@ -292,7 +292,8 @@ def lease_kinds(path: Path) -> set:
     for s in lines(path, "lease"):
         if "event" in s:
             refused = s["effects"] and s["effects"][0]["type"] == "Refused"
-            out.add(s["event"]["type"] + (" refused" if refused else "") + (" by " + s["by"] if "by" in s else ""))
+            by = " by " + s["by"] if "by" in s else ""
+            out.add(s["event"]["type"] + (" refused" if refused else "") + by)
     return out
 
 

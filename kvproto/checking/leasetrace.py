@@ -38,8 +38,10 @@ Mapping onto model values: keys, regions (slots) and holders (readers, one a
 lease) are numbered by first appearance; a reader is used again once its
 holder's read is over at the master (its own release, or a miss), and a slot
 once its object was reclaimed and no read in progress was granted it, so a
-long run needs only as many readers and slots as are in use at once. Times: the spec's clock counts ticks;
-the run's clock is the master's (seconds). Every time the run compares (each
+long run needs only as many readers and slots as are in use at once.
+
+Times: the spec's clock counts ticks; the run's clock is the master's
+(seconds). Every time the run compares (each
 ``Tick``, each expiry a ``Grant`` or ``Renew`` set, the time the table opened
 with) is mapped to a whole number of ticks, keeping their order and
 distinctness, the table's start at 0, and every expiry exactly ``TTL`` ticks
@@ -222,7 +224,8 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
         try:
             why = outside(step)
         except (KeyError, TypeError, AttributeError) as e:
-            raise TraceError(f"line {number}: a lease step the checker cannot read ({e!r})") from None
+            raise TraceError(f"line {number}: a lease step the checker cannot read "
+                             f"({e!r})") from None
         if why is not None:
             stopped, steps = (step.get("n"), number, why), steps[:i]
             break
@@ -239,7 +242,8 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
         try:
             records.append(m.record(step))
         except (KeyError, TypeError, AttributeError, IndexError) as e:
-            raise TraceError(f"line {number}: a lease step the checker cannot read ({e!r})") from None
+            raise TraceError(f"line {number}: a lease step the checker cannot read "
+                             f"({e!r})") from None
     keys, slots, readers = m.keys, m.slots, m.readers
     sizes = {"keys": len(keys.values()), "slots": len(slots.values()),
              "readers": len(readers.values())}
