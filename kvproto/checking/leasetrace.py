@@ -86,12 +86,16 @@ def lease_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict
         raise TraceError(f"the trace holds {len(opened)} lease tables (a master restarted or "
                          "took over on the same file); record one run per file")
     header = lines[0][1]["opened"]
-    if header.get("objects"):
-        raise TraceError(f"the lease table opened with {header['objects']} recovered "
-                         "object(s); only runs from an empty table are checked")
     if not isinstance(header.get("ttl"), (int, float)) or header["ttl"] <= 0 \
             or not isinstance(header.get("now"), (int, float)):
         raise TraceError(f"line {lines[0][0]}: the lease header needs a positive 'ttl' and 'now'")
+    listed = header.get("inherited", [])
+    if header.get("objects") and (not isinstance(listed, list) or len(listed) != header["objects"]
+                                  or not isinstance(header.get("quiet_until"), (int, float))):
+        raise TraceError(f"the lease table opened with {header['objects']} recovered "
+                         f"object(s) and lists {len(listed) if isinstance(listed, list) else 0} "
+                         "(a takeover's table is checked only when it lists them all, with its "
+                         "quiet period)")
     steps = lines[1:]
     for number, obj in steps:
         if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list):
@@ -102,6 +106,31 @@ def lease_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict
 def _accepted(step: dict) -> bool:
     effects = step["effects"]
     return not (effects and effects[0].get("type") == "Refused")
+
+
+def first_outside(header: dict, steps: list[tuple[int, dict]]) -> Optional[tuple[int, str]]:
+    """The index of the first step that leaves the world ``spec/Lease.tla``
+    models, and why (:func:`outside`), or None. After a takeover, that is also
+    a ``Disown`` that ends an inherited object's quiet period early (an
+    operator's forced remove of it, or its segment lost): the spec keeps it
+    leased until one TTL after the takeover."""
+    quiet = set(_key(k) for k, _ in header.get("inherited", ()))
+    now, until = header["now"], header.get("quiet_until", 0)
+    for i, (_, step) in enumerate(steps):
+        ev = step["event"]
+        if ev["type"] == "Tick" and _accepted(step):
+            now = ev["now"]
+        elif ev["type"] == "Disown" and _accepted(step) and _key(ev["key"]) in quiet \
+                and now < until:
+            return i, ("an inherited object stopped counting as leased before one TTL after "
+                       "the takeover (an operator's forced remove, or its segment lost)")
+        for e in step["effects"] if _accepted(step) else ():
+            if e["type"] == "Reclaimed":
+                quiet.discard(_key(e["key"]))
+        why = outside(step)
+        if why is not None:
+            return i, why
+    return None
 
 
 def outside(step: dict) -> Optional[str]:
@@ -180,6 +209,10 @@ def abstract_times(start: float, points: list[float],
 # --- mapping onto model values ---------------------------------------------------
 
 
+def _key(k):
+    return tuple(k) if isinstance(k, list) else k
+
+
 def _holder(h) -> tuple:
     return tuple(h) if isinstance(h, list) else (h,)
 
@@ -198,12 +231,15 @@ class TraceModel:
     numbers: tuple      # (recorded n, file line) per record
     ticks: dict         # the run's time -> the spec's tick
     stopped: Optional[tuple] = None   # (recorded n, line, why) of the first step not checked
+    taken: int = 0      # records before the recorded steps: a takeover's Puts and Takeover
 
 
 def _times(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, dict]:
     """The run's times and expiry links (:func:`abstract_times`)."""
     ttl, now = header["ttl"], header["now"]
     points, links = [], []
+    if header.get("inherited"):
+        links.append((now, now + ttl))          # the spec's quietUntil: one TTL after takeover
     for _, step in steps:
         ev = step["event"]
         if ev["type"] == "Tick":
@@ -220,15 +256,13 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
     """Map a lease run onto model values (see the module docstring); raise
     :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape."""
     stopped = None
-    for i, (number, step) in enumerate(steps):
-        try:
-            why = outside(step)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise TraceError(f"line {number}: a lease step the checker cannot read "
-                             f"({e!r})") from None
-        if why is not None:
-            stopped, steps = (step.get("n"), number, why), steps[:i]
-            break
+    try:
+        cut = first_outside(header, steps)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"a lease step the checker cannot read ({e!r})") from None
+    if cut is not None:
+        number, step = steps[cut[0]]
+        stopped, steps = (step.get("n"), number, cut[1]), steps[:cut[0]]
     if len(steps) > LIMITS["steps"]:
         raise TraceError(f"the run has {len(steps)} lease steps; at most {LIMITS['steps']} are "
                          "checked (record a shorter run)")
@@ -237,7 +271,16 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
     except (KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"a lease step the checker cannot read ({e!r})") from None
     m = _Mapping(ticks)
-    records = []
+    # a takeover: the spec's Put of each recovered object, then its Takeover
+    taken = [{"event": {"type": "Put", "key": k, "region": r},
+              "effects": [{"type": "Cached", "key": k, "region": r}]}
+             for k, r in header.get("inherited", ())]
+    if taken:
+        taken.append({"event": {"type": "Takeover"}, "effects": []})
+    try:
+        records = [m.record(step) for step in taken]
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise TraceError(f"the recovered objects the checker cannot read ({e!r})") from None
     for number, step in steps:
         try:
             records.append(m.record(step))
@@ -256,10 +299,11 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
     reader_values = readers.values() or [ModelValue("rd1")]
     constants = {"Keys": frozenset(key_values), "Slots": frozenset(slot_values),
                  "Readers": frozenset(reader_values), "TTL": ttl, "MaxSkew": 0,
-                 "MaxTime": max(ticks.values()), "MaxTakeovers": 0, "None": NONE}
+                 "MaxTime": max(ticks.values()), "MaxTakeovers": 1 if taken else 0,
+                 "None": NONE}
     values = tuple(dict.fromkeys([*key_values, *slot_values, *reader_values]))
     return TraceModel(constants, tuple(records), values,
-                      tuple((s.get("n"), n) for n, s in steps), ticks, stopped)
+                      tuple((s.get("n"), n) for n, s in steps), ticks, stopped, len(taken))
 
 
 class _Pool:
@@ -408,6 +452,7 @@ Accepted(r) ==
     \/ r.act = "Evict" /\ Present(r.k) /\ dir[r.k] = r.s /\ Evict(r.k)
     \/ /\ r.act = "Disown" /\ Present(r.k) /\ ~(r.k \in inherited /\ now < quietUntil)
        /\ UNCHANGED vars
+    \/ r.act = "Takeover" /\ Takeover
 
 \* A refused event: the spec's miss ends the read; a reader's release of a
 \* lease that already ended ends its read; anything else changes nothing, and
@@ -482,7 +527,7 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
     model = to_model(header, steps)
     result = run_module("Lease", "LeaseTrace", module_text(model), cfg_text(model),
                         keep=keep, on_output=on_output)
-    n = len(model.records)
+    n = len(model.records) - model.taken
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
                   machine="lease")
     if result.verdict == "ok":
@@ -493,7 +538,10 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
                        f"step {recorded} (line {line}) and after are not checked: {why}")
         return Verdict(True, message=message, **common)
     if result.verdict == "deadlock" and result.trace:
-        i = result.trace[-1].state["pos"]
+        i = result.trace[-1].state["pos"] - model.taken
+        if i < 1:
+            raise TraceError("the recovered objects the lease table opened with are not a "
+                             "state the spec reaches by Put and Takeover")
         recorded, line = model.numbers[i - 1]
         step = steps[i - 1][1]
         return Verdict(False, failed_step=recorded, line=line, **common,

@@ -57,7 +57,7 @@ from kvproto.checking import leasetrace
 from kvproto.checking.tla import Fn, ModelValue, format_value
 from kvproto.checking.tracerun import Numbered, TraceError, Verdict, failure, run_module
 
-__all__ = ["TraceError", "Verdict", "check", "check_run", "read", "publish_run", "describe"]
+__all__ = ["TraceError", "Verdict", "check", "check_each", "check_run", "read", "publish_run", "describe"]
 
 NONE = ModelValue("None")
 NOBODY = ModelValue("wr0")
@@ -358,17 +358,38 @@ def check(path: "str | Path", *, keep: Optional[Path] = None,
     (``spec/Publish.tla``, ``spec/Lease.tla``): a verdict per machine present,
     publish first. With ``keep``, the generated modules and cfgs are written
     there (else to a temporary directory)."""
+    verdicts = {}
+    for machine, verdict in check_each(path, keep=keep, on_output=on_output).items():
+        if isinstance(verdict, TraceError):
+            raise TraceError(f"{machine}: {verdict}")
+        verdicts[machine] = verdict
+    return verdicts
+
+
+def check_each(path: "str | Path", *, keep: Optional[Path] = None,
+               on_output: Optional[Callable[[str], None]] = None
+               ) -> "dict[str, Verdict | TraceError]":
+    """:func:`check`, with the error of a machine that cannot be checked (a
+    master that took over: its publish run starts from a recovered directory)
+    in place of its verdict, so that the other machines are still checked.
+    Raises :class:`TraceError` only for a file that cannot be read."""
     lines = read(path)
     if not any(lines.values()):
         raise TraceError(f"{path} holds no recorded step")
-    verdicts = {}
-    if lines["publish"]:
-        header, steps = publish_run(lines["publish"])
-        verdicts["publish"] = check_run(header, steps, keep=keep, on_output=on_output)
-    if lines["lease"]:
-        verdicts["lease"] = leasetrace.check_lines(lines["lease"], keep=keep,
-                                                   on_output=on_output)
-    return verdicts
+    out: "dict[str, Verdict | TraceError]" = {}
+    for machine in MACHINES:
+        if not lines[machine]:
+            continue
+        try:
+            if machine == "publish":
+                header, steps = publish_run(lines[machine])
+                out[machine] = check_run(header, steps, keep=keep, on_output=on_output)
+            else:
+                out[machine] = leasetrace.check_lines(lines[machine], keep=keep,
+                                                      on_output=on_output)
+        except TraceError as e:
+            out[machine] = e
+    return out
 
 
 def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
@@ -427,12 +448,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        verdicts = check(args.file, keep=args.keep)
+        verdicts = check_each(args.file, keep=args.keep)
     except (TraceError, FileNotFoundError) as e:
         print(f"kvproto trace: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    status = 0
     for machine, verdict in verdicts.items():
+        if isinstance(verdict, TraceError):
+            print(f"kvproto trace: {machine}: {' '.join(str(verdict).split())}", file=sys.stderr)
+            status = status or 2
+            continue
         states = "?" if verdict.distinct_states is None else f"{verdict.distinct_states:,}"
         print(f"{args.file}: {machine}: {verdict.message} ({states} distinct states, "
               f"{verdict.seconds:.1f}s)")
-    return 0 if all(v.ok for v in verdicts.values()) else 1
+        if not verdict.ok:
+            status = 1
+    return status

@@ -28,7 +28,8 @@ are lists; an enum is its value; an error is ``{"type": its class name,
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
 * ``{"machine": "lease", "opened": {"ttl": T, "now": T, "quiet_until": T,
   "objects": N}}`` before the first step of a lease table (at start, and
-  after each takeover, whose table holds every recovered object);
+  after each takeover, whose table holds every recovered object, inherited:
+  up to :data:`INHERITED_LISTED` of them are listed in ``"inherited"``);
 * ``{"machine": "lease", "n": N, "event": ..., "effects": [...]}`` per step
   of the lease table (a ``Tick`` whenever the master reads its clock for it).
   A ``Release`` the master feeds itself, not asked by the lease's reader, has
@@ -53,6 +54,10 @@ from kvproto import errors
 
 #: the environment variable that turns recording on (a file path)
 ENV = "KVPROTO_TRACE"
+
+#: a lease table that opens with at most this many objects (a takeover's)
+#: lists them, ``[key, region]`` each, in its ``opened`` line
+INHERITED_LISTED = 1000
 
 
 def encode(value: Any) -> Any:
@@ -122,9 +127,12 @@ class Recorder:
         ``opened`` line."""
         if table is not self._table:
             self._table = table
-            self._write({"machine": "lease", "opened": {
-                "ttl": table.ttl, "now": table.now, "quiet_until": table.quiet_until,
-                "objects": len(table.objects)}})
+            opened = {"ttl": table.ttl, "now": table.now, "quiet_until": table.quiet_until,
+                      "objects": len(table.objects)}
+            if 0 < len(table.objects) <= INHERITED_LISTED:
+                opened["inherited"] = [[encode(key), encode(obj.region)]
+                                       for key, obj in table.objects.items() if obj.inherited]
+            self._write({"machine": "lease", "opened": opened})
         effects = table.step(event)
         self._ln += 1
         line = {"machine": "lease", "n": self._ln, "event": encode(event),
