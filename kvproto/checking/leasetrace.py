@@ -49,8 +49,17 @@ after the grant or renewal that set it (:func:`abstract_times`); so every
 comparison the runtime made (``expires <= now``, ``expires > now``) has the
 same outcome in the spec. An expiry the runtime recorded that is not its
 ``now + ttl`` keeps its order among the others but not that distance, and
-fails at its step. Checked runs start from a table with no object (one run per
-file).
+fails at its step.
+
+One run per file. A master that took over opens its table with the objects it
+recovered, all inherited, and lists them: the trace then starts with the
+spec's ``Put`` of each at tick 0 and its ``Takeover``, after which they count
+as leased until one ``TTL`` later (the time map links the table's opening
+time to that time plus the lease TTL). The runtime keeps them leased longer (a
+margin for the clocks' rates), so a remove it allowed after its own quiet
+period is after the spec's too. A ``Disown`` that ends an inherited object's
+quiet period early (an operator's forced remove, its segment lost) leaves
+the spec's world, like a forced release (:func:`first_outside`).
 """
 
 from __future__ import annotations
