@@ -135,6 +135,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FAILOVER}::TestFailoverCores::runTest",
          f"{FAILOVER}::test_a_freed_token_is_never_issued_again_by_the_next_master")),
     Mutant(
+        "new-master-forgets-leases",
+        "a new master counts nothing it recovered as leased (no quiet period), "
+        "so it removes or evicts an object a lease of the old master may still protect",
+        _one(MASTER, "                                        quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)\n"
+                     "                                        + self.INHERIT_MARGIN_S)\n",
+             "                                        quiet=0)\n"),
+        ("tests/runtime/test_master_failover.py::"
+         "test_a_new_master_keeps_what_it_recovered_leased_for_one_lease_ttl",
+         "tests/runtime/test_takeover_trace.py::"
+         "test_a_new_masters_lease_trace_is_a_behaviour_of_the_spec"),
+        twin="Lease_Weak_ForgetLeasesOnTakeover"),
+    Mutant(
         "node-forgets-tokens-seen",
         "a storage node does not report the highest token it was assigned, "
         "so the next master's token floor misses freed tokens",
@@ -156,7 +168,8 @@ MUTANTS: tuple[Mutant, ...] = (
          Edit(MASTER, "            if self.leases.reclaimable(key) is not None:\n"
                       "                continue\n",
               "            pass\n")),
-        (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",),
+        (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",
+         "tests/test_traces.py::test_a_recorded_lease_run_is_a_behaviour_of_the_spec"),
         twin="Lease_Weak_EvictIgnoresLeases"),
     Mutant(
         "put-retry-not-abandoned",

@@ -244,8 +244,9 @@ class MasterCore:
         #: master's clock, fed as ``Tick`` events; it also keeps the eviction
         #: recency (last put, grant, renewal or read)
         self.leases = LeaseCore(float(lease_ttl), rows=self.directory.rows)
-        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory is
-        #: recorded as a JSON line, for ``kvproto trace check`` (runtime/tracing.py)
+        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory and
+        #: of the lease table is recorded as a JSON line, for ``kvproto trace
+        #: check`` (runtime/tracing.py)
         trace = trace or os.environ.get(tracing.ENV)
         self.trace: Optional[tracing.Recorder] = tracing.Recorder(trace) if trace else None
         self.high_watermark = float(high_watermark)
@@ -404,11 +405,13 @@ class MasterCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _lstep(self, event) -> tuple[Optional[errors.KvError], tuple]:
+    def _lstep(self, event, by: Optional[str] = None) -> tuple[Optional[errors.KvError], tuple]:
         """Feed the master's clock (``Tick``), then ``event``, to the lease
-        machine; commit only an accepted step."""
+        machine; commit only an accepted step. ``by``: why the master feeds a
+        ``Release`` itself (recorded with ``trace``)."""
         self._ltick()
-        effects = self.leases.step(event)
+        effects = self.leases.step(event) if self.trace is None \
+            else self.trace.lease(self.leases, event, by)
         if effects and isinstance(effects[0], lm.Refused):
             return effects[0].error, effects
         return None, effects
@@ -417,7 +420,8 @@ class MasterCore:
         now = self.clock()
         if now <= self.leases.now:
             return
-        effects = self.leases.step(lm.Tick(now))
+        effects = self.leases.step(lm.Tick(now)) if self.trace is None \
+            else self.trace.lease(self.leases, lm.Tick(now))
         if effects and isinstance(effects[0], lm.Refused):
             return
         self.counters["lease_expiries"] += len(effects)
@@ -444,7 +448,7 @@ class MasterCore:
         if key not in self.leases.objects:
             return
         for holder in self.leases.holders(key):
-            self._lstep(lm.Release(holder))
+            self._lstep(lm.Release(holder), by="dropped")
         if self.leases.is_inherited(key):
             self._lstep(lm.Disown(key))
         err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
@@ -904,7 +908,7 @@ class MasterCore:
                                 key, len(self.leases.holders(key)),
                                 " and the previous master's" if self.leases.is_inherited(key) else "")
                     for holder in self.leases.holders(key):
-                        self._lstep(lm.Release(holder))
+                        self._lstep(lm.Release(holder), by="forced")
                         if self.tenants is not None:
                             self.tenants.release(holder)
                     self._lstep(lm.Disown(key))
