@@ -1,7 +1,8 @@
 """The fast cores (kvproto/cores) against their reference machines, same run.
 
     PYTHONPATH=. python bench/cores.py [--objects 1000000] [--memory 1000000,10000000]
-                                       [--only steps,memory,rebuild] [--json out.json]
+                                       [--only steps,memory,rebuild,pool] [--blocks 2048]
+                                       [--json out.json]
 
 ``steps``: time per step in a tight loop with no I/O, on a master holding
 ``--objects`` published objects (2 replicas, 24-byte keys): PutStart+PutEnd of
@@ -26,6 +27,14 @@ keys blob with offsets, as a columnar index frame decodes):
 reference ``publish.restored`` + ``lease.restored_table`` fed the same
 objects (a tenth as many, scaled), and against the floor: a dict of the keys
 sliced from the blob to row ints, nothing else.
+
+``pool``: time per block of a copy unit's life in the client's pool (a
+request holding ``--blocks`` of twice as many blocks): ``Acquire``, ``Issue``
+(one unit), ``Complete``, ``Consume``, ``Release`` of every block, on
+``PoolCore`` (a run of blocks in one ``step_all``; completions one by one, as
+the copier observes them) and on the reference (``timeout.pool_step`` per
+event, as the runtime stepped it before); median of ``--repeat`` rounds. A
+plain dict store per block is the floor.
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ import numpy as np
 
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
-from kvproto.statemachines import lease as L, publish as P
+from kvproto.cores.pool import PoolCore
+from kvproto.statemachines import lease as L, publish as P, timeout as T
 
 SIZE = 4096
 TTL = 5.0
@@ -207,7 +217,8 @@ sys.path.insert(0, sys.argv[3])
 from bench.cores import CAPACITIES, SEGMENTS, SIZE, TTL, core_master, key_of
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
-from kvproto.statemachines import lease as L, publish as P
+from kvproto.cores.pool import PoolCore
+from kvproto.statemachines import lease as L, publish as P, timeout as T
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -296,9 +307,56 @@ def rebuild_bench(n: int, repeat: int) -> dict:
             "dict_objects_per_s": n / floor, "speedup": ref_s / core}
 
 
+def pool_bench(blocks: int, repeat: int) -> list[dict]:
+    """Per block: each phase of a copy unit's life, core against reference."""
+    names = [f"blk{i}" for i in range(2 * blocks)]
+    mine = names[:blocks]
+    phases = {
+        "acquire": [T.Acquire("g", b) for b in mine],
+        "issue": [T.Issue("g", b) for b in mine],
+        "complete": [T.Complete(g, b) for g, b in enumerate(mine, start=1)],
+        "consume": [T.Consume("g", b) for b in mine],
+        "release": [T.Release("g", b) for b in mine],
+    }
+    times: dict = {(phase, side): [] for phase in phases for side in ("core", "reference")}
+    for _ in range(repeat):
+        core = PoolCore(names)
+        core.step(T.StartRequest("g"))
+        for phase, events in phases.items():
+            t0 = time.perf_counter()
+            if phase == "complete":
+                for ev in events:
+                    core.step(ev)
+            else:
+                core.step_all(events)
+            times[(phase, "core")].append(time.perf_counter() - t0)
+        ref, _ = T.pool_step(T.new_pool(names), T.StartRequest("g"))
+        for phase, events in phases.items():
+            t0 = time.perf_counter()
+            for ev in events:
+                ref, _ = T.pool_step(ref, ev)
+            times[(phase, "reference")].append(time.perf_counter() - t0)
+        assert core.reference() == ref
+    floor: list = []
+    for _ in range(repeat):
+        d: dict = {}
+        t0 = time.perf_counter()
+        for b in mine:
+            d[b] = 1
+        floor.append(time.perf_counter() - t0)
+    dict_us = statistics.median(floor) / blocks * 1e6
+    rows = []
+    for phase in phases:
+        core_us = statistics.median(times[(phase, "core")]) / blocks * 1e6
+        ref_us = statistics.median(times[(phase, "reference")]) / blocks * 1e6
+        rows.append({"phase": phase, "blocks": blocks, "core_us": core_us, "reference_us": ref_us,
+                     "speedup": ref_us / core_us, "dict_us": dict_us})
+    return rows
+
+
 # --------------------------------------------------------------------------
 
-SECTIONS = ("steps", "memory", "rebuild")
+SECTIONS = ("steps", "memory", "rebuild", "pool")
 
 
 def main(argv=None) -> int:
@@ -308,6 +366,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--memory", default="1000000,10000000",
                         help="object counts for the memory figures, comma-separated")
+    parser.add_argument("--blocks", type=int, default=2048, help="blocks of the pool figures' copy unit")
     parser.add_argument("--only", default=",".join(SECTIONS))
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
@@ -328,6 +387,12 @@ def main(argv=None) -> int:
         print(f"rebuild of {r['objects']:,} objects from columns: core {r['core_objects_per_s']:,.0f}/s"
               f", reference {r['reference_objects_per_s']:,.0f}/s, x{r['speedup']:.0f}"
               f" (a dict of the keys alone from the blob: {r['dict_objects_per_s']:,.0f}/s)")
+    if "pool" in only:
+        out["pool"] = pool_bench(args.blocks, args.repeat)
+        print(f"client pool, per block of a {args.blocks}-block copy unit (median of {args.repeat}):")
+        for r in out["pool"]:
+            print(f"  {r['phase']:<9} core {r['core_us']:6.2f} us  reference {r['reference_us']:8.1f} us"
+                  f"  x{r['speedup']:.0f}  dict store {r['dict_us']:.2f} us")
     if "memory" in only:
         out["memory"] = memory_bench([int(x) for x in args.memory.split(",")])
         print("memory per published object (directory + lease table + recency):")

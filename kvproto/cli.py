@@ -7,7 +7,8 @@ verdict with the expectation in the cfg's header (see :mod:`kvproto.checking.tlc
 measures it (with ``--metrics-port``, Prometheus metrics too); ``kvproto stats``
 prints a running cluster's figures; ``kvproto plan`` plans capacity, objects
 and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
-tenant's token or checks a tenants file; ``kvproto chaos`` runs the fault
+tenant's token or checks a tenants file, ``kvproto ns`` steps a tenant's namespaces
+through their upgrade lifecycle; ``kvproto chaos`` runs the fault
 matrix, ``kvproto fuzz`` fuzzes frames, ``kvproto mutate`` runs the
 runtime mutants and ``kvproto trace check`` has TLC check a master's recorded
 run (:mod:`kvproto.checking`);
@@ -407,17 +408,31 @@ def _tenants_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", default=None, metavar="FILE",
                         help="a tenants file (TOML, see 'kvproto tenant check'): every request "
                              "must carry a tenant's token (default: none, one shared key space)")
+    parser.add_argument("--ticket-key", default=None, metavar="FILE",
+                        help="with --tenants (required): the file holding the key of the read "
+                             "tickets, the same for the master and every storage node "
+                             "('kvproto tenant key' makes one)")
 
 
 def _tenants(command: str, args: argparse.Namespace):
-    """The tenants of ``--tenants`` (``()`` without it), or ``None`` after
-    printing the one-line mistake."""
+    """``{"tenants": ..., "ticket_key": ...}`` of ``--tenants`` and
+    ``--ticket-key`` (empty without them), or ``None`` after printing the
+    one-line mistake."""
     if args.tenants is None:
-        return ()
+        if args.ticket_key is not None:
+            print(f"kvproto {command}: --ticket-key goes with --tenants", file=sys.stderr)
+            return None
+        return {}
+    if args.ticket_key is None:
+        print(f"kvproto {command}: --tenants needs --ticket-key FILE, the key of the read "
+              "tickets shared by the master and its storage nodes ('kvproto tenant key')",
+              file=sys.stderr)
+        return None
     from .errors import KvError
-    from .ops.tenants import load_tenants
+    from .ops.tenants import load_ticket_key, load_tenants
     try:
-        return load_tenants(args.tenants)
+        return {"tenants": load_tenants(args.tenants),
+                "ticket_key": load_ticket_key(args.ticket_key)}
     except KvError as err:
         print(f"kvproto {command}: {err}", file=sys.stderr)
         return None
@@ -474,8 +489,8 @@ def master(args: argparse.Namespace) -> int:
                    advertise=args.advertise, fence_timeout=args.fence_timeout,
                    log_level=args.log_level or ("INFO" if coordinator is not None else "WARNING"),
                    metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                   tenants=tenants, trace=args.trace, repair_rate=args.repair_rate,
-                   max_repairs=args.max_repairs)
+                   trace=args.trace, repair_rate=args.repair_rate,
+                   max_repairs=args.max_repairs, **tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         if coordinator is not None:
             coordinator.close()
@@ -519,7 +534,7 @@ def storage(args: argparse.Namespace) -> int:
     try:
         run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
                     page_size=args.page_size, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host, tenants=tenants)
+                    metrics_host=args.metrics_host, **tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         return _fail("storage", _start_failure(e, args.listen))
     return 0
@@ -644,6 +659,16 @@ def tenant(args: argparse.Namespace) -> int:
     return tenants.main(args)
 
 
+def _ns_arguments(parser: argparse.ArgumentParser) -> None:
+    from .ops import nscli
+    nscli.add_arguments(parser)
+
+
+def ns(args: argparse.Namespace) -> int:
+    from .ops import nscli
+    return nscli.main(args)
+
+
 # --- subcommands ----------------------------------------------------------------
 
 # name -> (help, add_arguments(parser), handler(args) -> exit code).
@@ -664,6 +689,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               _stats_arguments, stats),
     "tenant": ("make a tenant's secret token, or check a tenants file (quotas, namespaces, grants)",
                _tenant_arguments, tenant),
+    "ns": ("a tenant's namespaces at a running master: list them, or create, prewarm, switch, "
+           "route back or drop one (the upgrade lifecycle)", _ns_arguments, ns),
     "chaos": ("run the fault matrix: real processes, faults at chosen protocol phases, every "
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "

@@ -269,6 +269,12 @@ class UnknownNamespace(KvError):
     code = 84
 
 
+class TicketRefused(KvError):
+    """A storage node with tenants refuses a read without a valid read ticket of the
+    requesting tenant for that location (missing, forged, another's, or expired)."""
+    code = 85
+
+
 # --- 90..99: engines: chunk objects and prefill -> decode hand-off -----------
 
 class LayoutMismatch(KvError):

@@ -97,3 +97,27 @@ def test_a_weakened_fast_core_is_caught(tlc_graph, monkeypatch):
     report = compare(graph, FAST_BINDINGS["Publish"].graph(constants))
     assert not report.ok
     assert "PutEnd" in report.describe()
+
+
+@pytest.mark.tlc
+def test_a_weakened_fast_pool_is_caught(tlc_graph, monkeypatch):
+    """The fast pool takes a timed-out copy for one still in flight when its
+    completion arrives (the Timeout_Weak_AcceptLate flaw, in the core): the
+    late bytes are handed to the request, and the graph differs from TLC's."""
+    from kvproto.cores.pool import PoolCore
+    from kvproto.statemachines import timeout
+
+    original = PoolCore._complete
+
+    def accept_late(self, ev):
+        t = self._xfers.get(ev.gen)
+        if t is not None and t.buffer == ev.buffer and t.state is timeout.XferState.TIMEDOUT:
+            self._xfers[ev.gen] = timeout.Transfer(t.gen, t.request, t.buffer)
+        return original(self, ev)
+
+    model = next(m for m in MODELS if m.name == "Timeout_Small")
+    graph = tlc_graph(model)
+    monkeypatch.setattr(PoolCore, "_complete", accept_late)
+    report = compare(graph, FAST_BINDINGS["Timeout"].graph(tlc.cfg_constants(model.cfg.read_text())))
+    assert not report.ok
+    assert "Complete" in report.describe()

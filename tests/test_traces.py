@@ -1,13 +1,16 @@
-"""Runtime traces checked by TLC (``kvproto trace check``, :mod:`kvproto.checking.traces`).
+"""Runtime traces checked by TLC (``kvproto trace check``, :mod:`kvproto.checking.traces`,
+:mod:`kvproto.checking.leasetrace`).
 
-A real run of an embedded cluster records its master's publish steps; TLC
-finds every step to be a step of ``spec/Publish.tla``. The check can fail: a
-trace with one step's effects changed by hand is rejected at that step, and so
-is the run of a master whose directory publishes whatever token ``PutEnd``
-names."""
+A real run of an embedded cluster records its master's publish and lease
+steps; TLC finds every step to be a step of ``spec/Publish.tla`` and of
+``spec/Lease.tla``. The check can fail: a trace with one step changed by hand
+is rejected at that step, and so is the run of a master whose directory
+publishes whatever token ``PutEnd`` names, and the run of a master whose
+eviction takes leased objects."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -15,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from hypothesis import given, settings, strategies as st
 
 import kvproto
 from kvproto import cli, errors
-from kvproto.checking import traces
+from kvproto.checking import leasetrace, traces
+from kvproto.cores import leases as lease_core
 from kvproto.cores.directory import DirectoryCore
 from kvproto.runtime import tracing, wire
 from kvproto.statemachines.publish import Published
@@ -50,12 +55,21 @@ class Raw:
         self.sock.close(linger=0)
 
 
-def lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def lines(path: Path, machine: str = None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in rows if machine is None or r["machine"] == machine]
 
 
-def steps_of(path: Path, kind: str) -> list[dict]:
-    return [s for s in lines(path) if s.get("event", {}).get("type") == kind]
+def steps_of(path: Path, kind: str, machine: str = "publish") -> list[dict]:
+    return [s for s in lines(path, machine) if s.get("event", {}).get("type") == kind]
+
+
+def check_one(path: Path, machine: str) -> traces.Verdict:
+    """One machine's verdict (one TLC run, where ``traces.check`` runs one a machine)."""
+    recorded = traces.read(path)[machine]
+    if machine == "lease":
+        return leasetrace.check_lines(recorded)
+    return traces.check_run(*traces.publish_run(recorded))
 
 
 def stale_put_end(cluster, raw: Raw) -> tuple[int, int]:
@@ -116,20 +130,27 @@ def test_a_run_records_every_kind_of_step(recorded):
 
 @needs_java
 def test_a_recorded_run_is_a_behaviour_of_the_spec(recorded, tmp_path, capsys):
-    verdict = traces.check(recorded, keep=tmp_path)
+    verdicts = traces.check(recorded, keep=tmp_path)
+    assert list(verdicts) == ["publish", "lease"]
+    verdict = verdicts["publish"]
     assert verdict.ok, verdict.message
-    assert verdict.steps == len(lines(recorded)) - 1
+    assert verdict.steps == len(lines(recorded, "publish")) - 1
+    assert verdicts["lease"].ok, verdicts["lease"].message
     assert "EXTENDS Publish" in (tmp_path / "PublishTrace.tla").read_text()
+    assert "EXTENDS Lease" in (tmp_path / "LeaseTrace.tla").read_text()
     assert cli.main(["trace", "check", str(recorded)]) == 0
-    assert f"all {verdict.steps} steps are steps of spec/Publish.tla" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"publish: all {verdict.steps} steps are steps of spec/Publish.tla" in out
+    assert "lease: " in out and "spec/Lease.tla" in out
 
 
-def corrupt(path: Path, out: Path, kind: str, change) -> int:
+def corrupt(path: Path, out: Path, kind: str, change, machine: str = "publish") -> int:
     """Write ``path`` to ``out`` with ``change`` applied to the first step of
-    ``kind`` it accepts (returns True); that step's number."""
+    ``machine`` and ``kind`` it accepts (returns True); that step's number."""
     rows, n = lines(path), None
     for row in rows:
-        if n is None and row.get("event", {}).get("type") == kind and change(row):
+        if n is None and row["machine"] == machine and row.get("event", {}).get("type") == kind \
+                and change(row):
             n = row["n"]
     assert n is not None, f"no {kind} step to corrupt"
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -176,7 +197,7 @@ def _refuse_a_read(row):
 def test_a_step_changed_by_hand_is_rejected_with_its_number(recorded, tmp_path, kind, change):
     bad = tmp_path / "bad.trace"
     n = corrupt(recorded, bad, kind, change)
-    verdict = traces.check(bad)
+    verdict = check_one(bad, "publish")
     assert not verdict.ok
     assert verdict.failed_step == n, verdict.message
     assert f"step {n} " in verdict.message and kind in verdict.message
@@ -207,10 +228,266 @@ def test_a_master_that_publishes_any_token_leaves_the_spec(tmp_path, monkeypatch
             raw.close()
     stale = steps_of(path, "PutEnd")[0]
     assert stale["effects"][0]["type"] == "Published"
-    verdict = traces.check(path)
-    assert not verdict.ok and verdict.failed_step == stale["n"], verdict.message
     assert cli.main(["trace", "check", str(path)]) == 1
-    assert f"step {stale['n']} " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"publish: step {stale['n']} (line " in out, out
+    assert "lease: all " in out, out                   # the lease steps are the spec's
+
+
+# --- the lease machine -----------------------------------------------------------
+
+KiB = 1024
+TTL = 2.0
+
+
+def fill(c, keys, size=100 * KiB) -> None:
+    """Put ``size`` bytes under each key, waiting out NoSpace while the regions
+    an eviction freed drain at their node."""
+    for k in keys:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                c.put(k, k * (size // len(k)) + b"." * (size % len(k)))
+                break
+            except errors.NoSpace:
+                assert time.monotonic() < deadline, "the evicted regions were never freed"
+                time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def leased(tmp_path_factory) -> Path:
+    """A short real run of the lease table (one 1 MiB segment, a 2 s lease):
+    gets (each a lease, released with the next request), a lease held and
+    renewed while eviction passes over its object, its release and the
+    eviction that then takes it, a lease left to expire (its renewal refused,
+    its late release refused), and at the end an operator's forced remove of a
+    leased object. Nothing is asserted here (a mutant may change the run)."""
+    path = tmp_path_factory.mktemp("traces") / "leases.trace"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(tracing.ENV, str(path))
+        with kvproto.embedded(storage_nodes=1, segment_size="1MiB", lease_ttl=TTL) as cluster:
+            c = cluster.client()
+            keys = [f"ev{i}".encode() for i in range(12)]
+            fill(c, keys[:9])                             # 900 KiB of 1 MiB: under 0.90
+            (held,) = c.read_begin([keys[0]])             # ev0: held, and least recent below
+            c.renew([held])
+            for k in keys[1:9]:
+                c.get(k)
+            fill(c, keys[9:10])                           # past the watermark: ev1, ev2 go
+            with contextlib.suppress(errors.LeaseExpired):   # what a mutant evicting ev0 answers
+                c.release([held])
+            fill(c, keys[10:12])                          # past it again: ev0 goes
+            (late,) = c.read_begin([keys[11]])
+            time.sleep(TTL + 0.1)                         # granted before this: expired
+            c.renew([late])                               # LeaseExpired
+            with pytest.raises(errors.LeaseExpired):
+                c.release([late])
+            c.read_begin([keys[10]])
+            c.remove(keys[10], force=True)
+    return path
+
+
+def lease_kinds(path: Path) -> set:
+    out = set()
+    for s in lines(path, "lease"):
+        if "event" in s:
+            refused = s["effects"] and s["effects"][0]["type"] == "Refused"
+            by = " by " + s["by"] if "by" in s else ""
+            out.add(s["event"]["type"] + (" refused" if refused else "") + by)
+    return out
+
+
+def test_a_lease_run_records_every_kind_of_step(leased):
+    assert lease_kinds(leased) >= {"Tick", "Put", "Grant", "Renew", "Renew refused", "Release",
+                                   "Release refused", "Evict", "Remove", "Release by forced"}
+    ended = [s for s in steps_of(leased, "Tick", "lease") if s["effects"]]
+    assert ended and ended[0]["effects"][0]["type"] == "LeaseEnded"
+    header = lines(leased, "lease")[0]["opened"]
+    assert header["ttl"] == TTL and header["objects"] == 0
+
+
+@needs_java
+def test_a_recorded_lease_run_is_a_behaviour_of_the_spec(leased, tmp_path):
+    """Every lease step up to the forced remove is a step of spec/Lease.tla;
+    the forced remove (outside the spec) is where checking stops."""
+    verdict = leasetrace.check_lines(traces.read(leased)["lease"], keep=tmp_path)
+    forced = [s for s in lines(leased, "lease") if s.get("by") == "forced"][0]
+    assert verdict.ok, verdict.message
+    assert verdict.steps == forced["n"] - 1
+    assert f"before step {forced['n']} are steps of spec/Lease.tla" in verdict.message
+    assert "forced remove" in verdict.message
+    cfg = (tmp_path / "LeaseTrace.cfg").read_text()
+    assert "Pressure <- TracePressure" in cfg and "MaxSkew = 0" in cfg
+
+
+def _grant_for_longer(row):
+    """The master grants a lease for twice its TTL."""
+    if row["effects"][0]["type"] != "LeaseGranted":
+        return False
+    row["effects"][0]["expires"] += TTL
+    return True
+
+
+def _forget_an_expiry(row):
+    """A tick that reached a lease's expiry does not end it."""
+    if not row["effects"]:
+        return False
+    row["effects"] = []
+    return True
+
+
+def _renew_the_expired(row):
+    """The renewal of the lease that expired is granted."""
+    if row["effects"][0]["type"] != "Refused":
+        return False
+    row["effects"] = [{"type": "LeaseRenewed", "holder": row["event"]["holder"], "key": "ev11",
+                       "expires": 1e9}]
+    return True
+
+
+def _refuse_a_held_release(row):
+    """The release of a lease the reader holds is refused."""
+    if row["effects"][0]["type"] != "LeaseReleased":
+        return False
+    row["effects"] = [{"type": "Refused", "error": {"type": "LeaseExpired", "message": "x"}}]
+    return True
+
+
+@needs_java
+@pytest.mark.parametrize("kind, change", [
+    ("Grant", _grant_for_longer),
+    ("Tick", _forget_an_expiry),
+    ("Renew", _renew_the_expired),
+    ("Release", _refuse_a_held_release),
+])
+def test_a_lease_step_changed_by_hand_is_rejected_with_its_number(leased, tmp_path, kind, change):
+    bad = tmp_path / "bad.trace"
+    n = corrupt(leased, bad, kind, change, machine="lease")
+    verdict = check_one(bad, "lease")
+    assert not verdict.ok
+    assert verdict.failed_step == n, verdict.message
+    assert f"step {n} " in verdict.message and kind in verdict.message
+
+
+@needs_java
+def test_a_master_whose_eviction_takes_leased_objects_leaves_the_spec(tmp_path, monkeypatch):
+    """The runtime mutant ``evict-ignores-leases`` (kvproto mutate): eviction
+    passes over no lease, so the object a reader holds is evicted, its lease
+    dropped by the master. Nothing in the run fails (the reader has not read
+    yet; its late release is answered LeaseExpired, as for any lease that ran
+    out); its lease trace is rejected at the dropped lease's Release."""
+    def candidates_with_leased(self):
+        rows = sorted((self._last[row], row) for row in self.rows.index.values()
+                      if self._flags[row] & lease_core.CACHED)
+        for _, row in rows:
+            yield self.rows.keys[row], self._size[row]
+
+    monkeypatch.setattr(lease_core.LeaseCore, "eviction_candidates", candidates_with_leased)
+    monkeypatch.setattr(lease_core.LeaseCore, "reclaimable", lambda self, key: None)
+    path = tmp_path / "mutant.trace"
+    monkeypatch.setenv(tracing.ENV, str(path))
+    with kvproto.embedded(storage_nodes=1, segment_size="1MiB", lease_ttl=30.0) as cluster:
+        c = cluster.client()
+        keys = [f"ev{i}".encode() for i in range(10)]
+        fill(c, keys[:9])
+        (held,) = c.read_begin([keys[0]])
+        for k in keys[1:9]:
+            c.get(k)
+        fill(c, keys[9:])                     # past the watermark: ev0 goes, leased
+        assert not c.exists(keys[0])
+    dropped = [s for s in lines(path, "lease") if s.get("by") == "dropped"
+               and s["effects"][0]["type"] == "LeaseReleased"]
+    assert dropped and dropped[0]["during"]["type"] == "Remove"
+    verdict = traces.check(path)
+    assert verdict["publish"].ok, verdict["publish"].message
+    assert not verdict["lease"].ok and verdict["lease"].failed_step == dropped[0]["n"], \
+        verdict["lease"].message
+    assert "by the master (dropped" in verdict["lease"].message
+
+
+def takeover_trace(path: Path, quiet: float) -> dict:
+    """A new master's lease table over two recovered objects (spec
+    ``Takeover``), stepped and recorded as the master does on its clock (lease
+    TTL 2 s, opened at 100.0, inherited objects leased for ``quiet``): a read
+    of ``a``, a remove of ``b`` early, the release, a remove of ``b`` late.
+    Returns the recorded lease steps by their ``n``."""
+    from kvproto.statemachines import lease as lm
+    core = lease_core.LeaseCore.restored(2.0, 100.0, [(b"a", (b"a", 3), 10), (b"b", (b"b", 4), 10)],
+                                         quiet=quiet)
+    recorder = tracing.Recorder(str(path))
+    for now, event in [(100.5, lm.Grant(("c", 1), b"a")), (100.8, lm.Remove(b"b")),
+                       (101.0, lm.Release(("c", 1))), (102.3, lm.Remove(b"b"))]:
+        recorder.lease(core, lm.Tick(now))
+        recorder.lease(core, event)
+    recorder.close()
+    return {s["n"]: s for s in lines(path, "lease") if "n" in s}
+
+
+@needs_java
+def test_a_takeover_keeps_what_it_recovered_leased_for_one_ttl(tmp_path, capsys):
+    """The table opens with its recovered objects listed; the trace starts
+    from the spec's Put of each and its Takeover. A remove refused within the
+    quiet period and accepted after it (2.3 s > one TTL) are the spec's."""
+    path = tmp_path / "takeover.trace"
+    steps = takeover_trace(path, quiet=2.0 * 1.02 + 0.1)       # the master's margin
+    assert steps[4]["effects"][0]["error"]["type"] == "ObjectLeased"
+    assert steps[8]["effects"][0]["type"] == "Reclaimed"
+    header = lines(path, "lease")[0]["opened"]
+    assert header["objects"] == 2 and header["inherited"] == [["a", ["a", 3]], ["b", ["b", 4]]]
+    verdict = leasetrace.check_lines(traces.read(path)["lease"], keep=tmp_path)
+    assert verdict.ok and verdict.steps == 8, verdict.message
+    assert "MaxTakeovers = 1" in (tmp_path / "LeaseTrace.cfg").read_text()
+    # the master's publish run starts from the recovered directory: not checked,
+    # said on stderr (status 2), while the lease run still is
+    path.write_text('{"machine": "publish", "opened": {"next_token": 5, "objects": 2, '
+                    '"segments": {}}}\n' + path.read_text())
+    assert cli.main(["trace", "check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "lease: all 8 steps are steps of spec/Lease.tla" in out
+    assert err.startswith("kvproto trace: publish: ") and "recovered directory" in err
+
+
+@needs_java
+def test_a_takeover_that_forgets_the_old_leases_leaves_the_spec(tmp_path):
+    """The runtime twin of Lease_Weak_ForgetLeasesOnTakeover: the new table
+    counts nothing it recovered as leased (no quiet period), so it removes
+    ``b`` 0.8 s after the takeover, while a lease of the old master may still
+    protect it. The lease trace is rejected at that remove."""
+    path = tmp_path / "forgets.trace"
+    steps = takeover_trace(path, quiet=0.0)
+    assert steps[4]["effects"][0]["type"] == "Reclaimed"
+    verdict = leasetrace.check_lines(traces.read(path)["lease"])
+    assert not verdict.ok and verdict.failed_step == 4, verdict.message
+    assert "Remove(key='b')" in verdict.message
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 50.0), st.booleans()), max_size=60),
+       st.floats(0.01, 20.0))
+def test_any_run_of_times_maps_onto_ticks(times, ttl):
+    """Ticks and the expiries of grants among them (``t + ttl``): the map keeps
+    the order of every two times, puts the start at 0 and every expiry TTL
+    ticks after its grant."""
+    start = 100.0
+    points = [start + t for t, _ in times]
+    links = [(start + t, start + t + ttl) for t, granted in times if granted]
+    spec_ttl, ticks = leasetrace.abstract_times(start, points, links)
+    assert ticks[start] == 0 and spec_ttl >= 1
+    order = sorted(ticks)
+    assert all(ticks[a] < ticks[b] for a, b in zip(order, order[1:]))
+    assert all(ticks[b] - ticks[a] == spec_ttl for a, b in links)
+
+
+def test_times_map_onto_ticks_keeping_order_and_the_ttl():
+    ttl, ticks = leasetrace.abstract_times(10.0, [10.5, 11.0, 12.2, 12.6, 13.1],
+                                           [(10.5, 12.5), (11.0, 13.0)])
+    assert ticks[10.0] == 0
+    assert ticks[12.5] - ticks[10.5] == ticks[13.0] - ticks[11.0] == ttl
+    order = sorted(ticks)
+    assert [ticks[t] for t in order] == sorted(set(ticks.values()))   # strictly increasing
+    assert ticks[12.2] < ticks[12.5] < ticks[12.6] < ticks[13.0] < ticks[13.1]
+    _, ticks = leasetrace.abstract_times(10.0, [9.0, 11.0], [(10.0, 12.0)])
+    assert ticks[9.0] < ticks[10.0] == 0 < ticks[11.0] < ticks[12.0]   # a Tick refused going back
 
 
 @pytest.mark.parametrize("content, says", [
@@ -221,6 +498,12 @@ def test_a_master_that_publishes_any_token_leaves_the_spec(tmp_path, monkeypatch
      "recovered directory of 2 object(s)"),
     ('{"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {}}}\n' * 2,
      "holds 2 runs"),
+    ('{"machine": "lease", "n": 1, "event": {"type": "Tick", "now": 1.0}, "effects": []}\n',
+     "no lease 'opened' line first"),
+    ('{"machine": "lease", "opened": {"ttl": 5.0, "now": 0.0, "quiet_until": 5.1, "objects": 3}}\n',
+     "opened with 3 recovered object(s)"),
+    ('{"machine": "lease", "opened": {"ttl": 5.0, "now": 0.0, "quiet_until": 0, "objects": 0}}\n' * 2,
+     "holds 2 lease tables"),
 ])
 def test_a_trace_that_cannot_be_checked_is_one_line_and_status_2(tmp_path, capsys, content, says):
     path = tmp_path / "t.trace"

@@ -72,6 +72,7 @@ LEASE_CORE = "kvproto/cores/leases.py"
 LEASES = "tests/runtime/test_leases.py"
 SAME_HOST = "tests/runtime/test_same_host_reads.py"
 FAILOVER = "tests/runtime/test_failover_cores.py"
+TENANCY = "tests/runtime/test_tenancy_runtime.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -134,6 +135,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FAILOVER}::TestFailoverCores::runTest",
          f"{FAILOVER}::test_a_freed_token_is_never_issued_again_by_the_next_master")),
     Mutant(
+        "new-master-forgets-leases",
+        "a new master counts nothing it recovered as leased (no quiet period), "
+        "so it removes or evicts an object a lease of the old master may still protect",
+        _one(MASTER, "                                        quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)\n"
+                     "                                        + self.INHERIT_MARGIN_S)\n",
+             "                                        quiet=0)\n"),
+        ("tests/runtime/test_master_failover.py::"
+         "test_a_new_master_keeps_what_it_recovered_leased_for_one_lease_ttl",
+         "tests/runtime/test_takeover_trace.py::"
+         "test_a_new_masters_lease_trace_is_a_behaviour_of_the_spec"),
+        twin="Lease_Weak_ForgetLeasesOnTakeover"),
+    Mutant(
         "node-forgets-tokens-seen",
         "a storage node does not report the highest token it was assigned, "
         "so the next master's token floor misses freed tokens",
@@ -155,7 +168,8 @@ MUTANTS: tuple[Mutant, ...] = (
          Edit(MASTER, "            if self.leases.reclaimable(key) is not None:\n"
                       "                continue\n",
               "            pass\n")),
-        (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",),
+        (f"{LEASES}::test_eviction_spares_leased_objects_and_takes_them_after_release",
+         "tests/test_traces.py::test_a_recorded_lease_run_is_a_behaviour_of_the_spec"),
         twin="Lease_Weak_EvictIgnoresLeases"),
     Mutant(
         "put-retry-not-abandoned",
@@ -170,6 +184,21 @@ MUTANTS: tuple[Mutant, ...] = (
         _one(CLIENT, "                        verify=verify) if relookup else [None] * len(stale)\n",
              "                        verify=verify) if False else [None] * len(stale)\n"),
         ("tests/runtime/test_embedded.py::test_a_get_with_a_stale_descriptor_looks_up_again",)),
+    Mutant(
+        "node-skips-read-ticket",
+        "a storage node with tenants serves any authenticated tenant's read or "
+        "load of a location whose token it is sent, without its read ticket",
+        _one(STORAGE, "                if req.op in self.TICKET_OPS:   # spec NodeAdmits, before anything runs\n",
+             "                if False:\n"),
+        (f"{TENANCY}::test_a_tenant_guessing_a_region_token_reads_nothing",),
+        twin="Tenancy_Weak_FastPathSkipsGrant"),
+    Mutant(
+        "route-back-keeps-writes",
+        "a route back leaves the held namespace's writes in progress pending, "
+        "so they still publish into a namespace that takes no writes",
+        _one(MASTER, "                    self._step(PutRevoke(key, record.token))\n",
+             "                    pass\n"),
+        (f"{TENANCY}::test_an_upgrade_canary_prewarm_switch_route_back_and_drop",)),
 )
 
 

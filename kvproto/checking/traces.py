@@ -1,9 +1,12 @@
-r"""Runtime traces checked by TLC: is what the master did a behaviour of ``spec/Publish.tla``?
+r"""Runtime traces checked by TLC: is what the master did a behaviour of its specs?
 
 A master started with ``--trace FILE`` (or ``KVPROTO_TRACE=FILE``) records
 every event it feeds its publish machine, the effects it got back and what the
-step left of the directory (:mod:`kvproto.runtime.tracing`). :func:`check`
-turns one recorded run into a TLA+ module ``PublishTrace`` that extends
+step left of the directory, and every step of its lease table
+(:mod:`kvproto.runtime.tracing`). :func:`check` checks each machine present in
+the file: the lease steps against ``spec/Lease.tla``
+(:mod:`kvproto.checking.leasetrace`), and the publish steps as follows.
+:func:`check_run` turns one recorded run into a TLA+ module ``PublishTrace`` that extends
 ``Publish`` and holds the run as a constant sequence of records, and has TLC
 walk it: at step ``i`` the trace's ``Next`` takes the spec's own action that
 record ``i`` names, with the recorded arguments, and requires what the spec's
@@ -44,16 +47,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import attrs
 
-from kvproto.checking import tlc
+from kvproto.checking import leasetrace
 from kvproto.checking.tla import Fn, ModelValue, format_value
+from kvproto.checking.tracerun import Numbered, TraceError, Verdict, failure, run_module
+
+__all__ = ["TraceError", "Verdict", "check", "check_each", "check_run", "read", "publish_run", "describe"]
 
 NONE = ModelValue("None")
 NOBODY = ModelValue("wr0")
@@ -67,34 +71,20 @@ INVARIANTS = ("TypeOK", "OnlyPublishedReadable", "PublishedHasAllReplicasComplet
               "PublishedBytesAreTheAttempts")
 
 
-class TraceError(ValueError):
-    """A trace file that cannot be checked (unreadable, or outside what the
-    checker maps onto the spec's constants)."""
-
-
-@attrs.frozen
-class Verdict:
-    """What TLC found for one recorded run."""
-
-    ok: bool
-    steps: int                      # recorded steps in the run
-    message: str
-    failed_step: Optional[int] = None   # the recorded ``n`` of the first unmatched step
-    line: Optional[int] = None          # its line in the file
-    distinct_states: Optional[int] = None
-    seconds: float = 0.0
-
-
 # --- reading ---------------------------------------------------------------------
 
 
-def read(path: "str | Path") -> list[tuple[int, dict]]:
-    """The publish lines of a trace file, with their line numbers."""
+#: the machines a trace may hold, in the order they are checked
+MACHINES = ("publish", "lease")
+
+
+def read(path: "str | Path") -> dict[str, list[tuple[int, dict]]]:
+    """The lines of a trace file by machine, each with its line number."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    lines = []
+    lines: dict[str, list[tuple[int, dict]]] = {m: [] for m in MACHINES}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -104,8 +94,8 @@ def read(path: "str | Path") -> list[tuple[int, dict]]:
             raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
         if not isinstance(obj, dict) or "machine" not in obj:
             raise TraceError(f"{path}:{number}: not a trace line (no 'machine')")
-        if obj["machine"] == "publish":
-            lines.append((number, obj))
+        if obj["machine"] in lines:
+            lines[obj["machine"]].append((number, obj))
     return lines
 
 
@@ -133,28 +123,12 @@ def publish_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, di
 # --- mapping onto model values ---------------------------------------------------
 
 
-class _Numbered:
-    """Runtime names -> model values ``prefix1, prefix2, ...`` by first appearance."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.names: dict = {}
-
-    def __call__(self, name) -> ModelValue:
-        if name not in self.names:
-            self.names[name] = ModelValue(f"{self.prefix}{len(self.names) + 1}")
-        return self.names[name]
-
-    def values(self) -> list[ModelValue]:
-        return list(self.names.values())
-
-
 class _Mapping:
     """The run's names, tokens and offsets as the spec's model values."""
 
     def __init__(self, first_token: int, last_token: int) -> None:
-        self.keys = _Numbered("key")
-        self.segments = _Numbered("seg")
+        self.keys = Numbered("key")
+        self.segments = Numbered("seg")
         self.slots: dict[str, dict[int, int]] = {}
         self.first, self.last = first_token, last_token
 
@@ -384,32 +358,52 @@ def cfg_text(model: TraceModel) -> str:
 # --- checking --------------------------------------------------------------------
 
 
-def _spec_dir() -> Path:
-    here = Path(__file__).resolve().parent.parent.parent / "spec"
-    if not (here / "Publish.tla").is_file():
-        raise TraceError(f"spec/Publish.tla not found beside the package ({here})")
-    return here
-
-
 def check(path: "str | Path", *, keep: Optional[Path] = None,
-          on_output: Optional[Callable[[str], None]] = None) -> Verdict:
-    """Have TLC check the run recorded in ``path`` against ``spec/Publish.tla``.
-    With ``keep``, the generated module and cfg are written there (else to a
-    temporary directory)."""
-    header, steps = publish_run(read(path))
-    return check_run(header, steps, keep=keep, on_output=on_output)
+          on_output: Optional[Callable[[str], None]] = None) -> dict[str, Verdict]:
+    """Have TLC check each machine's run recorded in ``path`` against its spec
+    (``spec/Publish.tla``, ``spec/Lease.tla``): a verdict per machine present,
+    publish first. With ``keep``, the generated modules and cfgs are written
+    there (else to a temporary directory)."""
+    verdicts = {}
+    for machine, verdict in check_each(path, keep=keep, on_output=on_output).items():
+        if isinstance(verdict, TraceError):
+            raise TraceError(f"{machine}: {verdict}")
+        verdicts[machine] = verdict
+    return verdicts
+
+
+def check_each(path: "str | Path", *, keep: Optional[Path] = None,
+               on_output: Optional[Callable[[str], None]] = None
+               ) -> "dict[str, Verdict | TraceError]":
+    """:func:`check`, with the error of a machine that cannot be checked (a
+    master that took over: its publish run starts from a recovered directory)
+    in place of its verdict, so that the other machines are still checked.
+    Raises :class:`TraceError` only for a file that cannot be read."""
+    lines = read(path)
+    if not any(lines.values()):
+        raise TraceError(f"{path} holds no recorded step")
+    out: "dict[str, Verdict | TraceError]" = {}
+    for machine in MACHINES:
+        if not lines[machine]:
+            continue
+        try:
+            if machine == "publish":
+                header, steps = publish_run(lines[machine])
+                out[machine] = check_run(header, steps, keep=keep, on_output=on_output)
+            else:
+                out[machine] = leasetrace.check_lines(lines[machine], keep=keep,
+                                                      on_output=on_output)
+        except TraceError as e:
+            out[machine] = e
+    return out
 
 
 def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
               on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """Have TLC check one publish run (:func:`publish_run`) against ``spec/Publish.tla``."""
     model = to_model(header, steps)
-    with tempfile.TemporaryDirectory(prefix="kvproto-trace-") as tmp:
-        where = Path(keep) if keep is not None else Path(tmp)
-        where.mkdir(parents=True, exist_ok=True)
-        shutil.copy(_spec_dir() / "Publish.tla", where / "Publish.tla")
-        (where / "PublishTrace.tla").write_text(module_text(model))
-        (where / "PublishTrace.cfg").write_text(cfg_text(model))
-        result = tlc.run(tlc.Model.from_cfg(where / "PublishTrace.cfg"), on_output=on_output)
+    result = run_module("Publish", "PublishTrace", module_text(model), cfg_text(model),
+                        keep=keep, on_output=on_output)
     n = len(steps)
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds)
     if result.verdict == "ok":
@@ -424,9 +418,7 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
     if result.verdict == "safety":
         return Verdict(False, **common, message=f"invariant {result.violated} is violated "
                                                  "(the trace reached a state the spec forbids)")
-    lines = [l for l in result.output.splitlines() if l.strip()]
-    raise TraceError("TLC could not check the generated trace module: "
-                     + " | ".join(lines[-6:]))
+    raise failure(result)
 
 
 def describe(step: dict) -> str:
@@ -447,23 +439,34 @@ def describe(step: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Check a trace recorded by 'kvproto master --trace FILE' (or KVPROTO_TRACE=FILE): "
-        "TLC walks the recorded steps of the master's publish machine and reports whether "
-        "each is a step of spec/Publish.tla, or the first that is not.")
+        "TLC walks the recorded steps of each of the master's machines in the file (publish, "
+        "lease) and reports whether each is a step of its spec (spec/Publish.tla, "
+        "spec/Lease.tla), or the first that is not.")
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     check_parser = sub.add_parser("check", help="check one recorded run with TLC",
                                   description="check one recorded run with TLC")
     check_parser.add_argument("file", type=Path, help="the trace file (JSON lines)")
     check_parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
-                              help="write the generated PublishTrace.tla and .cfg to DIR "
+                              help="write the generated PublishTrace and LeaseTrace modules "
+                                   "and cfgs to DIR "
                                    "(default: a temporary directory)")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        verdict = check(args.file, keep=args.keep)
+        verdicts = check_each(args.file, keep=args.keep)
     except (TraceError, FileNotFoundError) as e:
         print(f"kvproto trace: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    states = "?" if verdict.distinct_states is None else f"{verdict.distinct_states:,}"
-    print(f"{args.file}: {verdict.message} ({states} distinct states, {verdict.seconds:.1f}s)")
-    return 0 if verdict.ok else 1
+    status = 0
+    for machine, verdict in verdicts.items():
+        if isinstance(verdict, TraceError):
+            print(f"kvproto trace: {machine}: {' '.join(str(verdict).split())}", file=sys.stderr)
+            status = status or 2
+            continue
+        states = "?" if verdict.distinct_states is None else f"{verdict.distinct_states:,}"
+        print(f"{args.file}: {machine}: {verdict.message} ({states} distinct states, "
+              f"{verdict.seconds:.1f}s)")
+        if not verdict.ok:
+            status = 1
+    return status

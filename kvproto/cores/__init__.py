@@ -7,6 +7,8 @@
 * :mod:`kvproto.cores.storage` — a storage node's region table and index
   (references: ``publish.RegionTable`` + ``publish.storage_step`` and
   ``failover.StorageNode`` + ``failover.storage_step``);
+* :mod:`kvproto.cores.pool` — the client's pool of destination buffers
+  (reference: ``timeout.Pool`` + ``timeout.pool_step``);
 * :mod:`kvproto.cores.rows` — the key -> row numbering the cores share;
 * :mod:`kvproto.cores.bindings` — the cores inside the specs' closed systems
   (``FAST_BINDINGS``), for the conformance graphs.

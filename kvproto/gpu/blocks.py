@@ -33,6 +33,7 @@ import time
 from typing import Any, Iterable, Optional, Sequence
 
 from kvproto import errors
+from kvproto.cores.pool import PoolCore
 from kvproto.gpu.layout import KVLayout
 from kvproto.runtime.transfers import MachinePool
 from kvproto.statemachines import timeout as T
@@ -161,7 +162,7 @@ class StagingBuffers:
         self._views = {n: memoryview(memory[i * size:(i + 1) * size]) for i, n in enumerate(self.names)}
 
     @property
-    def state(self) -> T.Pool:
+    def state(self) -> PoolCore:
         return self.blocks.state
 
     first_free = MachinePool.first_free
@@ -172,13 +173,14 @@ class StagingBuffers:
 
 
 class _Copy:
-    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline",
+    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline", "unit",
                  "done", "error", "next_cancel", "on_settled")
 
-    def __init__(self, pool, gen, buffer, request, handle, deadline) -> None:
+    def __init__(self, pool, gen, buffer, request, handle, deadline, unit: list) -> None:
         self.pool, self.gen, self.buffer, self.request = pool, gen, buffer, request
         self.handle, self.deadline = handle, deadline
-        self.done = threading.Event()          # the copy's outcome is known to the caller
+        self.unit = unit                       # the records of one submission, this one among them
+        self.done = False                      # the copy's outcome is known (set under the copier's cv)
         self.error: Optional[errors.KvError] = None
         self.next_cancel: Optional[float] = None
         self.on_settled: list = []             # called once it can no longer write
@@ -192,7 +194,7 @@ class DeviceCopy:
         self.gen, self.buffer = rec.gen, rec.buffer
 
     def done(self) -> bool:
-        return self._rec.done.is_set()
+        return self._rec.done
 
     def wait(self) -> None:
         """Until the copy completed (returns) or failed: ``TransferTimeout`` past
@@ -238,14 +240,12 @@ class Copier:
                    pairs: Sequence[tuple], timeout: float, *,
                    sources: Iterable[str] = ()) -> list[DeviceCopy]:
         """One copy unit that writes several ``buffers`` of ``pool`` (a scatter
-        into blocks): an ``Issue`` per buffer, all or none, one submission; each
-        buffer's generation completes with the unit."""
+        into blocks): an ``Issue`` per buffer, stepped all or none, one
+        submission; each buffer's generation completes with the unit."""
+        sources = frozenset(sources)
         with self.cv:
-            issued = []
+            issued = self.check(pool.step_all([T.Issue(request, b, sources) for b in buffers]))
             try:
-                for buffer in buffers:
-                    (ev,) = self.check(pool.step(T.Issue(request, buffer, frozenset(sources))))
-                    issued.append(ev)
                 handle = self.backend.submit(pairs)
             except BaseException:
                 # never submitted: none can write. Abandon them through the machine.
@@ -255,9 +255,10 @@ class Copier:
                     self._apply(pool.step(T.CancelAck(ev.gen)))
                 raise
             deadline = time.monotonic() + timeout
-            copies = []
+            copies, unit = [], []
             for ev, buffer in zip(issued, buffers):
-                rec = _Copy(pool, ev.gen, buffer, request, handle, deadline)
+                rec = _Copy(pool, ev.gen, buffer, request, handle, deadline, unit)
+                unit.append(rec)
                 self._copies[(id(pool), ev.gen)] = rec
                 copies.append(DeviceCopy(self, rec))
             self.cv.notify_all()
@@ -277,6 +278,14 @@ class Copier:
         """Step ``pool`` (refusals raise) and carry out the effects."""
         with self.cv:
             effects = self.check(pool.step(event))
+            self._apply(effects, pool)
+            return effects
+
+    def step_all(self, pool: MachinePool, events: Sequence) -> tuple:
+        """Step ``events`` all or none (a refusal raises, nothing changed) and
+        carry out the effects."""
+        with self.cv:
+            effects = self.check(pool.step_all(events))
             self._apply(effects, pool)
             return effects
 
@@ -319,7 +328,7 @@ class Copier:
     # ------------------------------------------------------------------ observing
 
     def _wait(self, rec: _Copy) -> None:
-        while not rec.done.is_set():
+        while not rec.done:
             left = rec.deadline - time.monotonic()
             if left <= 0:
                 self._expire(rec)
@@ -327,17 +336,21 @@ class Copier:
             if rec.handle.wait(min(left, 0.01)):   # the outcome may also come from elsewhere
                 self._observe(rec)
                 break
-        rec.done.wait()
+        with self.cv:
+            self.cv.wait_for(lambda: rec.done)
 
     def _observe(self, rec: _Copy) -> None:
-        """The backend says the copy can no longer write: completion or cancel ack."""
+        """The backend says the copy can no longer write: completion or cancel
+        ack, for every copy of its unit (one submission) still tracked."""
         with self.cv:
-            if self._copies.get((id(rec.pool), rec.gen)) is not rec:
-                return
-            if rec.handle.stopped:
-                self._apply(rec.pool.step(T.CancelAck(rec.gen)), rec.pool)
-            else:
-                self._apply(rec.pool.step(T.Complete(rec.gen, rec.buffer)), rec.pool)
+            pool, stopped = rec.pool, rec.handle.stopped
+            effects: list = []
+            for r in rec.unit:
+                if self._copies.get((id(pool), r.gen)) is r:
+                    effects.extend(pool.step(T.CancelAck(r.gen) if stopped
+                                             else T.Complete(r.gen, r.buffer)))
+            if effects:
+                self._apply(tuple(effects), pool)
 
     def _expire(self, rec: _Copy) -> None:
         with self.cv:
@@ -370,11 +383,11 @@ class Copier:
             if isinstance(eff, T.Loaded):
                 if rec is not None:
                     self._untrack(rec)
-                    rec.done.set()
+                    rec.done = True
             elif isinstance(eff, T.LoadFailed):
                 if rec is not None:
                     rec.error = eff.error
-                    rec.done.set()
+                    rec.done = True
                     if isinstance(eff.error, errors.RequestNotActive):   # abandoned: cancel it
                         self._retry(rec)
             elif isinstance(eff, T.SendCancel):
@@ -387,7 +400,7 @@ class Copier:
             elif isinstance(eff, T.Drained):
                 if rec is not None:
                     self._untrack(rec)
-                    rec.done.set()
+                    rec.done = True
         self.cv.notify_all()
 
     def _poll_loop(self) -> None:
@@ -398,21 +411,24 @@ class Copier:
                 if not self._copies:
                     self.cv.wait(0.1)
                     continue
-                recs = list(self._copies.values())
+                units = list({id(rec.unit): rec.unit for rec in self._copies.values()}.values())
             now = time.monotonic()
-            for rec in recs:
-                if rec.handle.query():
-                    self._observe(rec)
+            for unit in units:
+                if unit[0].handle.query():
+                    self._observe(unit[0])
+                    continue
+                if now < unit[0].deadline and all(rec.next_cancel is None for rec in unit):
                     continue
                 with self.cv:
-                    t = rec.pool.state.transfers.get(rec.gen)
-                    if t is None or self._copies.get((id(rec.pool), rec.gen)) is not rec:
-                        continue
-                    if t.state is T.XferState.INFLIGHT:
-                        if now >= rec.deadline:
-                            self._expire(rec)
-                    elif t.state is T.XferState.TIMEDOUT and rec.next_cancel is not None \
-                            and now >= rec.next_cancel:
-                        self._retry(rec)
+                    for rec in unit:
+                        t = rec.pool.state.transfers.get(rec.gen)
+                        if t is None or self._copies.get((id(rec.pool), rec.gen)) is not rec:
+                            continue
+                        if t.state is T.XferState.INFLIGHT:
+                            if now >= rec.deadline:
+                                self._expire(rec)
+                        elif t.state is T.XferState.TIMEDOUT and rec.next_cancel is not None \
+                                and now >= rec.next_cancel:
+                            self._retry(rec)
             time.sleep(self.poll_interval)
 

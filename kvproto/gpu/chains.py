@@ -446,8 +446,7 @@ class DeviceRequest:
             free = [b for b in kv.blocks.names if kv.blocks.state.buffers[b].state is T.BufState.FREE][:n]
             if len(free) < n:
                 raise errors.BufferBusy(f"{n} blocks wanted, {len(free)} free")
-            for b in free:
-                copier.step(kv.blocks, T.Acquire(self.name, b))
+            copier.step_all(kv.blocks, [T.Acquire(self.name, b) for b in free])
             return [BlockPool.index(b) for b in free]
 
     def acquire_block(self, block: int) -> int:
@@ -458,22 +457,14 @@ class DeviceRequest:
     def release(self, blocks: Sequence[int]) -> None:
         """Give blocks back, all or none: the machine refuses (``TransferInFlight``)
         a block an awaited save reads, (``BufferQuarantined``) one a copy may still write."""
-        kv, copier = self.kv, self.kv.copier
-        events = [T.Release(self.name, BlockPool.name(b)) for b in blocks]
-        with copier.cv:
-            trial = kv.blocks.state                      # the machine is pure: try them all first
-            for ev in events:
-                trial, effects = T.pool_step(trial, ev)
-                copier.check(effects)
-            for ev in events:
-                copier.step(kv.blocks, ev)
+        kv = self.kv
+        kv.copier.step_all(kv.blocks, [T.Release(self.name, BlockPool.name(b)) for b in blocks])
 
     def consume(self, blocks: Sequence[int]) -> list:
-        """``Consume``: the restored blocks as tensors, only of blocks whose own copy completed."""
-        kv, copier = self.kv, self.kv.copier
-        with copier.cv:
-            for b in blocks:
-                copier.step(kv.blocks, T.Consume(self.name, BlockPool.name(b)))
+        """``Consume``: the restored blocks as tensors, all or none, only of
+        blocks whose own copy completed."""
+        kv = self.kv
+        kv.copier.step_all(kv.blocks, [T.Consume(self.name, BlockPool.name(b)) for b in blocks])
         return [kv.blocks.block(b) for b in blocks]
 
     def save(self, key: bytes, blocks: Sequence[int], *, replicas: int = 1,

@@ -25,6 +25,15 @@ compares the presented token's digest with each of them by
 :func:`hmac.compare_digest`. A token is never logged, never put in an error
 message and never shown by ``repr``.
 
+Read tickets: with each read it grants, the master hands the reader a
+ticket per replica, an HMAC-SHA256 under the store's ticket key of (tenant,
+segment, offset, put token, expiry); a storage node with tenants serves a
+``read`` or ``load`` only under a valid, unexpired ticket of the requesting
+tenant for that location (:class:`Tickets`; the spec's ``NodeAdmits``). The
+ticket key is a file the operator gives the master and every storage node
+(``--ticket-key FILE``; :func:`new_ticket_key` makes one, ``kvproto tenant
+key``); it never travels on the wire.
+
 Objects of a tenanted store are named in the master's directory by
 :func:`object_key` ``(namespace, key)``: the same key in two namespaces names
 two objects, and nothing a client sends can name an object of a namespace it
@@ -42,6 +51,7 @@ from pathlib import Path
 from typing import Any, Union
 
 import attrs
+import msgpack
 
 from kvproto import errors
 from kvproto.runtime.units import parse_size
@@ -104,6 +114,12 @@ def _name(value: Any, where: str) -> str:
     if not isinstance(value, str) or not _NAME.match(value):
         raise _problem(where, f"{value!r} is not a name (1 to 64 letters, digits, '.', '_', '-')")
     return value
+
+
+def namespace_name(value: Any) -> str:
+    """``value`` if it names a namespace (1 to 64 letters, digits, ``.``,
+    ``_``, ``-``), else :class:`~kvproto.errors.InvalidArgument`."""
+    return _name(value, "namespace")
 
 
 def _names(value: Any, where: str) -> list[str]:
@@ -290,6 +306,73 @@ class Registry:
                 for name, t in self.state.tenants.items()}
 
 
+TICKET_KEY_MIN = 32      # characters of a ticket key file (its text is the key)
+
+
+def new_ticket_key() -> str:
+    """A fresh ticket key: 256 random bits as 64 hex digits."""
+    return secrets.token_hex(32)
+
+
+def load_ticket_key(path: Union[str, Path]) -> bytes:
+    """The ticket key in file ``path`` (its text, surrounding blanks dropped);
+    a file that cannot be read or holds fewer than :data:`TICKET_KEY_MIN`
+    characters is :class:`~kvproto.errors.InvalidArgument` (the key is never
+    shown)."""
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise errors.InvalidArgument(f"cannot read ticket key file {path}: {e.strerror}") from None
+    if len(key) < TICKET_KEY_MIN:
+        raise errors.InvalidArgument(f"ticket key file {path} holds {len(key)} characters; a key "
+                                     f"needs at least {TICKET_KEY_MIN} ('kvproto tenant key')")
+    return key
+
+
+class Tickets:
+    """Read tickets under one key (spec ``NodeAdmits``): the master issues,
+    storage nodes check. A ticket is ``[expires, mac]``: ``expires`` in
+    milliseconds of the wall clock (``time.time()``; the master's and the
+    nodes' clocks must agree to well within a lease TTL), ``mac`` the
+    HMAC-SHA256 of (tenant, segment, offset, put token, expires). The key is
+    never shown."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < TICKET_KEY_MIN:
+            raise ValueError(f"a ticket key has at least {TICKET_KEY_MIN} bytes")
+        self._key = bytes(key)
+
+    def __repr__(self) -> str:
+        return "Tickets(...)"
+
+    def _mac(self, tenant: str, segment: str, offset: int, token: int, expires: int) -> bytes:
+        text = msgpack.packb([tenant, segment, offset, token, expires])
+        return hmac.new(self._key, text, hashlib.sha256).digest()
+
+    def issue(self, tenant: str, segment: str, offset: int, token: int, expires: int) -> list:
+        """The ticket letting ``tenant`` read the region of ``token`` at
+        ``(segment, offset)`` until ``expires`` (ms)."""
+        return [expires, self._mac(tenant, segment, offset, token, expires)]
+
+    def admit(self, tenant: str, body: dict, now_ms: int) -> None:
+        """Whether a storage node serves ``tenant``'s ``read``/``load``
+        ``body``: its ``ticket`` names this tenant, segment, offset and token
+        and has not expired; else :class:`~kvproto.errors.TicketRefused`."""
+        ticket = body.get("ticket")
+        if ticket is None:
+            raise errors.TicketRefused("a read at a store with tenants needs the read ticket "
+                                       "the master issued with it")
+        expires, mac = ticket
+        good = self._mac(tenant, body["segment"], body["offset"], body["token"], expires)
+        if not hmac.compare_digest(good, mac):
+            raise errors.TicketRefused("the read ticket is not the requesting tenant's for this "
+                                       "location")
+        if now_ms >= expires:
+            raise errors.TicketRefused(f"the read ticket expired {now_ms - expires} ms ago: "
+                                       "read again")
+
+
 def describe(configs: Sequence[TenantConfig]) -> list[str]:
     """One line per tenant, for an operator: quotas, namespaces, grants and how
     many tokens (never the tokens)."""
@@ -315,6 +398,8 @@ def add_arguments(parser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("token", help="print a new secret token and the SHA-256 digest a "
                                      "tenants file may hold instead of it")
+    actions.add_parser("key", help="print a new ticket key, for the file given to the master "
+                                   "and every storage node as --ticket-key")
     check = actions.add_parser("check", help="check a tenants file and print each tenant's "
                                              "quotas, namespaces and grants (never its tokens)")
     check.add_argument("file", help="the tenants file (TOML)")
@@ -323,6 +408,9 @@ def add_arguments(parser) -> None:
 def main(args, out=None) -> int:
     import sys
     out = out or sys.stdout
+    if args.action == "key":
+        print(new_ticket_key(), file=out)
+        return 0
     if args.action == "token":
         token = new_token()
         print(f"token:  {token}\nsha256: {token_digest(token).hex()}", file=out)

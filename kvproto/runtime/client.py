@@ -225,14 +225,20 @@ def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replic
 class ReadLease:
     """A read lease the master granted (``read_begin``): where the bytes are,
     the lease id and TTL, and ``sent``, the local time the request (or the last
-    accepted renewal) was sent: the deadline runs from there, never from the reply."""
+    accepted renewal) was sent: the deadline runs from there, never from the reply.
+    At a store with tenants, ``tickets`` holds the read ticket of each replica
+    (in the order of ``replicas``; a ``read`` or ``load`` of it carries it as
+    ``ticket``), renewed with the lease."""
 
-    __slots__ = ("key", "lease", "ttl", "sent", "token", "length", "replicas", "segments")
+    __slots__ = ("key", "lease", "ttl", "sent", "token", "length", "replicas", "segments",
+                 "tickets")
 
     def __init__(self, key: bytes, lease: int, ttl: float, sent: float, token: int,
-                 length: int, replicas: list, segments: dict) -> None:
+                 length: int, replicas: list, segments: dict,
+                 tickets: Optional[list] = None) -> None:
         self.key, self.lease, self.ttl, self.sent = key, lease, ttl, sent
         self.token, self.length, self.replicas, self.segments = token, length, replicas, segments
+        self.tickets = tickets
 
     def deadline(self, max_skew: float) -> float:
         """The local time by which the last byte must have been read."""
@@ -931,7 +937,7 @@ class Client:
                 err, grant = wire.item_result(item)
                 if err is None:
                     granted[i] = (grant["token"], grant["length"], list(grant["replicas"]),
-                                  grant.get("checksum", 0))
+                                  grant.get("checksum", 0), grant.get("tickets"))
                     if "lease" in grant:
                         lease_of[i] = (grant["lease"], float(grant["ttl"]))
                 elif raise_miss or not isinstance(err, errors.KeyNotFound):
@@ -1114,7 +1120,8 @@ class Client:
                     out.append(None)
                     continue
                 out.append(ReadLease(k, g["lease"], float(g["ttl"]), sent, g["token"],
-                                     g["length"], list(g["replicas"]), segments))
+                                     g["length"], list(g["replicas"]), segments,
+                                     g.get("tickets")))
             return out
 
     def renew(self, leases: Sequence[ReadLease], *, timeout: Optional[float] = None
@@ -1134,6 +1141,7 @@ class Client:
                 err, value = wire.item_result(item)
                 if err is None:
                     l.sent, l.ttl = sent, float(value["ttl"])
+                    l.tickets = value.get("tickets", l.tickets)
                     self.lease_counters["renewals"] += 1
                 else:
                     self.lease_counters["renewals_refused"] += 1
@@ -1186,6 +1194,50 @@ class Client:
         body = {"ns": namespace or self.namespace, "grantee": grantee}
         with self._lock:
             self._call_master(op, body, self._deadline(timeout))
+
+    # ------------------------------------------------------------------ the upgrade lifecycle
+
+    def ns_create(self, name: str, *, previous: Optional[str] = None,
+                  timeout: Optional[float] = None) -> None:
+        """Create this tenant's namespace ``name`` as a canary upgrading its
+        live namespace ``previous`` (default: the client's own; spec
+        ``Create``). Which requests go to the canary (e.g. a fraction of the
+        writes) is the caller's choice: a client with ``namespace=name``
+        writes and reads there, and only there."""
+        self._namespace_call("ns_create", {"ns": name, "previous": previous or self.namespace},
+                             timeout)
+
+    def ns_prewarm(self, name: str, *, timeout: Optional[float] = None) -> None:
+        """The canary ``name`` is healthy: hot prefixes are recomputed into it
+        (spec ``PreWarm``)."""
+        self._namespace_call("ns_prewarm", {"ns": name}, timeout)
+
+    def ns_switch(self, name: str, *, timeout: Optional[float] = None) -> None:
+        """``name`` goes live; the namespace it upgrades retires: no more
+        writes, its reads go on and its objects age out (spec ``Switch``)."""
+        self._namespace_call("ns_switch", {"ns": name}, timeout)
+
+    def ns_route_back(self, name: str, *, timeout: Optional[float] = None) -> None:
+        """The namespace ``name`` upgrades is live again; ``name`` is held: its
+        writes in progress are abandoned, it takes no more, and its published
+        objects stay readable by the owner until :meth:`ns_drop` (spec
+        ``RouteBack``)."""
+        self._namespace_call("ns_route_back", {"ns": name}, timeout)
+
+    def ns_drop(self, name: str, *, timeout: Optional[float] = None) -> None:
+        """Inspection of the held namespace ``name`` is over: it retires and
+        its objects age out (spec ``Drop``)."""
+        self._namespace_call("ns_drop", {"ns": name}, timeout)
+
+    def ns_list(self, *, timeout: Optional[float] = None) -> dict:
+        """The namespaces this tenant owns or may read (another tenant's as
+        ``owner/name``): phase, the namespace it upgrades, objects and bytes
+        held, and for its own the tenants holding read grants."""
+        return self._namespace_call("ns_list", {}, timeout)["namespaces"]
+
+    def _namespace_call(self, op: str, body: dict, timeout: Optional[float]) -> dict:
+        with self._lock:
+            return self._call_master(op, body, self._deadline(timeout)).body
 
     def stats(self, *, timeout: Optional[float] = None) -> dict:
         """The master's counters and per-segment space, and under ``"client"``

@@ -190,14 +190,16 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
              results: list, done_at: dict, term: int,
              into: Optional[list] = None, verify: bool = False) -> dict[int, errors.KvError]:
     """Fill ``results[i]`` for each granted key ``i`` (``granted[i] = (token,
-    length, replicas, checksum)``): the bytes, or with ``into`` the number of
+    length, replicas, checksum, tickets)``, ``tickets`` the read ticket of each
+    replica, in order, or ``None`` at a store without tenants; a network read
+    carries its replica's): the bytes, or with ``into`` the number of
     bytes read into ``into[i]``; ``done_at[i]`` is when its last byte was read.
     With ``verify`` a replica whose bytes do not have the checksum is a failure
     (the next one is tried). Returns the keys no replica could serve, with the
     reason."""
     need: dict[int, list] = {}
     failed: dict[int, errors.KvError] = {}
-    for i, (token, length, replicas, expected) in granted.items():
+    for i, (token, length, replicas, expected, _) in granted.items():
         dest = into[i] if into is not None else None
         if dest is not None and dest.nbytes < length:
             failed[i] = errors.InvalidArgument(
@@ -251,8 +253,12 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
             seg, offset, length = replica
             endpoint = segments[seg][0]
             sock = client._data_sock(endpoint)
-            rid = client._send(sock, "read", {"segment": seg, "offset": offset, "term": term,
-                                              "token": granted[i][0], "length": length})
+            body = {"segment": seg, "offset": offset, "term": term, "token": granted[i][0],
+                    "length": length}
+            tickets = granted[i][4]
+            if tickets:
+                body["ticket"] = tickets[granted[i][2].index(replica)]
+            rid = client._send(sock, "read", body)
             pending[rid] = sock
             whose[rid] = (i, endpoint, replica)
         replies = client._gather(pending, round_deadline)

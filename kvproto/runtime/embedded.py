@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -109,12 +110,14 @@ class EmbeddedCluster:
         if isinstance(tenants, (str, os.PathLike)):
             tenants = load_tenants(tenants)
         tenants = tuple(tenants or ())
+        #: the ticket key the master and the nodes share (with tenants)
+        ticket_key = secrets.token_hex(32).encode() if tenants else None
         try:
             master_listen = self._endpoint("master")
             mt = ServerThread("kvproto-master", lambda: MasterServer(
                 master_listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                 lease_ttl=lease_ttl, high_watermark=high_watermark, free_fraction=free_fraction,
-                tenants=tenants))
+                tenants=tenants, ticket_key=ticket_key))
             self._threads.append(mt)
             self.master: MasterServer = mt.start_and_wait(start_timeout)
             self.master_address: str = self.master.address
@@ -122,7 +125,7 @@ class EmbeddedCluster:
                 listen = self._endpoint(f"storage{n}")
                 st = ServerThread(f"kvproto-storage-{n}", lambda listen=listen: StorageServer(
                     self.master_address, self.segment_size, listen=listen, page_size=page_size,
-                    debug=storage_debug, tenants=tenants))
+                    debug=storage_debug, tenants=tenants, ticket_key=ticket_key))
                 self._threads.append(st)
                 self.storage.append(st.start_and_wait(start_timeout))
             for node in self.storage:

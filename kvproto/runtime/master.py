@@ -63,6 +63,7 @@ Payload bytes never reach the master: its ROUTER accepts no payload frames.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -205,8 +206,9 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "checksum_mismatches",
             # copies of a request delivered twice on one connection (MasterServer)
             "duplicates_dropped",
-            # tenancy (spec/Tenancy.tla): requests refused for their credential
-            "unauthorized",
+            # tenancy (spec/Tenancy.tla): requests refused for their credential,
+            # objects of retiring namespaces aged out
+            "unauthorized", "aged_out",
             # replica repair (spec/Publish.tla RepairStart .. ListReplica): repairs
             # started, listed, cancelled (their copy failed, timed out, or their
             # object or segment went), copier reports refused (a repair no
@@ -235,6 +237,7 @@ class MasterCore:
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  fence_timeout: float = 5.0, term: Optional[int] = 1,
                  tenants: Sequence = (), trace: Optional[str] = None,
+                 ticket_key: Optional[bytes] = None,
                  repair_rate: float = 256 << 20, max_repairs: int = 4) -> None:
         if writer_timeout <= 0 or storage_timeout <= 0:
             raise ValueError("timeouts must be positive")
@@ -250,8 +253,9 @@ class MasterCore:
         #: master's clock, fed as ``Tick`` events; it also keeps the eviction
         #: recency (last put, grant, renewal or read)
         self.leases = LeaseCore(float(lease_ttl), rows=self.directory.rows)
-        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory is
-        #: recorded as a JSON line, for ``kvproto trace check`` (runtime/tracing.py)
+        #: with ``trace`` (or $KVPROTO_TRACE): every step of the directory and
+        #: of the lease table is recorded as a JSON line, for ``kvproto trace
+        #: check`` (runtime/tracing.py)
         trace = trace or os.environ.get(tracing.ENV)
         self.trace: Optional[tracing.Recorder] = tracing.Recorder(trace) if trace else None
         self.high_watermark = float(high_watermark)
@@ -279,7 +283,9 @@ class MasterCore:
         #: with a tenants file (``TenantConfig``s): the tenancy machine and its
         #: checks (spec/Tenancy.tla, :mod:`kvproto.runtime.tenanted`); none:
         #: one shared key space, no credentials
-        self.tenants: Optional[Tenants] = (Tenants(tenants, ttl=float(lease_ttl), clock=clock)
+        #: and the read tickets it issues under ``ticket_key``
+        self.tenants: Optional[Tenants] = (Tenants(tenants, ttl=float(lease_ttl), clock=clock,
+                                                   ticket_key=ticket_key)
                                            if tenants else None)
         #: the failover phase machine (spec/Failover.tla), replaced only by
         #: ``failover.master_step``: standby -> fencing -> recovered -> open
@@ -428,11 +434,13 @@ class MasterCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _lstep(self, event) -> tuple[Optional[errors.KvError], tuple]:
+    def _lstep(self, event, by: Optional[str] = None) -> tuple[Optional[errors.KvError], tuple]:
         """Feed the master's clock (``Tick``), then ``event``, to the lease
-        machine; commit only an accepted step."""
+        machine; commit only an accepted step. ``by``: why the master feeds a
+        ``Release`` itself (recorded with ``trace``)."""
         self._ltick()
-        effects = self.leases.step(event)
+        effects = self.leases.step(event) if self.trace is None \
+            else self.trace.lease(self.leases, event, by)
         if effects and isinstance(effects[0], lm.Refused):
             return effects[0].error, effects
         return None, effects
@@ -441,7 +449,8 @@ class MasterCore:
         now = self.clock()
         if now <= self.leases.now:
             return
-        effects = self.leases.step(lm.Tick(now))
+        effects = self.leases.step(lm.Tick(now)) if self.trace is None \
+            else self.trace.lease(self.leases, lm.Tick(now))
         if effects and isinstance(effects[0], lm.Refused):
             return
         self.counters["lease_expiries"] += len(effects)
@@ -468,7 +477,7 @@ class MasterCore:
         if key not in self.leases.objects:
             return
         for holder in self.leases.holders(key):
-            self._lstep(lm.Release(holder))
+            self._lstep(lm.Release(holder), by="dropped")
         if self.leases.is_inherited(key):
             self._lstep(lm.Disown(key))
         err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
@@ -534,7 +543,7 @@ class MasterCore:
                 except errors.Unauthorized:
                     self.counters["unauthorized"] += 1
                     raise
-            elif body.get("ns", "default") != "default" or op in ("grant", "revoke"):
+            elif body.get("ns", "default") != "default" or op in wire.TENANT_OPS:
                 raise errors.InvalidArgument("this master has no tenants (kvproto master "
                                              "--tenants FILE): no namespaces nor grants")
             if self.failover.phase is not fm.Phase.OPEN and op != "stats":
@@ -854,6 +863,8 @@ class MasterCore:
                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
             if grant.checksum:
                 item["checksum"] = grant.checksum
+            if tenants is not None:   # one per replica, for the nodes (NodeAdmits)
+                item["tickets"] = tenants.read_tickets(body["tenant"], grant.token, grant.replicas)
             if leased:
                 self._step(ReadEnd(key, grant.token))
                 lease_id = self._next_lease
@@ -917,11 +928,14 @@ class MasterCore:
                     items.append(wire.error_item(err))
                     continue
             err, effects = self._lstep(lm.Renew((client, lease_id)))
+            renewed = {"ttl": self.leases.ttl}
             if err is None and renewal is not None:
                 self.tenants.commit(renewal)
+                renewed["tickets"] = self.tenants.renewed_tickets((client, lease_id),
+                                                                  self.directory.objects)
             if err is None:
                 self.counters["lease_renewals"] += 1
-                items.append(wire.ok_item({"ttl": self.leases.ttl}))
+                items.append(wire.ok_item(renewed))
             else:
                 self.counters["lease_renewals_refused"] += 1
                 items.append(wire.error_item(err))
@@ -985,7 +999,7 @@ class MasterCore:
                                 key, len(self.leases.holders(key)),
                                 " and the previous master's" if self.leases.is_inherited(key) else "")
                     for holder in self.leases.holders(key):
-                        self._lstep(lm.Release(holder))
+                        self._lstep(lm.Release(holder), by="forced")
                         if self.tenants is not None:
                             self.tenants.release(holder)
                     self._lstep(lm.Disown(key))
@@ -1014,6 +1028,54 @@ class MasterCore:
         a read already granted ends with its lease."""
         self.tenants.grant(body, revoke=True)
         return 0, {}
+
+    def _op_ns_create(self, body, reply_to, request_id):
+        """Spec ``Create``: a canary namespace next to the owner's live one."""
+        self.tenants.create(body)
+        return 0, {}
+
+    def _lifecycle(self, op, body, reply_to=None, request_id=0):
+        """Spec ``PreWarm``, ``Switch``, ``RouteBack`` or ``Drop`` by the
+        namespace's owner. ``RouteBack`` abandons the namespace's writes in
+        progress: each pending attempt is revoked (``PutRevoke``, mirrored as
+        ``WriteAbort``) before the step is committed. A namespace that retires
+        ages out (:meth:`age_out`)."""
+        event = self.tenants.lifecycle(op, body)
+        if op == "ns_route_back":
+            prefix = self.tenants.prefix(event.ns)
+            for key, record in list(self.directory.objects.items()):
+                if record.status is Status.PENDING and key.startswith(prefix):
+                    self._step(PutRevoke(key, record.token))
+        self.tenants.advance(event)
+        self.age_out()
+        return 0, {}
+
+    _op_ns_prewarm = functools.partialmethod(_lifecycle, "ns_prewarm")
+    _op_ns_switch = functools.partialmethod(_lifecycle, "ns_switch")
+    _op_ns_route_back = functools.partialmethod(_lifecycle, "ns_route_back")
+    _op_ns_drop = functools.partialmethod(_lifecycle, "ns_drop")
+
+    def _op_ns_list(self, body, reply_to, request_id):
+        return 0, {"namespaces": self.tenants.namespaces(body["tenant"])}
+
+    def age_out(self) -> int:
+        """Spec ``AgeOut``: remove the unleased objects of retiring namespaces,
+        and recovered objects no tenant can reach (``Tenants.recovered``), a
+        batch per call; the lease machine must agree, then the publish
+        machine's ``Remove``. Returns the count."""
+        if self.tenants is None or not (self.tenants.aging or self.tenants.orphans):
+            return 0
+        self._ltick()
+        done = 0
+        for key in self.tenants.aged(self.directory.objects.__contains__):
+            if key in self.leases.objects and self.leases.reclaimable(key) is not None:
+                continue
+            err, _ = self._step(Remove(key))
+            done += err is None
+        if done:
+            self.counters["aged_out"] += done
+            self._flush()
+        return done
 
     def stats(self) -> dict:
         segments = {}
@@ -1259,6 +1321,8 @@ class MasterCore:
         self.leases = LeaseCore.inherit(self.directory, ttl, max(self.leases.now, self.clock()),
                                         quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
                                         + self.INHERIT_MARGIN_S)
+        if self.tenants is not None:   # each tenant's objects, named by their keys
+            self.tenants.recovered(self.directory.objects.items())
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
         for s in live:
@@ -1366,6 +1430,7 @@ class MasterCore:
                 self.segment_lost(segment, "a command went unanswered")
         self._ltick()
         self.evict()
+        self.age_out()
         self._repair()
         self._flush()
 
@@ -1431,8 +1496,8 @@ class MasterServer:
                  high_watermark: float = 0.90, free_fraction: float = 0.05,
                  coordinator=None, advertise: Optional[str] = None,
                  fence_timeout: float = 5.0, tenants: Sequence = (),
-                 trace: Optional[str] = None, repair_rate: float = 256 << 20,
-                 max_repairs: int = 4) -> None:
+                 trace: Optional[str] = None, ticket_key: Optional[bytes] = None,
+                 repair_rate: float = 256 << 20, max_repairs: int = 4) -> None:
         #: with a coordinator (which the server then owns and closes) this
         #: master campaigns, takes the term it wins, renews it, and steps down
         #: (a fresh standby core) when it cannot
@@ -1440,8 +1505,8 @@ class MasterServer:
         self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                                lease_ttl=lease_ttl, high_watermark=high_watermark,
                                free_fraction=free_fraction, fence_timeout=fence_timeout,
-                               tenants=tuple(tenants), trace=trace, repair_rate=repair_rate,
-                               max_repairs=max_repairs)
+                               tenants=tuple(tenants), trace=trace, ticket_key=ticket_key,
+                               repair_rate=repair_rate, max_repairs=max_repairs)
         self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
         self._term = 0                 # the term this process holds (0: standby)
         self._renewer: Optional[_Renewer] = None

@@ -77,7 +77,7 @@ import zmq
 
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.ops.tenants import Credentials
+from kvproto.ops.tenants import Credentials, Tickets
 from kvproto.runtime import wire
 from kvproto.runtime.copier import Copier, Copy
 from kvproto.runtime.datapath import checksum
@@ -112,7 +112,7 @@ class StorageCore:
                 "bytes_read", "loads", "cancels", "discarded", "dropped", "duplicated",
                 "stale_reads", "reads_delayed", "published", "fences", "stale_terms", "purged",
                 "bytes_purged", "direct_granted", "direct_published", "draining", "drained",
-                "unauthorized",
+                "unauthorized", "tickets_refused",
                 # repair copies into this segment (runtime/copier.py): started,
                 # written and reported, failed (reported with their error)
                 "repairs_started", "repairs_copied", "repairs_failed", "bytes_repaired")
@@ -649,6 +649,8 @@ class StorageServer:
     MAX_AWAITING = 4096
     #: the master's commands: not a tenant's, carrying no tenant credential
     CONTROL_OPS = frozenset({"assign", "free", "publish", "fence", "purge", "repair"})
+    #: the reads a tenant makes only under its read ticket (a node with tenants)
+    TICKET_OPS = frozenset({"read", "load"})
     FAULTS = ("delay_ms", "reply_delay_ms", "drop", "duplicate", "duplicate_delay_ms",
               "read_delay_ms")
 
@@ -656,7 +658,10 @@ class StorageServer:
                  advertise: Optional[str] = None, page_size: int = 4096,
                  max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
                  context: Optional[zmq.Context] = None, debug: bool = False,
-                 tenants: Sequence = ()) -> None:
+                 tenants: Sequence = (), ticket_key: Optional[bytes] = None) -> None:
+        if tenants and not ticket_key:
+            raise errors.InvalidArgument("a storage node with tenants needs the ticket key its "
+                                         "master issues read tickets under (--ticket-key FILE)")
         if type(page_size) is not int or page_size < 512 or page_size & (page_size - 1):
             raise errors.InvalidArgument(f"page size {page_size!r} is not a power of two >= 512")
         try:
@@ -720,9 +725,12 @@ class StorageServer:
         self.debug = debug
         self.ops = {**wire.STORAGE_OPS, **wire.DEBUG_OPS} if debug else wire.STORAGE_OPS
         #: with a tenants file: the tenants' credentials (digests only); every
-        #: request but the master's commands (``CONTROL_OPS``) must carry one
-        #: (spec/Tenancy.tla; read tickets are not checked yet)
+        #: request but the master's commands (``CONTROL_OPS``) must carry one,
+        #: and a ``read`` or ``load`` the requesting tenant's read ticket for
+        #: that location, under the ticket key the master shares (spec/Tenancy.tla
+        #: ``NodeAdmits``)
         self.credentials: Optional[Credentials] = Credentials(tenants) if tenants else None
+        self.tickets: Optional[Tickets] = Tickets(ticket_key) if tenants else None
         self.faults = dict.fromkeys(self.FAULTS, 0)
         self._held: list = []      # (due, seq, identity, request): delayed data-path requests
         self._outq: list = []      # (due, seq, frames): delayed data replies
@@ -950,9 +958,12 @@ class StorageServer:
         del frames  # release the received payload frame before the next message
         if self.credentials is not None and req.op not in self.CONTROL_OPS:
             try:
-                self.credentials.authenticate(req.body.get("cred"))
-            except errors.Unauthorized as err:
-                self.core.counters["unauthorized"] += 1
+                tenant = self.credentials.authenticate(req.body.get("cred"))
+                if req.op in self.TICKET_OPS:   # spec NodeAdmits, before anything runs
+                    self.tickets.admit(tenant, req.body, int(time.time() * 1000))
+            except (errors.Unauthorized, errors.TicketRefused) as err:
+                self.core.counters["unauthorized" if isinstance(err, errors.Unauthorized)
+                                   else "tickets_refused"] += 1
                 self._send([identity, wire.encode_error(req.request_id, err)])
                 return
         if req.op == "debug":

@@ -30,13 +30,15 @@ Storage-plane requests (a storage node's ``register``, heartbeats, drains and
 from __future__ import annotations
 
 import logging
+import secrets
+import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Callable, Optional
 
 from kvproto import errors
 from kvproto.ops.tenants import (
-    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, object_key,
-    split_object_key,
+    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, Tickets, namespace_name,
+    object_key, split_object_key,
 )
 from kvproto.runtime import wire
 from kvproto.statemachines import tenancy as tm
@@ -49,6 +51,11 @@ STORAGE_PLANE = frozenset({"register", "storage_heartbeat", "storage_drained", "
 OWNER_OPS = frozenset({"put_start", "put_end", "put_revoke", "put_abandon", "remove"})
 #: lookups that need the owner or a read grant (``read_begin``: ``Begin`` per key)
 LOOKUP_OPS = frozenset({"exists", "list"})
+#: the upgrade lifecycle's ops after ``ns_create``: the machine's step of each
+LIFECYCLE = {"ns_prewarm": tm.PreWarm, "ns_switch": tm.Switch, "ns_route_back": tm.RouteBack,
+             "ns_drop": tm.Drop}
+#: how many objects of retiring namespaces one pass of :meth:`Tenants.aged` names
+AGE_OUT_BATCH = 4096
 
 
 class Tenants:
@@ -56,11 +63,21 @@ class Tenants:
     ``clock`` is the master's: the machine's time is an argument of each step."""
 
     def __init__(self, configs: Sequence[TenantConfig], *, ttl: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], ticket_key: Optional[bytes] = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.clock = clock
+        #: the read tickets this master issues (``ticket_key``, shared with its
+        #: storage nodes; none given: a key of its own, which no node accepts)
+        self.tickets = Tickets(ticket_key or secrets.token_bytes(32))
+        self.wall = wall
         # memory is the allocator's and the eviction policy's: the registry
         # counts each tenant's bytes against its quotas, not the store's room
         self.registry = Registry(configs, capacity=UNLIMITED, ttl=ttl, now=clock())
+        #: retiring namespaces that may still hold objects (spec ``AgeOut``)
+        self.aging: set[Namespace] = set()
+        #: directory keys a new master recovered that the registry cannot
+        #: take (:meth:`recovered`): removed once their inherited leases end
+        self.orphans: list[bytes] = []
 
     def __repr__(self) -> str:
         return f"Tenants({self.registry!r})"
@@ -108,6 +125,11 @@ class Tenants:
         return okey
 
     @staticmethod
+    def prefix(ns: Namespace) -> bytes:
+        """What every directory key of ``ns`` starts with."""
+        return object_key(ns, b"")
+
+    @staticmethod
     def strip(ns: Namespace, keys: list) -> list:
         """Directory keys of ``ns`` as its tenant named them."""
         n = len(object_key(ns, b""))
@@ -148,6 +170,23 @@ class Tenants:
             raise errors.AccessDenied(f"lease {holder!r} is not tenant {tenant!r}'s")
         return self.check(tm.Renew(holder))
 
+    def read_tickets(self, tenant: str, token: int, replicas: Sequence) -> list:
+        """One read ticket per replica (``segment``, ``offset``) of the object
+        ``token`` names, for ``tenant``, expiring one lease TTL from now on
+        the wall clock (spec ``Begin``'s ticket; checked by the nodes:
+        ``NodeAdmits``)."""
+        expires = int((self.wall() + self.registry.state.ttl) * 1000)
+        return [self.tickets.issue(tenant, r.segment, r.offset, token, expires) for r in replicas]
+
+    def renewed_tickets(self, holder: Hashable, objects) -> list:
+        """Fresh read tickets for renewed read ``holder`` (its lease runs one
+        TTL from now), from the directory's record of its object."""
+        read = self.registry.state.reads.get(holder)
+        record = objects.get(object_key(read.src, read.key)) if read is not None else None
+        if record is None:
+            return []
+        return self.read_tickets(read.tenant, record.token, record.replicas)
+
     def release(self, holder: Hashable) -> None:
         """Spec ``Release``: the read ended (released or its lease expired)."""
         if holder in self.registry.state.reads:
@@ -167,7 +206,10 @@ class Tenants:
         """Whether the watermark policy may take ``dkey``: its owner holds more
         than its reserve (a tenant within its reserve never loses bytes to
         eviction, spec ``FairEviction``), and ``Remove`` by the owner is accepted."""
-        (owner, name), key = split_object_key(dkey)
+        o = _split(dkey)
+        if o is None:
+            return False
+        (owner, name), key = o
         t = self.registry.state.tenants.get(owner)
         if t is None or t.held <= t.quota.reserve:
             return False
@@ -186,8 +228,8 @@ class Tenants:
         state = self.registry.state
         held = {name: t.held for name, t in state.tenants.items()}
         for key, size in candidates:
-            o = split_object_key(key)
-            obj = state.objects.get(o)
+            o = _split(key)
+            obj = state.objects.get(o) if o is not None else None
             if obj is None or held[obj.owner] <= state.tenants[obj.owner].quota.reserve:
                 continue
             held[obj.owner] -= obj.size
@@ -206,14 +248,116 @@ class Tenants:
     def removed(self, dkey: bytes) -> None:
         """A published object left the directory (removed, evicted or lost):
         its reads end (``Release``) and its owner's bytes are freed (``Remove``)."""
-        o = split_object_key(dkey)
+        o = _split(dkey)
         state = self.registry.state
-        obj = state.objects.get(o)
-        if obj is None:
+        obj = state.objects.get(o) if o is not None else None
+        if obj is None:     # an orphan (see recovered)
             return
         for holder in sorted(state.readers.get(o, ()), key=repr):
             self.commit(tm.Release(holder))
-        self.commit(tm.Remove(obj.owner, *o))
+        if state.namespaces[o[0]].phase is tm.Phase.RETIRING:
+            self.commit(tm.AgeOut(*o))       # the master's age-out pass (or its owner)
+        else:
+            self.commit(tm.Remove(obj.owner, *o))
+
+    # ------------------------------------------------------------------ the upgrade lifecycle
+
+    def create(self, body: dict) -> None:
+        """Spec ``Create``: namespace ``body["ns"]`` of the requesting tenant, a
+        canary upgrading its live namespace ``body["previous"]``."""
+        tenant = body["tenant"]
+        owner, _, name = body["ns"].rpartition("/")
+        if owner and owner != tenant:
+            raise errors.AccessDenied(f"tenant {tenant!r} creates namespaces of its own only")
+        previous = self.registry.namespace(tenant, body["previous"])
+        self.registry.step(tm.Create(tenant, (tenant, namespace_name(name)), previous),
+                           self.clock())
+
+    def lifecycle(self, op: str, body: dict) -> tm.Event:
+        """The step of ``op`` (:data:`LIFECYCLE`) by the tenant on the
+        namespace it names, checked (nothing changes): commit it with
+        :meth:`advance`."""
+        tenant = body["tenant"]
+        return self.check(LIFECYCLE[op](tenant, self.registry.namespace(tenant, body["ns"])))
+
+    def advance(self, event: tm.Event) -> None:
+        """Commit a checked lifecycle step; a namespace it retires starts aging
+        out (:meth:`aged`)."""
+        self.commit(event)
+        self.aging |= {ns for ns, rec in self.registry.state.namespaces.items()
+                       if rec.phase is tm.Phase.RETIRING}
+
+    def aged(self, present: Callable[[bytes], bool]) -> list[bytes]:
+        """Directory keys to remove now, at most :data:`AGE_OUT_BATCH`: the
+        orphans still ``present`` in the directory, then the objects of
+        retiring namespaces that spec ``AgeOut`` takes now (unleased,
+        published); a retiring namespace with nothing left stops aging."""
+        self.orphans = [k for k in self.orphans if present(k)]
+        out: list[bytes] = self.orphans[:AGE_OUT_BATCH]
+        if not self.aging:
+            return out
+        state, now = self.registry.state, self.clock()
+        left: set = set()
+        for (ns, key), obj in state.objects.items():
+            if ns not in self.aging:
+                continue
+            left.add(ns)
+            if len(out) < AGE_OUT_BATCH:
+                try:
+                    self.registry.check(tm.AgeOut(ns, key), now)
+                except errors.KvError:
+                    continue
+                out.append(object_key(ns, key))
+        self.aging &= left
+        return out
+
+    def recovered(self, objects: Iterable[tuple[bytes, object]]) -> None:
+        """A new master's registry learns the objects it recovered (directory
+        key -> record; the key names the namespace, so the owner): each is
+        set up as published (``AddObject``, its replicas' bytes held). A
+        namespace the tenants file does not name (created at run time under
+        an earlier master) is set up live with no predecessor
+        (``AddNamespace``): lifecycle phases and grants made at run time are
+        not kept across a failover. An object of no tenant of the file, or
+        over its owner's stored-bytes quota, is an orphan: no tenant can
+        reach it, and the master removes it once its inherited leases end."""
+        now, reg = self.clock(), self.registry
+        for dkey, record in objects:
+            try:
+                o = _split(dkey)
+                if o is None:
+                    raise errors.InvalidArgument("not a key of a namespace")
+                ns, key = o
+                if ns not in reg.state.namespaces:
+                    reg.step(tm.AddNamespace(ns[0], ns), now)
+                    log.warning("namespace %s/%s of recovered objects is not in the tenants "
+                                "file: it is live again, with no predecessor", *ns)
+                reg.step(tm.AddObject(ns, key, record.length * len(record.replicas)), now)
+            except errors.KvError as err:
+                self.orphans.append(dkey)
+                log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
+                            dkey, err)
+
+    def namespaces(self, tenant: str) -> dict:
+        """The namespaces ``tenant`` owns or may read (``owner/name`` for
+        another's): phase, the namespace it upgrades, objects and bytes held,
+        and, for its own, the tenants holding read grants."""
+        state = self.registry.state
+        held: dict = {}
+        for (ns, _), obj in state.objects.items():
+            count, size = held.get(ns, (0, 0))
+            held[ns] = (count + 1, size + obj.size)
+        out = {}
+        for ns, rec in state.namespaces.items():
+            if not tm.may_read(state, tenant, ns):
+                continue
+            entry = {"phase": rec.phase.value, "objects": held.get(ns, (0, 0))[0],
+                     "bytes": held.get(ns, (0, 0))[1],
+                     "previous": rec.previous[1] if rec.previous is not None else None}
+            if rec.owner == tenant:
+                entry["grants"] = sorted(rec.grants)
+            out[ns[1] if rec.owner == tenant else "/".join(ns)] = entry
+        return out
 
     # ------------------------------------------------------------------ grants and usage
 
@@ -235,3 +379,13 @@ class Tenants:
         for name, entry in usage.items():
             entry["namespaces"] = per_ns.get(name, {})
         return usage if tenant is None else {tenant: usage[tenant]}
+
+
+def _split(dkey: bytes) -> Optional[tuple[Namespace, bytes]]:
+    """:func:`~kvproto.ops.tenants.split_object_key`, or ``None`` for a key
+    no namespace names (recovered from a store that had no tenants)."""
+    try:
+        ns, key = split_object_key(dkey)
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return (ns, key) if object_key(ns, key) == dkey else None

@@ -1,12 +1,13 @@
-"""Recording what the master feeds its publish machine, as JSON lines.
+"""Recording what the master feeds its publish and lease machines, as JSON lines.
 
 A :class:`Recorder` writes one line per step of the master's directory (the
 fast core held to ``publish.master_step``): the event, the effects the core
 returned (a refused event is recorded with its single ``Refused`` effect; it
 changed nothing), and what the step left of the directory for every key the
-event or its effects name. ``kvproto trace check FILE``
-(:mod:`kvproto.checking.traces`) has TLC check that the recorded steps are a
-behaviour of ``spec/Publish.tla``.
+event or its effects name; and one line per step of its lease table (the core
+held to ``lease.master_step``): the event and its effects. ``kvproto trace
+check FILE`` (:mod:`kvproto.checking.traces`) has TLC check that the recorded
+steps are a behaviour of ``spec/Publish.tla`` and of ``spec/Lease.tla``.
 
 Recording is off unless a :class:`~kvproto.runtime.master.MasterCore` is given
 ``trace=PATH`` (``kvproto master --trace FILE``) or the environment names a
@@ -24,7 +25,21 @@ are lists; an enum is its value; an error is ``{"type": its class name,
   "segments": {name: capacity}}}`` when the master opens its directory
   (at start, and after each takeover's recovery);
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
-  "after": {"next_token": N, "objects": {key: record or null}}}`` per step.
+  "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
+* ``{"machine": "lease", "opened": {"ttl": T, "now": T, "quiet_until": T,
+  "objects": N}}`` before the first step of a lease table (at start, and
+  after each takeover, whose table holds every recovered object, inherited:
+  up to :data:`INHERITED_LISTED` of them are listed in ``"inherited"``);
+* ``{"machine": "lease", "n": N, "event": ..., "effects": [...]}`` per step
+  of the lease table (a ``Tick`` whenever the master reads its clock for it).
+  A ``Release`` the master feeds itself, not asked by the lease's reader, has
+  ``"by"``: ``"dropped"`` (its object left the directory: removed, evicted or
+  lost with its segment; ``"during"`` names that publish step, ``{"n": N,
+  "type": ...}``) or ``"forced"`` (an operator's forced remove).
+
+Times are the master's clock (seconds, ``time.monotonic`` by default), as the
+lease table holds them; a holder is ``[client, lease id]`` and a region
+``[key, token]``.
 """
 
 from __future__ import annotations
@@ -39,6 +54,10 @@ from kvproto import errors
 
 #: the environment variable that turns recording on (a file path)
 ENV = "KVPROTO_TRACE"
+
+#: a lease table that opens with at most this many objects (a takeover's)
+#: lists them, ``[key, region]`` each, in its ``opened`` line
+INHERITED_LISTED = 1000
 
 
 def encode(value: Any) -> Any:
@@ -68,7 +87,7 @@ def _keys(event, effects) -> list:
 
 
 class Recorder:
-    """Appends the master's publish steps to ``path`` (one JSON line each)."""
+    """Appends the master's publish and lease steps to ``path`` (one JSON line each)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -78,6 +97,9 @@ class Recorder:
             raise errors.InvalidArgument(f"cannot write the trace to {path}: "
                                          f"{e.strerror or e}") from None
         self._n = 0
+        self._published = None   # the event type of the last publish step
+        self._ln = 0
+        self._table = None       # the lease table last stepped
 
     def _write(self, line: dict) -> None:
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
@@ -91,11 +113,36 @@ class Recorder:
     def publish(self, event, effects: tuple, directory) -> None:
         """One step of the directory: ``event`` in, ``effects`` out."""
         self._n += 1
+        self._published = type(event).__name__
         objects = directory.objects
         after = {encode(k): encode(objects.get(k)) for k in _keys(event, effects)}
         self._write({"machine": "publish", "n": self._n, "event": encode(event),
                      "effects": encode(effects),
                      "after": {"next_token": directory.next_token, "objects": after}})
+
+    def lease(self, table, event, by=None) -> tuple:
+        """Step the lease ``table`` (a :class:`~kvproto.cores.leases.LeaseCore`)
+        with ``event`` and record the step; return its effects. The first step
+        of a new table (the master's first, or a takeover's) is preceded by its
+        ``opened`` line."""
+        if table is not self._table:
+            self._table = table
+            opened = {"ttl": table.ttl, "now": table.now, "quiet_until": table.quiet_until,
+                      "objects": len(table.objects)}
+            if 0 < len(table.objects) <= INHERITED_LISTED:
+                opened["inherited"] = [[encode(key), encode(obj.region)]
+                                       for key, obj in table.objects.items() if obj.inherited]
+            self._write({"machine": "lease", "opened": opened})
+        effects = table.step(event)
+        self._ln += 1
+        line = {"machine": "lease", "n": self._ln, "event": encode(event),
+                "effects": encode(effects)}
+        if by is not None:
+            line["by"] = by
+            if by == "dropped":
+                line["during"] = {"n": self._n, "type": self._published}
+        self._write(line)
+        return effects
 
     def close(self) -> None:
         self._file.close()

@@ -6,12 +6,12 @@ A :class:`TransferEngine` belongs to a :class:`~kvproto.runtime.client.Client`
 
 * a :class:`BufferPool`: ``count`` host buffers of ``size`` bytes, slices of one
   numpy array or the ``memory`` given (page-locked memory, for the GPU layer),
-  and the pool
-  machine's state (:class:`~kvproto.statemachines.timeout.Pool`). The engine
-  changes buffer, transfer and request state **only** by stepping
-  :func:`~kvproto.statemachines.timeout.pool_step` and carrying out the effects
-  it returns; the counts it reports (free, held, quarantined, leaked, stale
-  completions dropped, ...) are read from that state;
+  and the pool machine's state, the fast core
+  :class:`~kvproto.cores.pool.PoolCore` held to the reference
+  :func:`~kvproto.statemachines.timeout.pool_step`. The engine changes buffer,
+  transfer and request state **only** by stepping it and carrying out the
+  effects it returns; the counts it reports (free, held, quarantined, leaked,
+  stale completions dropped, ...) are read from that state;
 * an I/O thread that owns the engine's sockets to the storage nodes. It sends
   ``load`` and ``cancel`` requests and receives the replies, landing a load's
   bytes in its destination buffer asynchronously, the way a NIC or a DMA engine
@@ -94,6 +94,7 @@ import numpy as np
 import zmq
 
 from kvproto import errors
+from kvproto.cores.pool import PoolCore
 from kvproto.runtime import wire
 from kvproto.statemachines import timeout as T
 from kvproto.statemachines.reuse import Outcome, RankLoad, ReusePlan, plan_reuse
@@ -114,9 +115,10 @@ class PoolBuffer:
 
 
 class MachinePool:
-    """Named destination buffers whose state is the pool machine's
-    (:class:`~kvproto.statemachines.timeout.Pool`), changed only by
-    :meth:`step` (:func:`~kvproto.statemachines.timeout.pool_step`).
+    """Named destination buffers whose state is the pool machine's: a
+    :class:`~kvproto.cores.pool.PoolCore` (read as the frozen
+    :class:`~kvproto.statemachines.timeout.Pool` is), changed only by
+    :meth:`step` and :meth:`step_all`.
 
     The one piece of code that owns a pool machine for the runtime: the host
     :class:`BufferPool` here and the device block pool
@@ -128,11 +130,14 @@ class MachinePool:
         self.names = list(names)
         if not self.names:
             raise ValueError("a pool needs at least one buffer")
-        self.state: T.Pool = T.new_pool(self.names, max_cancels=max_cancels, max_leaked=max_leaked)
+        self.state = PoolCore(self.names, max_cancels=max_cancels, max_leaked=max_leaked)
 
     def step(self, event) -> tuple:
-        self.state, effects = T.pool_step(self.state, event)
-        return effects
+        return self.state.step(event)
+
+    def step_all(self, events: Iterable) -> tuple:
+        """Step ``events`` all or none (:meth:`~kvproto.cores.pool.PoolCore.step_all`)."""
+        return self.state.step_all(events)
 
     def first_free(self) -> Optional[str]:
         for name in self.names:
@@ -430,8 +435,13 @@ class TransferEngine:
                 "client": client.client_id, "items": [[k, token]]})])
             self._wake()
             raise problem
-        seg, offset, _ = usable[token % len(usable)]
+        replica = usable[token % len(usable)]
+        seg, offset, _ = replica
         endpoint = segments[seg][0]
+        load = {"segment": seg, "offset": offset, "token": token, "length": length,
+                "term": reply.body.get("term", 0), "owner": self.owner, "buffer": buf.name}
+        if grant.get("tickets"):   # a store with tenants: this replica's read ticket
+            load["ticket"] = grant["tickets"][grant["replicas"].index(replica)]
         with self._cv:
             try:
                 effects = self._check(self.pool.step(T.Issue(request, buf.name)))
@@ -445,10 +455,8 @@ class TransferEngine:
             self._xfers[gen] = x
             client._hold()
             heapq.heappush(self._timers, (deadline, gen, _LOAD))
-            self._queue(endpoint, [self._request("load", gen << 1 | _LOAD, {
-                "segment": seg, "offset": offset, "token": token, "length": length,
-                "term": reply.body.get("term", 0),
-                "owner": self.owner, "xfer": gen, "buffer": buf.name})])
+            self._queue(endpoint, [self._request("load", gen << 1 | _LOAD,
+                                                 {**load, "xfer": gen})])
         self._wake()
         return Transfer(self, x)
 

@@ -45,9 +45,11 @@ import zmq
 from kvproto import errors
 
 #: 2: a fence reply's index travels as columns (``IndexColumns``), ``put_end``
-#: and ``publish`` items may carry a checksum. Mixed versions refuse each other
-#: with ``UnsupportedVersion`` instead of misreading a frame.
-PROTOCOL_VERSION = 2
+#: and ``publish`` items may carry a checksum. 3: ``read_begin`` and ``renew``
+#: items carry read tickets, ``read`` and ``load`` take one (a node with
+#: tenants refuses a read without), and the ``ns_*`` ops. Mixed versions refuse
+#: each other with ``UnsupportedVersion`` instead of misreading a frame.
+PROTOCOL_VERSION = 3
 
 MAX_KEY_BYTES = 4096
 MAX_BATCH = 65536
@@ -241,7 +243,20 @@ MASTER_OPS: dict[str, OpSchema] = {
     # letting it (spec/Tenancy.tla GrantRead, RevokeRead); needs a tenants file
     "grant": OpSchema({"ns": NAMESPACE, "grantee": text(64, 1)}),
     "revoke": OpSchema({"ns": NAMESPACE, "grantee": text(64, 1)}),
+    # the upgrade lifecycle of the owner's namespaces (spec/Tenancy.tla Create,
+    # PreWarm, Switch, RouteBack, Drop); ``ns_list``: the tenant's namespaces
+    # and their phases; all need a tenants file
+    "ns_create": OpSchema({"ns": NAMESPACE, "previous": NAMESPACE}),
+    "ns_prewarm": OpSchema({"ns": NAMESPACE}),
+    "ns_switch": OpSchema({"ns": NAMESPACE}),
+    "ns_route_back": OpSchema({"ns": NAMESPACE}),
+    "ns_drop": OpSchema({"ns": NAMESPACE}),
+    "ns_list": OpSchema({}),
 }
+
+#: the master ops that only a master with tenants serves
+TENANT_OPS = frozenset({"grant", "revoke", "ns_create", "ns_prewarm", "ns_switch",
+                        "ns_route_back", "ns_drop", "ns_list"})
 
 #: the master ops that name keys: they take ``ns``
 KEYED_OPS = frozenset({"put_start", "put_end", "put_revoke", "put_abandon", "read_begin",
@@ -255,6 +270,8 @@ XFER = uint(_UINT63, 1)
 #: a master's term (``spec/Failover.tla``): every control command and every data
 #: request is stamped with one; a storage node refuses one below the highest it has seen
 TERM = uint()
+#: a read ticket: [expires (ms of the wall clock), HMAC-SHA256]
+TICKET = tuple_of(uint(), binary(32, 32))
 
 STORAGE_OPS: dict[str, OpSchema] = {
     # master -> storage node (control), each stamped with the master's term
@@ -290,14 +307,17 @@ STORAGE_OPS: dict[str, OpSchema] = {
     "writes": OpSchema({"segment": SEGMENT, "term": TERM, "owner": OWNER,
                         "regions": list_of(tuple_of(uint(), TOKEN, XFER), min_items=1)},
                        payloads=-1),
+    # ``ticket``: the read ticket of the master's read_begin for this replica
+    # ([expires ms, HMAC]; kvproto.ops.tenants.Tickets), which a node with
+    # tenants requires of ``read`` and ``load``
     "read": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM,
-                      "length": uint(min_value=1)}),
+                      "length": uint(min_value=1)}, optional={"ticket": TICKET}),
     # a tracked read into the client's destination ``buffer``: answered with the
     # bytes and ``{"xfer": gen, "buffer": buffer}`` (the completion), or not at
     # all once cancelled
     "load": OpSchema({"segment": SEGMENT, "offset": uint(), "token": TOKEN, "term": TERM,
                       "length": uint(min_value=1), "owner": OWNER, "xfer": XFER,
-                      "buffer": text(256, 1)}),
+                      "buffer": text(256, 1)}, optional={"ticket": TICKET}),
     # stop transfer ``xfer`` of ``owner`` if it still runs, then acknowledge
     # (``{"xfer": gen, "acked": true}``)
     "cancel": OpSchema({"owner": OWNER, "xfer": XFER}),

@@ -202,6 +202,16 @@ class AddNamespace:
 
 
 @attrs.frozen
+class AddObject:
+    """Set-up (the spec's ``Init`` of a store a new master recovered): a
+    published object of ``ns``, owned by the namespace's owner, ``size``
+    bytes held. Within the owner's stored-bytes quota only."""
+    ns: Hashable
+    key: Hashable
+    size: int
+
+
+@attrs.frozen
 class Tick:
     now: float
 
@@ -322,7 +332,7 @@ class Drop:
     ns: Hashable
 
 
-Event = Union[AddTenant, AddNamespace, Tick, GrantRead, RevokeRead, Begin, Fetch, Renew,
+Event = Union[AddTenant, AddNamespace, AddObject, Tick, GrantRead, RevokeRead, Begin, Fetch, Renew,
               Release, WriteStart, WriteEnd, WriteAbort, Remove, Evict, AgeOut, Create,
               PreWarm, Switch, RouteBack, Drop]
 
@@ -524,6 +534,28 @@ def add_namespace(table: Tenancy, ev: AddNamespace):
         return _refuse(table, errors.InvalidArgument(f"namespace {ev.ns!r} exists"))
     rec = NamespaceState(ev.tenant, Phase.LIVE)
     return attrs.evolve(table, namespaces=table.namespaces.set(ev.ns, rec)), _DONE
+
+
+def add_object(table: Tenancy, ev: AddObject):
+    rec = table.namespaces.get(ev.ns)
+    if rec is None:
+        return _refuse(table, errors.UnknownNamespace(f"no namespace {ev.ns!r}"))
+    if (ev.ns, ev.key) in table.objects:
+        return _refuse(table, errors.KeyExists(f"{ev.key!r} in namespace {ev.ns!r}"))
+    if ev.size <= 0:
+        return _refuse(table, errors.InvalidArgument("object size must be positive"))
+    t = table.tenants[rec.owner]
+    if t.held + ev.size > t.quota.stored:
+        return _refuse(table, errors.QuotaExceeded(
+            f"tenant {rec.owner!r} holds {t.held} of its {t.quota.stored} bytes; "
+            f"{ev.size} more do not fit"))
+    if table.used + ev.size > table.capacity:
+        return _refuse(table, errors.NoSpace(f"{table.capacity - table.used} bytes free, "
+                                             f"{ev.size} needed"))
+    table = attrs.evolve(table, objects=table.objects.set(
+        (ev.ns, ev.key), ObjectState(rec.owner, ev.size, Status.PUBLISHED)),
+        used=table.used + ev.size)
+    return _set_tenant(table, rec.owner, held=t.held + ev.size), _DONE
 
 
 def tick(table: Tenancy, ev: Tick):
@@ -824,7 +856,7 @@ def drop(table: Tenancy, ev: Drop):
 
 
 _HANDLERS: dict[type, Callable] = {
-    AddTenant: add_tenant, AddNamespace: add_namespace, Tick: tick, GrantRead: grant_read,
+    AddTenant: add_tenant, AddNamespace: add_namespace, AddObject: add_object, Tick: tick, GrantRead: grant_read,
     RevokeRead: revoke_read, Begin: begin, Fetch: fetch, Renew: renew, Release: release,
     WriteStart: write_start, WriteEnd: write_end, WriteAbort: write_abort, Remove: remove,
     Evict: evict, AgeOut: age_out, Create: create, PreWarm: pre_warm, Switch: switch,

@@ -430,13 +430,11 @@ def acquire(pool: Pool, ev: Acquire):
 
 
 def _read_by(pool: Pool, req: Request, buffer: str) -> Optional[int]:
-    """Spec ``ReadBy``: the awaited copy of ``req`` that reads ``buffer``, if any.
-    (A source is held by its copy's request until the copy is no longer awaited.)"""
-    for gen in req.pending:
-        t = pool.transfers[gen]
-        if t.state is XferState.INFLIGHT and buffer in t.sources:
-            return gen
-    return None
+    """Spec ``ReadBy``: the earliest awaited copy of ``req`` that reads ``buffer``,
+    if any. (A source is held by its copy's request until the copy is no longer
+    awaited.)"""
+    return min((gen for gen in req.pending if pool.transfers[gen].state is XferState.INFLIGHT
+                and buffer in pool.transfers[gen].sources), default=None)
 
 
 def _read_refusal(pool: Pool, req: Request, buffer: str) -> Optional[errors.KvError]:

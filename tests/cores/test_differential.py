@@ -20,6 +20,7 @@ import os
 import random
 from collections import Counter
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, event, settings, strategies as st
@@ -49,8 +50,12 @@ GONE = ["gone-0", "gone-1"]                                 # never joined
 
 
 def _norm(effect):
+    """Errors compare by type and message (an exception equals only itself)."""
     if isinstance(effect, Refused):
         return ("refused", type(effect.error), str(effect.error))
+    error = getattr(effect, "error", None)
+    if isinstance(error, Exception):
+        return attrs.evolve(effect, error=(type(error), str(error)))
     return effect
 
 
@@ -69,12 +74,16 @@ def _groups(effects) -> Counter:
 
 def assert_same(expected: tuple, got: tuple, order: str = "exact") -> None:
     """Equal effects; ``order`` "objects": as a multiset of per-object runs
-    (``SegmentLost``), "none": as a multiset (``Tick``)."""
+    (``SegmentLost``), "none": as a multiset (``Tick``), "kinds": as a
+    multiset with the same sequence of effect types (a request's end)."""
     expected, got = tuple(map(_norm, expected)), tuple(map(_norm, got))
     if order == "objects":
         assert _groups(expected) == _groups(got), (expected, got)
     elif order == "none":
         assert Counter(expected) == Counter(got), (expected, got)
+    elif order == "kinds":
+        assert Counter(expected) == Counter(got), (expected, got)
+        assert [type(e) for e in expected] == [type(e) for e in got], (expected, got)
     else:
         assert expected == got
 
@@ -701,3 +710,4 @@ def test_an_allocation_that_ignores_the_fence_is_caught(monkeypatch):
     monkeypatch.setattr(StorageNodeCore, "_allocate", no_fence)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
+

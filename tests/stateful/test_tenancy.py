@@ -29,13 +29,25 @@ quotas = st.builds(T.Quota, stored=st.integers(4, 40), write_rate=st.sampled_fro
 
 class TenancySystem(RuleBasedStateMachine):
     @initialize(capacity=st.integers(8, 32), ttl=st.sampled_from([0.5, 1, 3]),
-                qs=st.lists(quotas, min_size=len(TENANTS), max_size=len(TENANTS)))
-    def start(self, capacity, ttl, qs):
+                qs=st.lists(quotas, min_size=len(TENANTS), max_size=len(TENANTS)),
+                recovered=st.lists(st.tuples(st.sampled_from(TENANTS), st.sampled_from(KEYS),
+                                             SIZES), max_size=8))
+    def start(self, capacity, ttl, qs, recovered):
         table = T.new_tenancy(ttl, capacity)
         for name, q in zip(TENANTS, qs):
             table = self.ok(table, T.AddTenant(name, q))
             table = self.ok(table, T.AddNamespace(name, (name, 0)))
         self.sys = S.System(table)
+        # a store a new master recovered: published objects, each within its
+        # owner's stored bytes and the memory, or refused with nothing changed
+        for name, key, size in recovered:
+            t, table = self.table.tenants[name], self.table
+            effects, refused = self.step(T.AddObject((name, 0), key, size))
+            assert refused == (((name, 0), key) in table.objects or t.held + size > t.quota.stored
+                               or table.used + size > table.capacity)
+            if not refused:
+                assert self.table.tenants[name].held == t.held + size
+                assert self.table.objects[((name, 0), key)].status is T.Status.PUBLISHED
         self.next_gen = {name: 1 for name in TENANTS}
         self.written = {name: [] for name in TENANTS}      # (time, bytes) of admitted writes
         self.counts = dict.fromkeys(["reads", "refused_grant", "revoked_in_flight", "evicted_other",

@@ -1,0 +1,79 @@
+"""What the trace checkers of each machine share (:mod:`kvproto.checking.traces`,
+:mod:`kvproto.checking.leasetrace`): their errors and verdicts, runtime names
+numbered as model values, and running TLC on a generated trace module."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import attrs
+
+from kvproto.checking import tlc
+from kvproto.checking.tla import ModelValue
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be checked (unreadable, or outside what the
+    checker maps onto the spec's constants)."""
+
+
+@attrs.frozen
+class Verdict:
+    """What TLC found for one machine's recorded run."""
+
+    ok: bool
+    steps: int                      # recorded steps in the run
+    message: str
+    failed_step: Optional[int] = None   # the recorded ``n`` of the first unmatched step
+    line: Optional[int] = None          # its line in the file
+    distinct_states: Optional[int] = None
+    seconds: float = 0.0
+    machine: str = "publish"
+
+
+class Numbered:
+    """Runtime names -> model values ``prefix1, prefix2, ...`` by first appearance."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.names: dict = {}
+
+    def __call__(self, name) -> ModelValue:
+        if name not in self.names:
+            self.names[name] = ModelValue(f"{self.prefix}{len(self.names) + 1}")
+        return self.names[name]
+
+    def values(self) -> list[ModelValue]:
+        return list(self.names.values())
+
+
+def spec_dir(spec: str) -> Path:
+    """The ``spec/`` directory beside the package, holding ``spec``.tla."""
+    here = Path(__file__).resolve().parent.parent.parent / "spec"
+    if not (here / f"{spec}.tla").is_file():
+        raise TraceError(f"spec/{spec}.tla not found beside the package ({here})")
+    return here
+
+
+def run_module(spec: str, name: str, module: str, cfg: str, *, keep: Optional[Path] = None,
+               on_output: Optional[Callable[[str], None]] = None) -> tlc.TlcResult:
+    """Write the trace module ``name`` (extending ``spec``) and its cfg beside a
+    copy of ``spec/<spec>.tla`` (in ``keep``, else a temporary directory) and
+    have TLC check it."""
+    source = spec_dir(spec)
+    with tempfile.TemporaryDirectory(prefix="kvproto-trace-") as tmp:
+        where = Path(keep) if keep is not None else Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / f"{spec}.tla", where / f"{spec}.tla")
+        (where / f"{name}.tla").write_text(module)
+        (where / f"{name}.cfg").write_text(cfg)
+        return tlc.run(tlc.Model.from_cfg(where / f"{name}.cfg"), on_output=on_output)
+
+
+def failure(result: tlc.TlcResult) -> TraceError:
+    """The error for a TLC run that neither passed nor found the trace wanting."""
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    return TraceError("TLC could not check the generated trace module: " + " | ".join(lines[-6:]))
