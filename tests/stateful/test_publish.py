@@ -154,6 +154,42 @@ class PublishSystem(RuleBasedStateMachine):
             assert not new.directory.segments[segment].live
             self.sys = new
 
+    @rule(key=st.sampled_from(KEYS), token=st.integers(0, 50))
+    def stale_events_change_nothing(self, key, token):
+        """Refused master events return the same directory and one Refused effect."""
+        d = self.sys.directory
+        record = d.objects.get(key)
+        if record is not None and record.token == token:
+            return
+        for event in (P.PutEnd(key, token), P.PutRevoke(key, token),
+                      P.ReclaimAbandoned(key, token), P.ReadEnd(key, token)):
+            new, effects = P.master_step(d, event)
+            assert new is d
+            assert len(effects) == 1 and isinstance(effects[0], P.Refused)
+            assert isinstance(effects[0].error, errors.StaleToken)
+
+    @invariant()
+    def spec_invariants_hold(self):
+        assert P.BINDING.violated(self.sys) == []
+        self.steps += 1
+        self.most_objects = max(self.most_objects, len(self.sys.directory.objects))
+
+    def teardown(self):
+        # Shown by --hypothesis-show-statistics: how far the runs got.
+        event(f"steps >= {self.steps // 25 * 25}")
+        event(f"objects at once >= {self.most_objects // 5 * 5}")
+        event(f"publishes >= {self.published // 5 * 5}")
+        event(f"repairs started >= {min(self.repairs, 3)}, listed >= {min(self.listed, 3)}")
+
+
+TestPublishSystem = PublishSystem.TestCase
+
+
+class PublishWithRepairs(PublishSystem):
+    """The same system with the master repairing objects below their requested
+    count (RepairStart, the copier's CopyReplica, ListReplica on its report,
+    RepairCancel) and late copier reports."""
+
     def _below(self):
         return sorted(k for k, rec in self.sys.directory.objects.items()
                       if rec.status is P.Status.PUBLISHED and rec.below())
@@ -188,6 +224,18 @@ class PublishSystem(RuleBasedStateMachine):
         """The master's planner: a repair for every object below its count."""
         for key in self._below():
             self.repair_start(key, data)
+
+    @precondition(lambda self: sum(l.live for l in self.sys.directory.segments.values()) > 3)
+    @rule(data=st.data())
+    def lose_a_replica_and_repair(self, data):
+        """A segment holding a replica of an object that has another is lost,
+        and the master repairs what is below its count."""
+        several = sorted({r.segment for rec in self.sys.directory.objects.values()
+                          if rec.status is P.Status.PUBLISHED and len(rec.replicas) > 1
+                          for r in rec.replicas})
+        if several:
+            self.segment_lost(data.draw(st.sampled_from(several)))
+            self.repair_all_below(data)
 
     def _repairing(self):
         return sorted((key, p.segment) for key, rec in self.sys.directory.objects.items()
@@ -226,35 +274,9 @@ class PublishSystem(RuleBasedStateMachine):
             assert new is d
             assert len(effects) == 1 and isinstance(effects[0].error, errors.StaleToken)
 
-    @rule(key=st.sampled_from(KEYS), token=st.integers(0, 50))
-    def stale_events_change_nothing(self, key, token):
-        """Refused master events return the same directory and one Refused effect."""
-        d = self.sys.directory
-        record = d.objects.get(key)
-        if record is not None and record.token == token:
-            return
-        for event in (P.PutEnd(key, token), P.PutRevoke(key, token),
-                      P.ReclaimAbandoned(key, token), P.ReadEnd(key, token)):
-            new, effects = P.master_step(d, event)
-            assert new is d
-            assert len(effects) == 1 and isinstance(effects[0], P.Refused)
-            assert isinstance(effects[0].error, errors.StaleToken)
-
-    @invariant()
-    def spec_invariants_hold(self):
-        assert P.BINDING.violated(self.sys) == []
-        self.steps += 1
-        self.most_objects = max(self.most_objects, len(self.sys.directory.objects))
-
-    def teardown(self):
-        # Shown by --hypothesis-show-statistics: how far the runs got.
-        event(f"steps >= {self.steps // 25 * 25}")
-        event(f"objects at once >= {self.most_objects // 5 * 5}")
-        event(f"publishes >= {self.published // 5 * 5}")
-        event(f"repairs started >= {min(self.repairs, 3)}, listed >= {min(self.listed, 3)}")
 
 
-TestPublishSystem = PublishSystem.TestCase
+TestPublishWithRepairs = PublishWithRepairs.TestCase
 
 
 # --------------------------------------------------------------------------
