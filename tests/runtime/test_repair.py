@@ -74,7 +74,7 @@ def test_the_objects_of_a_killed_node_are_repaired_to_their_count(children, raw)
     client = kvproto.Client(master=address, timeout=10.0, local_reads=False)
     try:
         wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,
-                 what="three storage nodes")
+                 timeout=30.0, what="three storage nodes")
         keys = [b"obj-%02d" % i for i in range(OBJECTS)]
         for i, key in enumerate(keys):
             client.put(key, payload(i), replicas=2)
@@ -120,9 +120,9 @@ def test_the_objects_of_a_killed_node_are_repaired_to_their_count(children, raw)
                 break
             assert time.monotonic() < deadline, (stats["counters"], stats["repairs"])
             time.sleep(0.01)
+        assert seen_in_flight, "no repair was seen in flight: the check above proved nothing"
         took = time.monotonic() - first
         stats = client.stats()
-        assert seen_in_flight, "no repair was seen in flight: the check above proved nothing"
         assert len(checked) == len(hit)
         # the rate limit: two sources, each at most RATE a second plus its burst
         # (a take may overdraw a bucket by one object)
