@@ -295,6 +295,8 @@ class MasterCore:
         #: source, how fast (bytes a second per source node) and for how long
         self.repairs = RepairScheduler(repair_rate, max_in_flight=max_repairs,
                                        timeout=3 * self.storage_timeout)
+        #: (segment, offset, token) of the publish marks sent for repaired replicas
+        self._repair_marks: set[tuple[str, int, int]] = set()
         self._round: Optional[FenceRound] = None
         self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
@@ -365,6 +367,7 @@ class MasterCore:
                 self.counters["bytes_repaired"] += e.replica.length
                 self.repairs.ended(e.repair)
                 record = self.directory.objects[e.key]
+                self._repair_marks.add((e.replica.segment, e.replica.offset, e.token))
                 self._queue.append((e.replica.segment, "publish", [
                     e.replica.offset, e.key, e.token, record.checksum, record.requested]))
             elif isinstance(e, RepairCancelled):
@@ -1144,13 +1147,20 @@ class MasterCore:
                         self.draining[segment][region[0]] = region[2]
                     else:
                         self.placer.release([Replica(segment, region[0], region[2])])
+                repaired = cmd.op == "publish" and (segment, region[0], region[2]) in self._repair_marks
+                self._repair_marks.discard((segment, region[0], region[2]))
                 if err is None:
                     if cmd.op == "publish":
                         self.counters["publish_marks"] += 1
                     continue
                 self.counters["storage_refusals"] += 1
                 log.error("segment %s refused %s %r: %s", segment, cmd.op, region, err)
-                if cmd.op == "publish":
+                if repaired:
+                    # a repaired replica's mark: the object's other replicas
+                    # are recorded, so it stays; a new master would not list
+                    # this replica, and repairs it again
+                    self.counters["publish_mark_refusals"] += 1
+                elif cmd.op == "publish":
                     # not recorded at the node: a new master would not recover
                     # it, so it is not acknowledged, and it is taken back
                     self.counters["publish_mark_refusals"] += 1
@@ -1374,6 +1384,7 @@ class MasterCore:
                     "segment %s lost (%s)", segment, why)
         self.placer.drop(segment)
         self.repairs.forget_segment(segment)
+        self._repair_marks = {m for m in self._repair_marks if m[0] != segment}
         self.draining.pop(segment, None)
         for where in [w for w in self._direct if w[0] == segment]:
             del self._direct[where]

@@ -860,3 +860,30 @@ def test_the_requested_count_survives_a_takeover_and_the_new_master_repairs_to_i
     assert entry.published and entry.requested == 2 and entry.checksum == rec.checksum
     assert new.counters["repairs_listed"] == 1 and new.counters["repair_reports_refused"] == 1
     assert new.placer.allocators[dst].free_bytes == new.directory.segments[dst].free
+
+
+def test_a_refused_mark_of_a_repaired_replica_keeps_the_object(cluster, monkeypatch):
+    """A node that refuses the publish mark of a replica repaired into it: the
+    object keeps its replicas (the other one is recorded) and is not removed,
+    as a put whose mark is refused would be."""
+    c = cluster(3)
+    data = value(b"k", 1, 1000)
+    err, grant = c.put(b"k", data, replicas=2)
+    assert err is None
+    held = [seg for seg, _, _ in grant["replicas"]]
+    new = c.failover(["n0", "n1", "n2"], lose_during=[held[0]])
+    (dst,) = set(c.nodes) - set(held)
+    c.clock.t += 2e5
+    new.tick()
+    c.deliver(new)
+    (copy, term), = c.nodes[dst].copies
+    c.nodes[dst].copied(copy, memoryview(c.read(copy.source_segment, copy.source_offset,
+                                                copy.length, copy.token, term)))
+    refuse = lambda body, payloads: ({"results": [wire.error_item(errors.StaleToken("no"))]}, [])
+    monkeypatch.setattr(c.nodes[dst], "_op_publish", refuse)
+    (status, _), delivered = c.call(new, "repair_done", {"segment": dst, "key": b"k",
+                                                         "repair": copy.repair})
+    assert status == 0 and [(s, op, st) for s, op, _, st in delivered] == [(dst, "publish", 0)]
+    rec = new.directory.objects[b"k"]
+    assert [r.segment for r in rec.replicas] == [held[1], dst]
+    assert new.counters["publish_mark_refusals"] == 1 and new.counters["removes"] == 0
