@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", default=None, metavar="FILE",
                         help=f"a file holding the tenant's token (default: ${TOKEN_ENV})")
     parser.add_argument("--timeout", type=float, default=5.0,
-                        help="seconds to wait for the master's answer")
+                        help="seconds to wait for the master's answer (default: 5)")
 
 
 def _token(args: argparse.Namespace) -> str:
