@@ -69,8 +69,9 @@ from typing import Callable, Optional
 
 import attrs
 
-from kvproto.checking.tla import Fn, ModelValue, format_value
-from kvproto.checking.tracerun import Numbered, TraceError, Verdict, failure, run_module
+from kvproto.checking.tla import Fn, ModelValue
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
+                                       module_text, outcome, run_module)
 
 NONE = ModelValue("None")
 
@@ -505,21 +506,6 @@ TraceNext == Step \/ ReaderSteps \/ Done
 """
 
 
-def module_text(model: TraceModel) -> str:
-    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
-        if model.records else "<<>>"
-    return _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace}
-
-
-def cfg_text(model: TraceModel) -> str:
-    lines = ["\\* expect: ok", "\\* deadlock: check", "CONSTANTS"]
-    lines += [f"    {name} = {format_value(value)}" for name, value in model.constants.items()]
-    lines += [f"    {v.name} = {v.name}" for v in model.model_values]
-    lines += ["    Pressure <- TracePressure"]
-    lines += ["INIT TraceInit", "NEXT TraceNext", "INVARIANTS"] + [f"    {n}" for n in INVARIANTS]
-    return "\n".join(lines) + "\n"
-
-
 # --- checking --------------------------------------------------------------------
 
 
@@ -534,7 +520,8 @@ def check_lines(lines: list[tuple[int, dict]], *, keep: Optional[Path] = None,
 def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
               on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     model = to_model(header, steps)
-    result = run_module("Lease", "LeaseTrace", module_text(model), cfg_text(model),
+    result = run_module("Lease", "LeaseTrace", module_text(_MODULE, model),
+                        cfg_text(model, INVARIANTS, ("Pressure <- TracePressure",)),
                         keep=keep, on_output=on_output)
     n = len(model.records) - model.taken
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
@@ -573,9 +560,5 @@ def describe(step: dict) -> str:
         during = step.get("during") or {}
         text += f" by the master ({step['by']}" + (
             f" during publish step {during.get('n')}, {during.get('type')})" if during else ")")
-    effects = step["effects"]
-    if effects and effects[0].get("type") == "Refused":
-        out = f"refused {effects[0]['error']['type']}"
-    else:
-        out = ", ".join(e["type"] for e in effects) or "no effects"
+    out = outcome(step["effects"])
     return f"{text} -> {out}"

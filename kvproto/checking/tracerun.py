@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import attrs
 
 from kvproto.checking import tlc
-from kvproto.checking.tla import ModelValue
+from kvproto.checking.tla import ModelValue, format_value
 
 
 class TraceError(ValueError):
@@ -77,3 +77,29 @@ def failure(result: tlc.TlcResult) -> TraceError:
     """The error for a TLC run that neither passed nor found the trace wanting."""
     lines = [l for l in result.output.splitlines() if l.strip()]
     return TraceError("TLC could not check the generated trace module: " + " | ".join(lines[-6:]))
+
+
+def module_text(template: str, model) -> str:
+    """A trace module from ``template``: the model's values and its records as
+    the constant sequence ``Trace``."""
+    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
+        if model.records else "<<>>"
+    return template % {"values": ", ".join(v.name for v in model.model_values), "trace": trace}
+
+
+def cfg_text(model, invariants, overrides: tuple[str, ...] = ()) -> str:
+    """The cfg of a trace module: the model's constants and values, then
+    ``overrides`` (``Name <- Def`` lines), with deadlock checking on."""
+    lines = ["\\* expect: ok", "\\* deadlock: check", "CONSTANTS"]
+    lines += [f"    {name} = {format_value(value)}" for name, value in model.constants.items()]
+    lines += [f"    {v.name} = {v.name}" for v in model.model_values]
+    lines += [f"    {o}" for o in overrides]
+    lines += ["INIT TraceInit", "NEXT TraceNext", "INVARIANTS"] + [f"    {n}" for n in invariants]
+    return "\n".join(lines) + "\n"
+
+
+def outcome(effects: list) -> str:
+    """A recorded step's effects in a few words: ``refused StaleToken``, or their types."""
+    if effects and effects[0].get("type") == "Refused":
+        return f"refused {effects[0]['error']['type']}"
+    return ", ".join(e["type"] for e in effects) or "no effects"

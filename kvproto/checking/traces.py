@@ -54,8 +54,9 @@ from typing import Callable, Optional
 import attrs
 
 from kvproto.checking import leasetrace
-from kvproto.checking.tla import Fn, ModelValue, format_value
-from kvproto.checking.tracerun import Numbered, TraceError, Verdict, failure, run_module
+from kvproto.checking.tla import Fn, ModelValue
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
+                                       module_text, outcome, run_module)
 
 __all__ = ["TraceError", "Verdict", "check", "check_each", "check_run", "read", "publish_run", "describe"]
 
@@ -341,20 +342,6 @@ TraceNext == Step \/ Write \/ Done
 """
 
 
-def module_text(model: TraceModel) -> str:
-    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
-        if model.records else "<<>>"
-    return _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace}
-
-
-def cfg_text(model: TraceModel) -> str:
-    lines = ["\\* expect: ok", "\\* deadlock: check", "CONSTANTS"]
-    lines += [f"    {name} = {format_value(value)}" for name, value in model.constants.items()]
-    lines += [f"    {v.name} = {v.name}" for v in model.model_values]
-    lines += ["INIT TraceInit", "NEXT TraceNext", "INVARIANTS"] + [f"    {n}" for n in INVARIANTS]
-    return "\n".join(lines) + "\n"
-
-
 # --- checking --------------------------------------------------------------------
 
 
@@ -402,7 +389,8 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
               on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """Have TLC check one publish run (:func:`publish_run`) against ``spec/Publish.tla``."""
     model = to_model(header, steps)
-    result = run_module("Publish", "PublishTrace", module_text(model), cfg_text(model),
+    result = run_module("Publish", "PublishTrace", module_text(_MODULE, model),
+                        cfg_text(model, INVARIANTS),
                         keep=keep, on_output=on_output)
     n = len(steps)
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds)
@@ -425,11 +413,7 @@ def describe(step: dict) -> str:
     """A recorded step in one line: ``PutEnd(key='k', token=3) -> Published``."""
     ev = step["event"]
     args = ", ".join(f"{k}={v!r}" for k, v in ev.items() if k != "type")
-    effects = step["effects"]
-    if effects and effects[0].get("type") == "Refused":
-        out = f"refused {effects[0]['error']['type']}"
-    else:
-        out = ", ".join(e["type"] for e in effects) or "no effects"
+    out = outcome(step["effects"])
     return f"{ev['type']}({args}) -> {out}"
 
 
