@@ -340,13 +340,21 @@ class DirectoryCore:
                     return row, h
         return None, None
 
-    def _list_replica(self, ev: ListReplica) -> tuple:
-        """Spec ``ListReplica``: only the repair in flight that the report names."""
+    def _end_repair(self, ev) -> tuple:
+        """``(row, region)`` of the repair in flight that ``ev`` names, taken off
+        the row's repairs; ``(None, refusal)`` if there is none."""
         row, h = self._repair_at(ev)
         if row is None:
-            return _refused(errors.StaleToken(
+            return None, _refused(errors.StaleToken(
                 f"no repair {ev.repair} of {ev.key!r} into {ev.segment!r} in flight"))
         self._set_repairs(row, tuple(x for x in self._repairs[row] if x is not h))
+        return row, h
+
+    def _list_replica(self, ev: ListReplica) -> tuple:
+        """Spec ``ListReplica``: only the repair in flight that the report names."""
+        row, h = self._end_repair(ev)
+        if row is None:
+            return h
         self._place(row, self._placed(row) + [(h[0], h[1])])
         length = self._len[row]
         return (ReplicaListed(ev.key, self._tok[row], ev.repair,
@@ -354,11 +362,9 @@ class DirectoryCore:
 
     def _repair_cancel(self, ev: RepairCancel) -> tuple:
         """Spec ``RepairCancel``: the repair ends unlisted; its region is freed."""
-        row, h = self._repair_at(ev)
+        row, h = self._end_repair(ev)
         if row is None:
-            return _refused(errors.StaleToken(
-                f"no repair {ev.repair} of {ev.key!r} into {ev.segment!r} in flight"))
-        self._set_repairs(row, tuple(x for x in self._repairs[row] if x is not h))
+            return h
         token, length = self._tok[row], self._len[row]
         self._by_id[h[0]].free += length
         return (RepairCancelled(ev.key, token, ev.repair, ev.segment),
