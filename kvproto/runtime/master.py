@@ -627,10 +627,9 @@ class MasterCore:
         """Start repairs of the objects below their requested count (``RepairStart``)
         within the scheduler's limits (copies in flight, each source node's
         bytes a second); cancel copies not reported in time (``RepairCancel``).
-        Not with a tenants file: a copier's read carries no credential."""
+        With tenants, the command carries the source read's ticket, issued to
+        the repair reader and expiring with the repair's timeout."""
         sched = self.repairs
-        if self.tenants is not None:
-            return
         now = self.clock()
         for repair, r in sched.overdue(now):
             self.counters["repairs_timed_out"] += 1
@@ -662,9 +661,12 @@ class MasterCore:
                 continue
             started, src = effects[0], next(r for r in sources if r.segment == source)
             sched.started(started.repair, key, dst[0].segment, source, record.length, now)
-            self._queue.append((dst[0].segment, "repair", [
-                dst[0].offset, key, record.token, record.length, started.repair,
-                self.segments[source].endpoint, source, src.offset, record.checksum]))
+            command = [dst[0].offset, key, record.token, record.length, started.repair,
+                       self.segments[source].endpoint, source, src.offset, record.checksum]
+            if self.tenants is not None:
+                command.append(self.tenants.repair_ticket(source, src.offset, record.token,
+                                                          sched.timeout))
+            self._queue.append((dst[0].segment, "repair", command))
             if self.directory.objects[key].below():
                 deferred.append(key)
         sched.queue.extend(deferred)
