@@ -315,11 +315,13 @@ class MasterCore:
 
     # ------------------------------------------------------------------ stepping
 
-    def _step(self, event: MasterEvent) -> tuple[Optional[errors.KvError], tuple]:
-        """Feed one event; carry out its effects. Refused -> (error, effects), no change."""
+    def _step(self, event: MasterEvent, report: Optional[dict] = None
+              ) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed one event; carry out its effects. Refused -> (error, effects), no change.
+        ``report``: the copier's report the event is taken on (for the trace)."""
         effects = self.directory.step(event)
         if self.trace is not None:
-            self.trace.publish(event, effects, self.directory)
+            self.trace.publish(event, effects, self.directory, report)
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
@@ -613,10 +615,11 @@ class MasterCore:
         in flight is refused (``StaleToken``) and changes nothing."""
         key, segment, repair = body["key"], body["segment"], body["repair"]
         if "error" in body:
-            err, _ = self._step(RepairCancel(key, segment, repair))
+            err, _ = self._step(RepairCancel(key, segment, repair),
+                                {"copied": False, "error": body["error"][0]})
             self.counters["repairs_failed"] += err is None
         else:
-            err, _ = self._step(ListReplica(key, segment, repair))
+            err, _ = self._step(ListReplica(key, segment, repair), {"copied": True})
         if err is not None:
             self.counters["repair_reports_refused"] += 1
             raise err

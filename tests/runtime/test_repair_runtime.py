@@ -9,6 +9,8 @@ copier's read of the source carries the read ticket the master issued for it
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 import signal
 import time
 
@@ -17,6 +19,7 @@ import pytest
 
 import kvproto
 from kvproto import errors
+from kvproto.checking import traces
 
 from runtime_helpers import wait_for
 
@@ -201,3 +204,77 @@ def _child_of(nodes, segments, victim, raw, cred):
     pid = int(victim.split(":")[-2])
     (child,) = [c for c in nodes if c.proc.pid == pid]
     return child
+
+
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
+
+
+def traced_repairs(children, raw, path) -> None:
+    """A master recording its steps to ``path`` and three nodes; four objects
+    of two replicas; the node holding most of them killed, and every object
+    repaired back to two replicas."""
+    _, address = start_master(children, rate=64 << 20, trace=str(path))
+    nodes = [start_storage(children, address) for _ in range(3)]
+    client = kvproto.Client(master=address, timeout=10.0, local_reads=False)
+    try:
+        wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,
+                 timeout=30.0, what="three storage nodes")
+        keys = [b"obj-%02d" % i for i in range(4)]
+        for i, key in enumerate(keys):
+            client.put(key, payload(i)[:8192], replicas=2)
+        before, _ = listed(raw, address, keys)
+        segments = {s: info for s, info in client.stats()["segments"].items() if info["live"]}
+        on = {s: sum(any(seg == s for seg, _, _ in r) for r in before.values()) for s in segments}
+        victim = max(on, key=on.get)
+        _child_of(nodes, segments, victim, raw, {}).stop(signal.SIGKILL)
+        wait_for(lambda: client.stats()["counters"]["repairs_listed"] == on[victim],
+                 timeout=60.0, interval=0.2, what="every object repaired")
+        assert all(len(r) == 2 and all(seg != victim for seg, _, _ in r)
+                   for r in listed(raw, address, keys)[0].values())
+        assert client.get(keys[0], verify=True) == payload(0)[:8192]
+    finally:
+        client.close()
+
+
+@pytest.mark.tlc
+@needs_java
+def test_a_traced_run_with_repairs_is_a_behaviour_of_the_spec(children, raw, tmp_path):
+    """TLC walks the master's recorded steps, repairs included: each
+    ``RepairStart`` names the next id and a joined segment, each
+    ``ListReplica`` follows its copier's report of a complete copy (the
+    spec's ``CopyReplica``), and a hand-made ``ListReplica`` with no report
+    is rejected at its step."""
+    path = tmp_path / "repairs.trace"
+    traced_repairs(children, raw, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = {r["event"]["type"] for r in rows if "event" in r}
+    assert {"RepairStart", "ListReplica", "SegmentLost"} <= kinds
+    verdicts = traces.check(path)
+    assert verdicts["publish"].ok, verdicts["publish"].message
+    assert verdicts["lease"].ok, verdicts["lease"].message
+    # the same run with one repair step changed: rejected at that step
+    for kind, change in CHANGES:
+        changed = json.loads(json.dumps(rows))
+        step = next(r for r in changed if r.get("event", {}).get("type") == kind)
+        change(step)
+        bad = tmp_path / "changed.trace"
+        bad.write_text("".join(json.dumps(r) + "\n" for r in changed))
+        verdict = traces.check_run(*traces.publish_run(traces.read(bad)["publish"]))
+        assert not verdict.ok and verdict.failed_step == step["n"], (change, verdict.message)
+        assert kind in verdict.message
+
+
+def _holder(step):
+    """The repair's destination made a segment that holds the object already."""
+    step["event"]["replica"]["segment"] = \
+        step["after"]["objects"][step["event"]["key"]]["replicas"][0]["segment"]
+
+
+#: hand-made changes of a repair step that the trace check must reject
+CHANGES = [
+    ("ListReplica", lambda s: s.pop("report")),                            # listed unreported
+    ("ListReplica", lambda s: s.update(report={"copied": False, "error": 1})),  # a failed copy
+    ("ListReplica", lambda s: s["event"].update(repair=s["event"]["repair"] + 1)),
+    ("RepairStart", lambda s: s["effects"][0].update(repair=s["effects"][0]["repair"] + 1)),
+    ("RepairStart", _holder),
+]
