@@ -13,6 +13,7 @@ import json
 import shutil
 import signal
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -46,13 +47,13 @@ def tenancy_args(tmp_path) -> str:
     tenant, ``owner``, with a stored-bytes quota) and the ticket key."""
     path = tmp_path / "tenants.toml"
     path.write_text(f'[tenants.owner]\ntokens = ["{TOKEN}"]\nstored = {4 * OBJECTS * SIZE}\n')
-    return (f"tenants=__import__('kvproto.ops.tenants').ops.tenants.load_tenants({str(path)!r}), "
-            f"ticket_key={TICKET_KEY.encode()!r}")
+    return f"tenants=load_tenants({str(path)!r}), ticket_key={TICKET_KEY.encode()!r}"
 
 
 def start_master(spawn, rate: int, extra: str = "", trace: str = ""):
     m = spawn(f"""
         import logging; logging.basicConfig(level=logging.WARNING)
+        from kvproto.ops.tenants import load_tenants
         from kvproto.runtime.embedded import run_master
         run_master("tcp://127.0.0.1:*", writer_timeout=5.0, storage_timeout={STORAGE_TIMEOUT},
                    repair_rate={rate}, max_repairs=2, trace={trace or None!r}, {extra})
@@ -64,6 +65,7 @@ def start_master(spawn, rate: int, extra: str = "", trace: str = ""):
 
 def start_storage(spawn, master, extra: str = ""):
     s = spawn(f"""
+        from kvproto.ops.tenants import load_tenants
         from kvproto.runtime.embedded import run_storage
         run_storage({master!r}, "{SEGMENT}", debug=True, {extra})
     """)
@@ -75,12 +77,13 @@ def payload(i: int) -> bytes:
     return np.random.default_rng(i).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
 
 
-def listed(raw, master: str, keys: list, cred: dict = {}, tickets: dict = None) -> dict:
+def listed(raw, master: str, keys: list, cred: Optional[dict] = None,
+           tickets: Optional[dict] = None) -> dict:
     """key -> the segments the master hands readers now (a leased read, so no
     pin is left behind), or None for a miss; with ``tickets``, each replica's
     read ticket is put there (a store with tenants)."""
     reply = raw(master).call("read_begin", {"client": "repair-probe", "keys": keys,
-                                            "lease": True, **cred})
+                                            "lease": True, **(cred or {})})
     assert reply.status == 0, reply.body
     out = {}
     for key, (code, item) in zip(keys, reply.body["items"]):
