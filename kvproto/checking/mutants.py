@@ -73,6 +73,7 @@ LEASES = "tests/runtime/test_leases.py"
 SAME_HOST = "tests/runtime/test_same_host_reads.py"
 FAILOVER = "tests/runtime/test_failover_cores.py"
 TENANCY = "tests/runtime/test_tenancy_runtime.py"
+REPAIR = "tests/runtime/test_repair_runtime.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -192,6 +193,15 @@ MUTANTS: tuple[Mutant, ...] = (
              "                if False:\n"),
         (f"{TENANCY}::test_a_tenant_guessing_a_region_token_reads_nothing",),
         twin="Tenancy_Weak_FastPathSkipsGrant"),
+    Mutant(
+        "repair-listed-before-copy",
+        "the master lists a repaired replica when it starts the repair, before "
+        "its copier reported the copy complete",
+        _one(MASTER, "            sched.started(started.repair, key, dst[0].segment, source, record.length, now)\n",
+             "            sched.started(started.repair, key, dst[0].segment, source, record.length, now)\n"
+             "            self._step(ListReplica(key, dst[0].segment, started.repair))\n"),
+        (f"{REPAIR}::test_a_traced_run_with_repairs_is_a_behaviour_of_the_spec",),
+        twin="Publish_Weak_ListBeforeCopy"),
     Mutant(
         "route-back-keeps-writes",
         "a route back leaves the held namespace's writes in progress pending, "

@@ -25,7 +25,14 @@ step does to agree with what was recorded:
 
 The writers' ``WriteReplica`` steps are not seen by the master; before a
 recorded ``PutEnd`` the trace lets that attempt's writer write its replicas
-(the spec's own ``WriteReplica``), in any order. TLC checks deadlock: a state
+(the spec's own ``WriteReplica``), in any order. Nor are the repair copiers'
+``CopyReplica`` steps: a ``ListReplica`` the master took on its copier's
+report of a complete copy (the step's ``report``, ``copied``) is preceded by
+the spec's ``CopyReplica`` of that repair; one taken without such a report
+has nothing copied, and the spec's ``ListReplica`` (``RepairCopied``) refuses
+it. ``RepairStart`` must name the repair ``nextToken`` and a joined segment,
+and ``ListReplica`` and ``RepairCancel`` the repair in flight into their
+segment (its id). TLC checks deadlock: a state
 where the next record matches no step of the spec is where the run left the
 spec, and its step number is reported. A run that matches every step also
 keeps the spec's invariants (checked in every state).
@@ -69,7 +76,7 @@ LIMITS = {"steps": 3000, "keys": 32, "segments": 6, "slots": 64, "tokens": 512}
 
 INVARIANTS = ("TypeOK", "OnlyPublishedReadable", "PublishedHasAllReplicasComplete",
               "NoOverlappingAllocation", "SpaceAccounted", "OneAttemptPublishes",
-              "PublishedBytesAreTheAttempts")
+              "PublishedBytesAreTheAttempts", "NeverAboveRequested")
 
 
 # --- reading ---------------------------------------------------------------------
@@ -174,7 +181,11 @@ def _record(m: _Mapping, step: dict, joined: set) -> Fn:
               "p": m.placement(ev.get("placement", ())),
               "joined": frozenset(m.segments(s) for s in joined),
               "gt": 0, "gp": Fn.of({}), "frees": frozenset(), "assigns": frozenset(),
-              "gone": frozenset(), "published": frozenset()}
+              "gone": frozenset(), "published": frozenset(),
+              "i": 0, "rid": m.token(ev.get("repair")),
+              "copied": bool(step.get("report", {}).get("copied"))}
+    if act == "RepairStart":
+        fields["s"], fields["i"] = m.slot(ev["replica"]["segment"], ev["replica"]["offset"])
     for e in effects if ok else ():
         kind = e["type"]
         if kind in ("PutGranted", "ReadGranted"):
@@ -191,6 +202,8 @@ def _record(m: _Mapping, step: dict, joined: set) -> Fn:
             fields["gone"] |= {(m.keys(e["key"]), m.token(e["token"]), status)}
         elif kind == "Published":
             fields["published"] |= {(m.keys(e["key"]), m.token(e["token"]))}
+        elif kind == "RepairStarted":
+            fields["gt"] = m.token(e["repair"])
     after = step["after"]
     fields["after"] = Fn.of({m.keys(k): m.record(rec) for k, rec in after["objects"].items()})
     fields["next"] = after["next_token"] - m.first + 1
@@ -275,6 +288,10 @@ R == Trace[pos]
 \* The writer of the recorded attempt holds it.
 Holds(r) == writer[r.w] # None /\ writer[r.w].key = r.k /\ writer[r.w].token = r.t
 
+\* The repair the record names (its object, destination and id) is in flight.
+InFlight(r) == Published(r.k) /\ r.s \in DOMAIN dir[r.k].repairs
+               /\ dir[r.k].repairs[r.s].id = r.rid
+
 \* The spec's step for an accepted event.
 Accepted(r) ==
     \/ r.act = "AddSegment" /\ UNCHANGED vars
@@ -290,6 +307,10 @@ Accepted(r) ==
     \/ r.act = "ReadEnd" /\ Exists(r.k) /\ dir[r.k].token = r.t /\ ReadEnd(r.k)
     \/ r.act = "Remove" /\ Remove(r.k)
     \/ r.act = "SegmentLost" /\ r.s \in r.joined /\ SegmentLost(r.s)
+    \/ /\ r.act = "RepairStart" /\ r.gt = nextToken /\ r.s \in r.joined
+       /\ Published(r.k) /\ dir[r.k].token = r.t /\ RepairStart(r.k, r.s, r.i)
+    \/ r.act = "ListReplica" /\ InFlight(r) /\ ListReplica(r.k, r.s)
+    \/ r.act = "RepairCancel" /\ InFlight(r) /\ RepairCancel(r.k, r.s)
 
 \* The effects recorded are exactly the spec step's.
 Effects(r) ==
@@ -315,6 +336,10 @@ Refused(r) ==
        \/ r.act = "Remove" /\ ~(Published(r.k) /\ dir[r.k].reads = 0)
        \/ r.act = "SegmentLost" /\ (r.s \notin r.joined \/ r.s \notin live)
        \/ r.act = "AddSegment"
+       \/ /\ r.act = "RepairStart"
+          /\ ~(/\ Published(r.k) /\ dir[r.k].token = r.t /\ Below(r.k) /\ nextToken \in Tokens
+               /\ r.s \in live \ SegmentsOf(r.k) /\ free[r.s] > 0 /\ ~Allocated(r.s, r.i))
+       \/ r.act \in {"ListReplica", "RepairCancel"} /\ ~InFlight(r)
 
 \* The directory the master had after the step is the spec's.
 After(r) ==
@@ -334,10 +359,18 @@ Write ==
     /\ \E s \in Segments : WriteReplica(R.w, s)
     /\ UNCHANGED pos
 
+\* Before a recorded ListReplica on its copier's report of a complete copy,
+\* the copier copies a listed replica (unseen by the master). Without such a
+\* report nothing was copied, and ListReplica finds the copy incomplete.
+Copy ==
+    /\ pos <= Len(Trace) /\ R.act = "ListReplica" /\ R.ok /\ R.copied /\ InFlight(R)
+    /\ CopyReplica(R.k, R.s)
+    /\ UNCHANGED pos
+
 Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos>>
 
 TraceInit == Init /\ pos = 1
-TraceNext == Step \/ Write \/ Done
+TraceNext == Step \/ Write \/ Copy \/ Done
 =============================================================================
 """
 

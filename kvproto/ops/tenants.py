@@ -32,7 +32,10 @@ segment, offset, put token, expiry); a storage node with tenants serves a
 tenant for that location (:class:`Tickets`; the spec's ``NodeAdmits``). The
 ticket key is a file the operator gives the master and every storage node
 (``--ticket-key FILE``; :func:`new_ticket_key` makes one, ``kvproto tenant
-key``); it never travels on the wire.
+key``); it never travels on the wire. A replica repair's copy is read by a
+storage node, not by a tenant: the master issues its ticket to
+:data:`REPAIR_READER`, a name no tenant can have, and the source node serves
+a read that carries no credential only under such a ticket.
 
 Objects of a tenanted store are named in the master's directory by
 :func:`object_key` ``(namespace, key)``: the same key in two namespaces names
@@ -328,6 +331,11 @@ def load_ticket_key(path: Union[str, Path]) -> bytes:
         raise errors.InvalidArgument(f"ticket key file {path} holds {len(key)} characters; a key "
                                      f"needs at least {TICKET_KEY_MIN} ('kvproto tenant key')")
     return key
+
+
+#: the reader a repair copy's read ticket names (not a tenant name: a tenant's
+#: credential never authenticates it, so no tenant can read under such a ticket)
+REPAIR_READER = "@repair"
 
 
 class Tickets:

@@ -6,7 +6,11 @@ the object's token (``RepairStart``'s ``AssignRegion``) and then sending a
 region is assigned to that token and unwritten, answers the command at once,
 and pulls the object from the source node with a plain network ``read`` —
 the read path a client uses, under the object's token and the master's term,
-so the source hands out only a complete, published replica's bytes. When the
+so the source hands out only a complete, published replica's bytes. At a store
+with tenants the read carries no tenant credential but the read ticket the
+master sent with the command, issued to ``REPAIR_READER`` for the source
+replica's location and token and expiring with the repair's timeout; the
+source checks it as it checks any read ticket (``NodeAdmits``). When the
 bytes arrive they are checked against the object's checksum (when it has one)
 and written into the region by ``WriteReplica`` (the node's own token check),
 and the node reports ``repair_done`` with the repair's id; the master lists
@@ -47,6 +51,9 @@ class Copy:
     source_segment: str
     source_offset: int
     checksum: int = 0     # the object's checksum (0: none to check)
+    #: the source read's ticket (a store with tenants): issued by the master to
+    #: ``REPAIR_READER`` for the source replica's location and token
+    ticket: Optional[list] = None
 
 
 class Copier:
@@ -76,6 +83,8 @@ class Copier:
         rid = next(self._rid)
         body = {"segment": copy.source_segment, "offset": copy.source_offset,
                 "token": copy.token, "term": term, "length": copy.length}
+        if copy.ticket is not None:
+            body["ticket"] = copy.ticket
         try:
             self._socket(copy.source).send(wire.encode_request("read", rid, body), flags=zmq.NOBLOCK)
         except zmq.ZMQError:

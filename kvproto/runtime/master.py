@@ -315,11 +315,13 @@ class MasterCore:
 
     # ------------------------------------------------------------------ stepping
 
-    def _step(self, event: MasterEvent) -> tuple[Optional[errors.KvError], tuple]:
-        """Feed one event; carry out its effects. Refused -> (error, effects), no change."""
+    def _step(self, event: MasterEvent, report: Optional[dict] = None
+              ) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed one event; carry out its effects. Refused -> (error, effects), no change.
+        ``report``: the copier's report the event is taken on (for the trace)."""
         effects = self.directory.step(event)
         if self.trace is not None:
-            self.trace.publish(event, effects, self.directory)
+            self.trace.publish(event, effects, self.directory, report)
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
@@ -613,10 +615,11 @@ class MasterCore:
         in flight is refused (``StaleToken``) and changes nothing."""
         key, segment, repair = body["key"], body["segment"], body["repair"]
         if "error" in body:
-            err, _ = self._step(RepairCancel(key, segment, repair))
+            err, _ = self._step(RepairCancel(key, segment, repair),
+                                {"copied": False, "error": body["error"][0]})
             self.counters["repairs_failed"] += err is None
         else:
-            err, _ = self._step(ListReplica(key, segment, repair))
+            err, _ = self._step(ListReplica(key, segment, repair), {"copied": True})
         if err is not None:
             self.counters["repair_reports_refused"] += 1
             raise err
@@ -627,10 +630,9 @@ class MasterCore:
         """Start repairs of the objects below their requested count (``RepairStart``)
         within the scheduler's limits (copies in flight, each source node's
         bytes a second); cancel copies not reported in time (``RepairCancel``).
-        Not with a tenants file: a copier's read carries no credential."""
+        With tenants, the command carries the source read's ticket, issued to
+        the repair reader and expiring with the repair's timeout."""
         sched = self.repairs
-        if self.tenants is not None:
-            return
         now = self.clock()
         for repair, r in sched.overdue(now):
             self.counters["repairs_timed_out"] += 1
@@ -662,9 +664,12 @@ class MasterCore:
                 continue
             started, src = effects[0], next(r for r in sources if r.segment == source)
             sched.started(started.repair, key, dst[0].segment, source, record.length, now)
-            self._queue.append((dst[0].segment, "repair", [
-                dst[0].offset, key, record.token, record.length, started.repair,
-                self.segments[source].endpoint, source, src.offset, record.checksum]))
+            command = [dst[0].offset, key, record.token, record.length, started.repair,
+                       self.segments[source].endpoint, source, src.offset, record.checksum]
+            if self.tenants is not None:
+                command.append(self.tenants.repair_ticket(source, src.offset, record.token,
+                                                          sched.timeout))
+            self._queue.append((dst[0].segment, "repair", command))
             if self.directory.objects[key].below():
                 deferred.append(key)
         sched.queue.extend(deferred)

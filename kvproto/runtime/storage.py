@@ -77,7 +77,7 @@ import zmq
 
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.ops.tenants import Credentials, Tickets
+from kvproto.ops.tenants import REPAIR_READER, Credentials, Tickets
 from kvproto.runtime import wire
 from kvproto.runtime.copier import Copier, Copy
 from kvproto.runtime.datapath import checksum
@@ -477,7 +477,7 @@ class StorageCore:
         accepted when the region is assigned to that token, unwritten, and
         holds that key; the copy runs after the reply (``repair_done``)."""
         results = []
-        for offset, key, token, length, repair, source, segment, src_offset, checksum \
+        for offset, key, token, length, repair, source, segment, src_offset, checksum, *ticket \
                 in body["regions"]:
             region = self.node.region(offset)
             if region is None or region.token != token or region.key != key or region.done \
@@ -487,7 +487,8 @@ class StorageCore:
                     f"region {offset} is not an unwritten region of {key!r} with token {token}")))
                 continue
             self.copies.append((Copy(repair, key, token, offset, length, source, segment,
-                                     src_offset, checksum), body["term"]))
+                                     src_offset, checksum, ticket[0] if ticket else None),
+                                body["term"]))
             self.counters["repairs_started"] += 1
             results.append(wire.ok_item())
         return {"results": results}, []
@@ -958,7 +959,10 @@ class StorageServer:
         del frames  # release the received payload frame before the next message
         if self.credentials is not None and req.op not in self.CONTROL_OPS:
             try:
-                tenant = self.credentials.authenticate(req.body.get("cred"))
+                if req.op == "read" and req.body.get("cred") is None:
+                    tenant = REPAIR_READER      # a repair copier's read: its ticket alone
+                else:
+                    tenant = self.credentials.authenticate(req.body.get("cred"))
                 if req.op in self.TICKET_OPS:   # spec NodeAdmits, before anything runs
                     self.tickets.admit(tenant, req.body, int(time.time() * 1000))
             except (errors.Unauthorized, errors.TicketRefused) as err:

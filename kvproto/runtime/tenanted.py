@@ -23,8 +23,8 @@ machine's state) and the glue between it and the master's requests.
   object removed, evicted or lost is ``Remove`` by its owner (after its reads
   are released: the bytes are gone).
 
-Storage-plane requests (a storage node's ``register``, heartbeats, drains and
-``deregister``) are not a tenant's and carry no tenant credential.
+Storage-plane requests (a storage node's ``register``, heartbeats, drains,
+repair reports and ``deregister``) are not a tenant's and carry no tenant credential.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Callable, Optional
 
 from kvproto import errors
 from kvproto.ops.tenants import (
-    DEFAULT_NAMESPACE, UNLIMITED, Namespace, Registry, TenantConfig, Tickets, namespace_name,
-    object_key, split_object_key,
+    DEFAULT_NAMESPACE, REPAIR_READER, UNLIMITED, Namespace, Registry, TenantConfig, Tickets,
+    namespace_name, object_key, split_object_key,
 )
 from kvproto.runtime import wire
 from kvproto.statemachines import tenancy as tm
@@ -46,7 +46,8 @@ from kvproto.statemachines import tenancy as tm
 log = logging.getLogger("kvproto.master")
 
 #: requests of the storage nodes, not of a tenant
-STORAGE_PLANE = frozenset({"register", "storage_heartbeat", "storage_drained", "deregister"})
+STORAGE_PLANE = frozenset({"register", "storage_heartbeat", "storage_drained", "repair_done",
+                           "deregister"})
 #: requests only a namespace's owner may make in it
 OWNER_OPS = frozenset({"put_start", "put_end", "put_revoke", "put_abandon", "remove"})
 #: lookups that need the owner or a read grant (``read_begin``: ``Begin`` per key)
@@ -177,6 +178,16 @@ class Tenants:
         ``NodeAdmits``)."""
         expires = int((self.wall() + self.registry.state.ttl) * 1000)
         return [self.tickets.issue(tenant, r.segment, r.offset, token, expires) for r in replicas]
+
+    def repair_ticket(self, segment: str, offset: int, token: int, ttl: float) -> list:
+        """The read ticket of a repair copy's source replica (``segment``,
+        ``offset``) of the object ``token`` names, issued to
+        :data:`~kvproto.ops.tenants.REPAIR_READER` and expiring ``ttl``
+        seconds from now (the repair's timeout: it cannot outlive the copy).
+        A repair is the store's, not a tenant's: it needs no grant and spends
+        none of the owner's quotas (docs/protocols/tenancy.md)."""
+        expires = int((self.wall() + ttl) * 1000)
+        return self.tickets.issue(REPAIR_READER, segment, offset, token, expires)
 
     def renewed_tickets(self, holder: Hashable, objects) -> list:
         """Fresh read tickets for renewed read ``holder`` (its lease runs one
@@ -332,7 +343,9 @@ class Tenants:
                     reg.step(tm.AddNamespace(ns[0], ns), now)
                     log.warning("namespace %s/%s of recovered objects is not in the tenants "
                                 "file: it is live again, with no predecessor", *ns)
-                reg.step(tm.AddObject(ns, key, record.length * len(record.replicas)), now)
+                # charged for the count its put requested, as WriteStart charged
+                # it: a replica lost and repaired is neither refunded nor charged
+                reg.step(tm.AddObject(ns, key, record.length * record.requested), now)
             except errors.KvError as err:
                 self.orphans.append(dkey)
                 log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",

@@ -26,6 +26,10 @@ are lists; an enum is its value; an error is ``{"type": its class name,
   (at start, and after each takeover's recovery);
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
+  a step the master took on a repair copier's report (``repair_done``:
+  ``ListReplica``, or ``RepairCancel`` of a failed copy) also has
+  ``"report": {"copied": true}`` (the copy is complete) or ``{"copied":
+  false, "error": code}``;
 * ``{"machine": "lease", "opened": {"ttl": T, "now": T, "quiet_until": T,
   "objects": N}}`` before the first step of a lease table (at start, and
   after each takeover, whose table holds every recovered object, inherited:
@@ -110,15 +114,20 @@ class Recorder:
             "next_token": directory.next_token, "objects": len(directory.objects),
             "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}})
 
-    def publish(self, event, effects: tuple, directory) -> None:
-        """One step of the directory: ``event`` in, ``effects`` out."""
+    def publish(self, event, effects: tuple, directory, report=None) -> None:
+        """One step of the directory: ``event`` in, ``effects`` out; ``report``:
+        the copier's report the master took it on (``ListReplica``,
+        ``RepairCancel``)."""
         self._n += 1
         self._published = type(event).__name__
         objects = directory.objects
         after = {encode(k): encode(objects.get(k)) for k in _keys(event, effects)}
-        self._write({"machine": "publish", "n": self._n, "event": encode(event),
-                     "effects": encode(effects),
-                     "after": {"next_token": directory.next_token, "objects": after}})
+        line = {"machine": "publish", "n": self._n, "event": encode(event),
+                "effects": encode(effects),
+                "after": {"next_token": directory.next_token, "objects": after}}
+        if report is not None:
+            line["report"] = report
+        self._write(line)
 
     def lease(self, table, event, by=None) -> tuple:
         """Step the lease ``table`` (a :class:`~kvproto.cores.leases.LeaseCore`)

@@ -290,11 +290,12 @@ STORAGE_OPS: dict[str, OpSchema] = {
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     # copy an object into a region assigned for its repair (spec/Publish.tla
     # CopyReplica): [offset, key, token, length, repair, source endpoint,
-    # source segment, source offset, checksum]; the node answers at once and
-    # reports the copy with ``repair_done``
+    # source segment, source offset, checksum, ticket]; the node answers at once and
+    # reports the copy with ``repair_done``. ``ticket`` (a store with tenants):
+    # the source read's ticket, issued to the repair reader
     "repair": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
         tuple_of(uint(), KEY, TOKEN, uint(min_value=1), TOKEN, text(MAX_NAME, 1), SEGMENT,
-                 uint(), CHECKSUM), min_items=1)}),
+                 uint(), CHECKSUM, optional=(TICKET,)), min_items=1)}),
     "fence": OpSchema({"segment": SEGMENT, "term": TERM}),
     "purge": OpSchema({"segment": SEGMENT, "term": TERM, "below": TERM}),
     # client -> storage node (data), stamped with the term of the master that
@@ -337,7 +338,8 @@ DEBUG_OPS: dict[str, OpSchema] = {
     "debug": OpSchema({}, optional={
         "delay_ms": uint(60_000), "reply_delay_ms": uint(60_000), "read_delay_ms": uint(60_000),
         "drop": uint(1 << 20),
-        "duplicate": uint(1 << 20), "duplicate_delay_ms": uint(60_000)}),
+        "duplicate": uint(1 << 20), "duplicate_delay_ms": uint(60_000),
+        "cred": CRED}),       # a node with tenants authenticates it too
 }
 
 

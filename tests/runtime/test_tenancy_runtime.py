@@ -393,9 +393,12 @@ def test_a_new_master_sets_up_what_it_recovered_and_orphans_what_no_tenant_reach
                                                  "beta": {"tokens": [BETA]}}}),
                       ttl=5.0, clock=lambda: 1.0, ticket_key=TICKET_KEY.encode())
 
-    def record(length, replicas=1):
-        return SimpleNamespace(length=length, replicas=[None] * replicas)
-    objects = [(object_key(("alpha", "default"), b"a"), record(3000, 2)),
+    def record(length, replicas=1, requested=None):
+        return SimpleNamespace(length=length, replicas=[None] * replicas,
+                               requested=requested or replicas)
+    # "a" lost one of its two replicas before the takeover: charged for both,
+    # as its put was (the repair restores one its owner already pays for)
+    objects = [(object_key(("alpha", "default"), b"a"), record(3000, 1, requested=2)),
                (object_key(("alpha", "later"), b"b"), record(1000)),     # made at run time
                (object_key(("alpha", "default"), b"big"), record(5000)),  # over alpha's quota
                (object_key(("zeta", "default"), b"z"), record(10)),       # no such tenant
@@ -509,7 +512,7 @@ def test_tenant_key_prints_a_ticket_key_a_node_loads(tmp_path, capsys):
 
 def test_a_tenant_guessing_a_region_token_reads_nothing(store, raw):
     import time
-    from kvproto.ops.tenants import Tickets
+    from kvproto.ops.tenants import REPAIR_READER, Tickets
     _, client, _ = store
     alpha = client(ALPHA, local_reads=False)     # every read goes through a node's check
     alpha.put(b"secret", b"S" * 4096, replicas=2)
@@ -546,6 +549,20 @@ def test_a_tenant_guessing_a_region_token_reads_nothing(store, raw):
     assert after["tickets_refused"] - before["tickets_refused"] == 2 * len(refused)
     for name in ("reads", "loads", "bytes_read", "refused"):     # nothing else ran
         assert after[name] == before[name], name
+    # a read with no credential is a repair copier's: served only under a
+    # ticket issued to the repair reader, never under a tenant's; and no
+    # tenant reads under a repair reader's ticket
+    repair = Tickets(TICKET_KEY.encode()).issue(REPAIR_READER, seg, offset, lease.token,
+                                                now_ms + 60_000)
+    for body in ({**where}, {**where, "ticket": lease.tickets[0]},
+                 {**where, "cred": ALPHA.encode(), "ticket": repair},
+                 {**where, "ticket": Tickets(TICKET_KEY.encode()).issue(
+                     REPAIR_READER, seg, offset, lease.token, now_ms - 1)}):
+        reply = node.call("read", body)
+        assert reply.status == errors.TicketRefused.code and not reply.payloads, body
+    assert counters()["reads"] == before["reads"]
+    copied = node.call("read", {**where, "ticket": repair})
+    assert copied.status == 0 and bytes(copied.payloads[0]) == b"S" * 4096
     served = node.call("read", {**where, "cred": ALPHA.encode(), "ticket": lease.tickets[0]})
     assert served.status == 0 and bytes(served.payloads[0]) == b"S" * 4096
     renewed = alpha.renew([lease])                               # a renewal renews the tickets
