@@ -9,7 +9,10 @@ node running as separate processes on loopback TCP, next to
 * a plain memcpy (``numpy.copyto``) of the same size.
 
 Gets are measured twice: over the network (``local_reads=False``) and through
-the storage node's shared memory (one memcpy, the same-host path).
+the storage node's shared memory (one memcpy, the same-host path), the latter
+both as ``get`` and as ``get_into`` the caller's buffer; with the put (a direct
+write into the node's segment on this host) they are also shown against the
+memcpy.
 
 Metadata: batched puts (start + write + end), gets and exists of 4 KiB
 objects, batch sizes 1 and 128, in keys/s, next to raw pyzmq moving the same
@@ -181,6 +184,21 @@ def _stop(procs: list[subprocess.Popen], raw=None, sock=None) -> None:
         p.wait(10)
 
 
+def _fixed_costs(writer, reader, repeat: int) -> dict[str, float]:
+    """Seconds per call of a same-host put, get and get_into of a 4 KiB
+    object (medians): the round trips and bookkeeping a call costs whatever
+    its size, which bound the ratio to a memcpy of small objects."""
+    small = np.ones(4096, dtype=np.uint8)
+    keys = iter([f"fixed/{i}".encode() for i in range(repeat + 1)])
+    out = {"put": statistics.median(_timed(lambda: writer.put(next(keys), small), repeat))}
+    out["get"] = statistics.median(_timed(lambda: reader.get(b"fixed/0"), repeat))
+    out["get_into"] = statistics.median(_timed(lambda: reader.get_into(b"fixed/0", small), repeat))
+    reader.flush_releases()
+    for i in range(repeat + 1):
+        writer.remove(f"fixed/{i}".encode(), force=True)
+    return out
+
+
 def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
     from kvproto.runtime.client import Client
 
@@ -191,6 +209,7 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
     try:
         net = Client(address, timeout=60.0, local_reads=False)
         local = Client(address, timeout=60.0)
+        fixed = _fixed_costs(net, local, repeat)
         for mib in sizes_mib:
             n = mib * MiB
             src = np.random.default_rng(mib).integers(0, 256, n, dtype=np.uint8)
@@ -216,6 +235,9 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
             net.put(key, src)
             get_net_s = _timed(lambda: net.get(key), repeat)
             get_shm_s = _timed(lambda: local.get(key), repeat)
+            get_into_s = _timed(lambda: local.get_into(key, dst), repeat)
+            if not np.array_equal(dst, src):
+                raise AssertionError(f"get_into read wrong bytes for {mib} MiB")
             raw_get_s = _timed(raw_get, repeat)
             memcpy_s = _timed(lambda: np.copyto(dst, src), repeat)
             got = local.get(key)
@@ -228,6 +250,7 @@ def payload_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
                 "put": _median_rate(put_s, n), "raw_put": _median_rate(raw_put_s, n),
                 "get_net": _median_rate(get_net_s, n), "raw_get": _median_rate(raw_get_s, n),
                 "get_shm": _median_rate(get_shm_s, n), "memcpy": _median_rate(memcpy_s, n),
+                "get_into": _median_rate(get_into_s, n), "fixed": fixed,
             })
         net.close()
         local.close()
@@ -640,6 +663,19 @@ def main(args: argparse.Namespace) -> int:
             print(f"{r['size']:>7} {r['put']:9.2f} {r['raw_put']:8.2f} {r['put'] / r['raw_put']:6.2f}   "
                   f"{r['get_net']:8.2f} {r['raw_get']:8.2f} {r['get_net'] / r['raw_get']:6.2f}   "
                   f"{r['get_shm']:8.2f} {r['memcpy']:7.2f} {r['get_shm'] / r['memcpy']:6.2f}")
+        print("\nsame host (the put is a direct write into the node's segment), GB/s and "
+              "ratio to the memcpy")
+        print(f"{'size':>7} {'memcpy':>7}   {'put':>6} {'ratio':>6}   {'get':>6} {'ratio':>6}   "
+              f"{'get_into':>8} {'ratio':>6}")
+        for r in rows:
+            m = r["memcpy"]
+            print(f"{r['size']:>7} {m:7.2f}   {r['put']:6.2f} {r['put'] / m:6.2f}   "
+                  f"{r['get_shm']:6.2f} {r['get_shm'] / m:6.2f}   "
+                  f"{r['get_into']:8.2f} {r['get_into'] / m:6.2f}")
+        if rows:
+            f = rows[0]["fixed"]
+            print(f"  per call whatever the size (4 KiB object): put {f['put'] * 1e3:.2f} ms, "
+                  f"get {f['get'] * 1e3:.2f} ms, get_into {f['get_into'] * 1e3:.2f} ms")
         print()
     if "metadata" in only:
         meta = metadata_bench(args.meta_keys)

@@ -354,6 +354,8 @@ class Client:
         #: this host's storage segments, mapped for same-host reads, and for
         #: direct writes (spec/DirectWrite.tla) under this client's writer lock
         self._local = datapath.LocalSegments(host_id(), local_reads)
+        #: the memory plain gets copy same-host objects into (reused once idle)
+        self.read_buffers = datapath.ReadBuffers()
         self._writable = datapath.LocalSegments(host_id(), local_writes, writable=True)
         self._writer: Optional[WriterLock] = None
         #: ids of leases this client is done with, released with its next
@@ -396,6 +398,7 @@ class Client:
             self._data.clear()
             self._local.close()
             self._writable.close()
+            self.read_buffers.clear()
             if self._writer is not None:
                 self._writer.close()
             if self._coordinator is not None:

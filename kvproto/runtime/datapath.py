@@ -3,8 +3,9 @@ storage nodes, never through the master.
 
 Reads (:func:`read_all`). A replica on a storage node of this host (same host
 id) is read straight out of the node's shared memory: one memcpy, guarded by
-the region's generation word (:mod:`kvproto.runtime.shm`), into a fresh
-buffer or into the caller's own (``into``). Otherwise, or when that check
+the region's generation word (:mod:`kvproto.runtime.shm`), into the caller's
+own buffer (``into``), or for a plain ``get`` into one of the client's
+:class:`ReadBuffers` that nobody holds any more. Otherwise, or when that check
 fails, one ``read`` per key goes to a node, all in flight at once, and the
 reply's payload frame is handed on without a copy (or copied once into the
 caller's buffer); the next replica is tried when one fails. With ``verify``
@@ -31,6 +32,7 @@ for reads, writable for direct writes).
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Optional
 
@@ -168,6 +170,58 @@ class LocalSegments:
         self._maps.clear()
 
 
+class ReadBuffers:
+    """The memory a plain ``get`` copies same-host objects into, used again
+    once its caller has let go of it: a buffer is idle when CPython's count of
+    references to it is the pool's own (every view of it, every array made
+    from such a view, holds one). A large allocation otherwise costs a fresh
+    mapping that the copy then faults in page by page (a 32 MiB ``get`` took
+    twice as long as the memcpy). Objects under :data:`MIN_BYTES` get fresh
+    memory; the pool holds at most ``capacity`` bytes of buffers, in use or
+    idle (0: none)."""
+
+    #: smaller objects get fresh memory (malloc serves them from its free lists)
+    MIN_BYTES = 1 << 20
+
+    def __init__(self, capacity: int = 128 << 20) -> None:
+        self.capacity = capacity
+        self._bufs: list[np.ndarray] = []
+        #: gets served from an idle buffer, and from fresh memory
+        self.reused = self.fresh = 0
+
+    def _idle(self, k: int) -> bool:
+        # references: the list's and getrefcount's argument
+        return sys.getrefcount(self._bufs[k]) == 2
+
+    def take(self, length: int) -> np.ndarray:
+        """A uint8 array of ``length`` bytes nobody else holds."""
+        if length >= self.MIN_BYTES:
+            best = None
+            for k in range(len(self._bufs)):
+                size = self._bufs[k].nbytes
+                if length <= size < 2 * length and self._idle(k) \
+                        and (best is None or size < self._bufs[best].nbytes):
+                    best = k
+            if best is not None:
+                self.reused += 1
+                return self._bufs[best][:length]
+        buf = np.empty(length, dtype=np.uint8)
+        self.fresh += 1
+        if length >= self.MIN_BYTES:
+            held = sum(b.nbytes for b in self._bufs)
+            for k in reversed(range(len(self._bufs))):   # make room: drop idle buffers
+                if held + length <= self.capacity:
+                    break
+                if self._idle(k):
+                    held -= self._bufs.pop(k).nbytes
+            if held + length <= self.capacity:
+                self._bufs.append(buf)
+        return buf
+
+    def clear(self) -> None:
+        self._bufs.clear()
+
+
 def _verified(client, key: bytes, replica: list, data, expected: int
               ) -> Optional[errors.ChecksumMismatch]:
     """Whether ``data`` (a replica's bytes, after the copy) has the checksum
@@ -217,8 +271,10 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
                 got = length if seg.consume(r[1], length, token, nonce, dest.consume) else None
             elif dest is not None:
                 got = length if seg.read_into(r[1], length, token, nonce, dest) else None
-            else:
-                got = seg.read(r[1], length, token, nonce)
+            else:   # a plain get: into a buffer of the client's that is idle
+                buf = client.read_buffers.take(length)
+                got = memoryview(buf) if seg.read_into(r[1], length, token, nonce, buf) else None
+                del buf
             if got is not None:
                 done = time.monotonic()
                 client.transfer_counters["local_reads"] += 1

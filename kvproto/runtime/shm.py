@@ -231,8 +231,15 @@ def _close_quietly(shm: SharedMemory) -> None:
             shm._fd = -1  # type: ignore[attr-defined]
 
 
+#: a client maps the pages of segments up to this size when it maps them
+#: (``MAP_POPULATE``, about 75 ms per GiB, once); larger ones fault their
+#: pages in at first touch
+POPULATE_BYTES = 4 << 30
+
+
 class LocalSegment:
-    """A reader's read-only mapping of a storage node's segment on this host."""
+    """A reader's read-only mapping of a storage node's segment on this host
+    (or a direct writer's writable one)."""
 
     def __init__(self, shm: str, gen_shm: str, capacity: int, page_size: int,
                  writable: bool = False) -> None:
@@ -262,7 +269,12 @@ class LocalSegment:
         try:
             if os.fstat(fd).st_size < size:
                 raise OSError(f"shared memory {name!r} is smaller than {size} bytes")
-            mm = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if self.writable else mmap.ACCESS_READ)
+            # Map every page now (the node allocated them all): a copy into a
+            # region this process never touched would otherwise take a page
+            # fault per 4 KiB, which makes a first write about 4x slower.
+            populate = getattr(mmap, "MAP_POPULATE", 0) if self.capacity <= POPULATE_BYTES else 0
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate,
+                           prot=mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0))
         finally:
             os.close(fd)
         self._maps.append(mm)
