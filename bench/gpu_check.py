@@ -196,21 +196,6 @@ def _late_completion(torch, kv, pool, layout, sync, failures, T) -> None:
     r2.release([b])
 
 
-def _remove(client, key: bytes) -> None:
-    """Remove ``key`` once the leases of this client's reads of it are back
-    (the heartbeat thread may have taken them and be sending the release)."""
-    from kvproto import errors
-    deadline = time.monotonic() + 10
-    while True:
-        client.flush_releases()
-        try:
-            return client.remove(key)
-        except errors.ObjectLeased:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.005)
-
-
 def _host_path(np, client, iters, failures) -> None:
     """Host bytes through a same-host store: put, get_into and get vs memcpy."""
     for mib in (8, 32):
@@ -237,7 +222,7 @@ def _host_path(np, client, iters, failures) -> None:
             if not np.array_equal(out, data) or got != memoryview(data):
                 failures.append(f"host {mib} MiB: bytes wrong")
             del got
-            _remove(client, key)
+            client.remove(key)
             if i:
                 puts.append(t1 - t0)
                 gets.append(t2 - t1)

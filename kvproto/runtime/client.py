@@ -165,11 +165,9 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
                 return
             active, interval, master = client._active, client._hb_interval, client.master
             tokens = client._in_flight
-            leases: list = []
             if client._unreleased and client._lock.acquire(blocking=False):
-                try:
-                    leases, client._unreleased = client._unreleased, []
-                    client.lease_counters["releases"] += len(leases)
+                try:     # on the client's own connection: its next request comes after
+                    client._release_now()
                 finally:
                     client._lock.release()
             if master != address:
@@ -180,14 +178,6 @@ def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
             del client
             if sock is None:
                 continue
-            if leases:
-                rid += 1
-                try:
-                    sock.send(wire.encode_request("release", rid, {**auth, "client": client_id,
-                                                                   "leases": leases}),
-                              flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
             now = time.monotonic()
             if active and now - last_sent >= interval:
                 rid += 1

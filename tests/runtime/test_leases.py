@@ -193,3 +193,20 @@ def test_a_transfer_within_the_ttl_but_not_within_the_skew_margin_is_rejected():
         assert careful.last_read.transferring >= 0.25
         assert bytes(usual.get(b"skew")) == b"s" * (4 * KiB)
         assert counters(usual)[1]["lease_accepted"] == 1
+
+
+def test_the_heartbeat_threads_release_goes_before_the_clients_next_request():
+    """When the heartbeat thread sends the held-back releases, it sends them
+    on the client's own connection: a remove the client sends next cannot
+    reach the master before them and be refused as ``ObjectLeased``."""
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=30.0) as cluster:
+        a = cluster.client()
+        for i in range(40):
+            key = b"hb%d" % i
+            a.put(key, b"v" * 1000)
+            a.get(key)
+            deadline = time.monotonic() + 5.0
+            while a._unreleased:                            # left to the heartbeat thread
+                assert time.monotonic() < deadline, "the heartbeat thread never released"
+                time.sleep(0.001)
+            a.remove(key)                                   # right after: not ObjectLeased
