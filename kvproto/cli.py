@@ -518,6 +518,11 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="endpoint clients connect to (default: the bound one)")
     parser.add_argument("--page-size", type=_page_size, default=4096,
                         help="allocation granularity in bytes (a power of two >= 512)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="append every step of the node's region table and index to FILE "
+                             "as JSON lines, for 'kvproto trace merge MASTER_FILE FILE' "
+                             "(default: off; with KVPROTO_TRACE=MASTER_FILE, the node writes "
+                             "MASTER_FILE.storage-<pid>-<n>)")
     _tenants_argument(parser)
     _metrics_arguments(parser)
 
@@ -534,7 +539,7 @@ def storage(args: argparse.Namespace) -> int:
     try:
         run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
                     page_size=args.page_size, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host, **tenants)
+                    metrics_host=args.metrics_host, trace=args.trace, **tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         return _fail("storage", _start_failure(e, args.listen))
     return 0

@@ -59,6 +59,12 @@ the registration itself invalid (``InvalidArgument``, a malformed or
 unsupported frame), so every retry would be refused the same way — stops the
 node: :attr:`StorageServer.refused` holds the reason and ``serve_forever``
 returns. ``on_registered`` (if set) is called each time the node registers.
+
+Tracing: with ``trace=FILE`` (``kvproto storage --trace FILE``), or with
+``KVPROTO_TRACE`` naming the master's file (then the node's is
+:func:`~kvproto.runtime.tracing.node_path` of it), every step of the node's
+core is recorded as a JSON line (:class:`~kvproto.runtime.tracing.StorageRecorder`),
+for ``kvproto trace merge``; off, a step pays one ``if``.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ import zmq
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
 from kvproto.ops.tenants import REPAIR_READER, Credentials, Tickets
-from kvproto.runtime import wire
+from kvproto.runtime import tracing, wire
 from kvproto.runtime.copier import Copier, Copy
 from kvproto.runtime.datapath import checksum
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
@@ -145,6 +151,13 @@ class StorageCore:
         #: repair copies the master asked for, to start (``repair``; the server's
         #: :class:`~kvproto.runtime.copier.Copier` pulls them): ``(copy, term)``
         self.copies: list[tuple[Copy, int]] = []
+        #: records every step of ``node`` when set (:meth:`record_to`)
+        self.trace: Optional[tracing.StorageRecorder] = None
+
+    def record_to(self, trace: tracing.StorageRecorder) -> None:
+        """Record every step of the core to ``trace`` from now on."""
+        self.trace = trace
+        trace.opened(self.node.segment, self.node.term)
 
     @property
     def segment(self) -> str:
@@ -155,6 +168,8 @@ class StorageCore:
         fence keeps the highest term seen, the index is emptied with the bytes."""
         self.memory.reset()
         self.node.restart(segment)
+        if self.trace is not None:
+            self.trace.opened(segment, self.node.term)
         self.direct = dw.DirectTable()
         self.draining.clear()
 
@@ -180,6 +195,8 @@ class StorageCore:
         """Step the core (an accepted event is committed): ``(effects, error)``;
         a refusal is counted (``stale_terms`` or ``refused``) and changes nothing."""
         effects = self.node.step(event)
+        if self.trace is not None:
+            self.trace.step(self.node.segment, event, effects)
         if effects and isinstance(effects[0], Refused):
             err = effects[0].error
             self.counters["stale_terms" if isinstance(err, errors.StaleTerm) else "refused"] += 1
@@ -659,7 +676,8 @@ class StorageServer:
                  advertise: Optional[str] = None, page_size: int = 4096,
                  max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
                  context: Optional[zmq.Context] = None, debug: bool = False,
-                 tenants: Sequence = (), ticket_key: Optional[bytes] = None) -> None:
+                 tenants: Sequence = (), ticket_key: Optional[bytes] = None,
+                 trace: Optional[str] = None) -> None:
         if tenants and not ticket_key:
             raise errors.InvalidArgument("a storage node with tenants needs the ticket key its "
                                          "master issues read tickets under (--ticket-key FILE)")
@@ -689,8 +707,13 @@ class StorageServer:
         self._next_coord = 0.0
         self.max_header_bytes = max_header_bytes
         self.register_timeout = register_timeout
+        if trace is None and os.environ.get(tracing.ENV):
+            trace = tracing.node_path(os.environ[tracing.ENV])
+        recorder = tracing.StorageRecorder(trace) if trace else None
         self.memory = SegmentMemory(capacity, page_size)
         self.core = StorageCore(self.memory, new_segment_id())
+        if recorder is not None:
+            self.core.record_to(recorder)
         self._own_context = context is None
         self.ctx = context or zmq.Context()
         try:
@@ -1079,6 +1102,8 @@ class StorageServer:
         if self._own_context:
             self.ctx.term()
         self.memory.close()
+        if self.core.trace is not None:
+            self.core.trace.close()
 
 
 def _snapshot(frames: list) -> list:
