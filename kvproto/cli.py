@@ -635,13 +635,13 @@ def mutate(args: argparse.Namespace) -> int:
 
 
 def _trace_arguments(parser: argparse.ArgumentParser) -> None:
-    from .checking import traces
-    traces.add_arguments(parser)
+    from .checking import mergetrace, traces
+    mergetrace.add_arguments(traces.add_arguments(parser))
 
 
 def trace(args: argparse.Namespace) -> int:
-    from .checking import traces
-    return traces.main(args)
+    from .checking import mergetrace, traces
+    return (mergetrace if args.trace_command == "merge" else traces).main(args)
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
