@@ -1,0 +1,174 @@
+"""A master's trace and its storage nodes' traces, merged by the protocol's
+causality and checked by TLC as one behaviour of ``spec/Publish.tla``
+(``kvproto trace merge``, :mod:`kvproto.checking.mergetrace`).
+
+A real run with tracing on (``KVPROTO_TRACE``: the master writes the file, each
+node its own beside it) of puts, network reads, a remove, a revoked attempt, an
+attempt reclaimed by the writer timeout, a stale writer's late write refused by
+its node, and a node that leaves (its segment lost) is a behaviour of the spec.
+Node steps changed by hand (a write accepted for a token that no longer owns
+its region, a free the node skipped) are rejected at that step, and so is the
+run of a master that leaves a revoked attempt's regions assigned at the node
+(the ``master-revoke-keeps-node-region`` mutant)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import kvproto
+from kvproto import cli, errors
+from kvproto.checking import mergetrace
+from kvproto.runtime import tracing
+
+from runtime_helpers import Raw as RawClient, wait_for
+
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
+pytestmark = [pytest.mark.tlc, pytest.mark.runtime]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def master_steps(path: Path, kind: str) -> list[dict]:
+    return [r for r in rows(path) if r["machine"] == "publish"
+            and r.get("event", {}).get("type") == kind]
+
+
+def item(raw: RawClient, op: str, body: dict):
+    status, value = raw.call(op, body, timeout=30).body["items"][0]
+    return status, value
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """The master's trace file of a short real run (its nodes' files beside it)."""
+    path = tmp_path_factory.mktemp("merged") / "run.trace"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(tracing.ENV, str(path))
+        with kvproto.embedded(storage_nodes=3, segment_size="4MiB", writer_timeout=2.0) as cluster:
+            c = cluster.client(local_reads=False, local_writes=False)
+            raw = RawClient(cluster.master_address)
+            try:
+                c.put(b"a", b"x" * 5000, replicas=2)
+                c.put(b"b", b"y" * 100, replicas=2)
+                assert bytes(c.get(b"a")) == b"x" * 5000        # network reads
+                c.remove(b"b")
+                with pytest.raises(errors.KeyNotFound):
+                    c.get(b"b")
+                # w1 gives up its attempt; w2 starts another and falls silent
+                status, g1 = item(raw, "put_start", {"client": "w1", "replicas": 2,
+                                                     "items": [[b"c", 4096]]})
+                assert status == 0
+                assert item(raw, "put_revoke", {"client": "w1",
+                                                "items": [[b"c", g1["token"]]]})[0] == 0
+                status, g2 = item(raw, "put_start", {"client": "w2", "replicas": 2,
+                                                     "items": [[b"d", 4096]]})
+                assert status == 0
+                wait_for(lambda: master_steps(path, "ReclaimAbandoned"), timeout=60,
+                         what="the silent writer's attempt reclaimed")
+                # w1 writes late with its revoked token: its node refuses it
+                seg, offset, length = g1["replicas"][0]
+                node = next(n for n in cluster.storage if n.segment == seg)
+                late = RawClient(node.endpoint)
+                try:
+                    reply = late.call("write", {"segment": seg, "term": 1, "offset": offset,
+                                                "token": g1["token"]}, [b"L" * length], timeout=30)
+                    assert isinstance(reply.error(), errors.RegionMismatch)
+                finally:
+                    late.close()
+                c.put(b"e", b"z" * 3000, replicas=2)
+                assert bytes(c.get(b"e")) == b"z" * 3000
+                # a node leaves: its segment is lost, the other replicas stay
+                cluster.storage[2].stop()
+                wait_for(lambda: master_steps(path, "SegmentLost"), timeout=60,
+                         what="the leaving node's segment lost")
+                assert bytes(c.get(b"a")) == b"x" * 5000
+            finally:
+                raw.close()
+    return path
+
+
+def test_every_node_records_its_region_steps_beside_the_masters_file(run):
+    files = mergetrace.node_files(run)
+    assert len(files) == 3
+    kinds = set()
+    for f in files:
+        lines = rows(f)
+        assert lines[0]["machine"] == "storage" and "segment" in lines[0]["opened"]
+        kinds |= {r["event"]["type"] for r in lines if "event" in r}
+    assert kinds >= {"AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica", "Fence",
+                     "StampedAllocate", "StampedPublish"}
+    refused = [r for f in files for r in rows(f) if r.get("effects")
+               and r["effects"][0]["type"] == "Refused"]
+    assert any(r["event"]["type"] == "WriteReplica" for r in refused)
+
+
+@needs_java
+def test_the_merged_run_is_a_behaviour_of_the_spec(run, tmp_path, capsys):
+    verdict = mergetrace.check(run, keep=tmp_path)
+    assert verdict.ok, verdict.message
+    assert "EXTENDS PublishTrace" in (tmp_path / "MergedTrace.tla").read_text()
+    assert cli.main(["trace", "merge", str(run)]) == 0
+    assert "of the master and 3 node(s) are steps of spec/Publish.tla" in capsys.readouterr().out
+
+
+def rewrite(run: Path, out: Path, change) -> tuple[Path, int]:
+    """The run copied to ``out`` with ``change`` applied to the first node step
+    it accepts (returns True): the node file and the step's number."""
+    shutil.copy(run, out)
+    hit = None
+    for f in mergetrace.node_files(run):
+        lines = rows(f)
+        kept = []
+        for r in lines:
+            if hit is None and r.get("event") and change(r):
+                hit = (Path(f"{out}.storage-{f.name.split('storage-')[1]}"), r["n"])
+                if r.get("drop"):
+                    continue
+            kept.append(r)
+        Path(f"{out}.storage-{f.name.split('storage-')[1]}").write_text(
+            "".join(json.dumps(r) + "\n" for r in kept))
+    assert hit is not None
+    return hit
+
+
+def _stale_write(row):
+    ev = row["event"]
+    if ev["type"] != "WriteReplica" or row["effects"][0]["type"] != "Accepted" or ev["token"] < 2:
+        return False
+    ev["token"] -= 1
+    row["effects"][0]["token"] -= 1
+    return True
+
+
+def _skipped_free(row):
+    if row["event"]["type"] != "FreeRegion":
+        return False
+    row["drop"] = True
+    return True
+
+
+@needs_java
+@pytest.mark.parametrize("change, at", [(_stale_write, "this step"), (_skipped_free, "later")])
+def test_a_node_step_changed_by_hand_is_rejected(run, tmp_path, change, at):
+    bad = tmp_path / "bad.trace"
+    node_file, n = rewrite(run, bad, change)
+    verdict = mergetrace.check(bad)
+    assert not verdict.ok
+    assert node_file.name in verdict.message or "run.trace" in verdict.message
+    if at == "this step":
+        assert verdict.failed_step == n and node_file.name in verdict.message
+    assert cli.main(["trace", "merge", str(bad)]) == 1
+
+
+def test_a_master_file_without_node_files_is_a_one_line_error(tmp_path, capsys):
+    lone = tmp_path / "lone.trace"
+    lone.write_text('{"machine":"publish","opened":{"next_token":1,"objects":0,"segments":{}}}\n')
+    assert cli.main(["trace", "merge", str(lone)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvproto trace: no storage node trace beside") and err.count("\n") == 1
