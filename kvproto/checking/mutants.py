@@ -119,6 +119,15 @@ MUTANTS: tuple[Mutant, ...] = (
              "            if True:\n"),
         (f"{LEASES}::test_a_read_slower_than_its_lease_is_rejected_and_classified",)),
     Mutant(
+        "master-revoke-keeps-node-region",
+        "a revoked or reclaimed attempt's regions are freed in the master's "
+        "directory and ledger, but its storage nodes are never told: they keep "
+        "the regions assigned to the attempt's token",
+        _one(MASTER, "                self._queue.append((e.segment, \"free\", [e.offset, e.token, e.length]))\n",
+             "                if not isinstance(effects[0], Revoked):\n"
+             "                    self._queue.append((e.segment, \"free\", [e.offset, e.token, e.length]))\n"),
+        ("tests/runtime/test_merged_trace.py::test_the_merged_run_is_a_behaviour_of_the_spec",)),
+    Mutant(
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",

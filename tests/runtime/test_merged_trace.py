@@ -3,9 +3,10 @@ causality and checked by TLC as one behaviour of ``spec/Publish.tla``
 (``kvproto trace merge``, :mod:`kvproto.checking.mergetrace`).
 
 A real run with tracing on (``KVPROTO_TRACE``: the master writes the file, each
-node its own beside it) of puts, network reads, a remove, a revoked attempt, an
-attempt reclaimed by the writer timeout, a stale writer's late write refused by
-its node, and a node that leaves (its segment lost) is a behaviour of the spec.
+node its own beside it) of puts, network reads, a remove, a revoked attempt,
+an attempt reclaimed by the writer timeout and its writer's late write, refused
+by its node, and a node that leaves (its segment lost) is a behaviour of the
+spec.
 Node steps changed by hand (a write accepted for a token that no longer owns
 its region, a free the node skipped) are rejected at that step, and so is the
 run of a master that leaves a revoked attempt's regions assigned at the node
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,7 @@ def run(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("merged") / "run.trace"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(tracing.ENV, str(path))
-        with kvproto.embedded(storage_nodes=3, segment_size="4MiB", writer_timeout=2.0) as cluster:
+        with kvproto.embedded(storage_nodes=2, segment_size="4MiB", writer_timeout=2.0) as cluster:
             c = cluster.client(local_reads=False, local_writes=False)
             raw = RawClient(cluster.master_address)
             try:
@@ -60,6 +62,8 @@ def run(tmp_path_factory) -> Path:
                 c.remove(b"b")
                 with pytest.raises(errors.KeyNotFound):
                     c.get(b"b")
+                c.put(b"e", b"z" * 3000, replicas=2)
+                assert bytes(c.get(b"e")) == b"z" * 3000
                 # w1 gives up its attempt; w2 starts another and falls silent
                 status, g1 = item(raw, "put_start", {"client": "w1", "replicas": 2,
                                                      "items": [[b"c", 4096]]})
@@ -71,20 +75,22 @@ def run(tmp_path_factory) -> Path:
                 assert status == 0
                 wait_for(lambda: master_steps(path, "ReclaimAbandoned"), timeout=60,
                          what="the silent writer's attempt reclaimed")
-                # w1 writes late with its revoked token: its node refuses it
-                seg, offset, length = g1["replicas"][0]
+                # w2 writes late, once its node had time to free the region (the
+                # verdict on the write is the trace check's)
+                seg, offset, length = g2["replicas"][0]
                 node = next(n for n in cluster.storage if n.segment == seg)
+                deadline = time.monotonic() + 10
+                while node.memory.word(offset) != 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 late = RawClient(node.endpoint)
                 try:
-                    reply = late.call("write", {"segment": seg, "term": 1, "offset": offset,
-                                                "token": g1["token"]}, [b"L" * length], timeout=30)
-                    assert isinstance(reply.error(), errors.RegionMismatch)
+                    late.call("write", {"segment": seg, "term": 1, "offset": offset,
+                                        "token": g2["token"]}, [b"L" * length], timeout=30)
                 finally:
                     late.close()
-                c.put(b"e", b"z" * 3000, replicas=2)
-                assert bytes(c.get(b"e")) == b"z" * 3000
-                # a node leaves: its segment is lost, the other replicas stay
-                cluster.storage[2].stop()
+                # a node leaves: its segment is lost (no other segment can take a
+                # repair), the other replicas stay
+                cluster.storage[1].stop()
                 wait_for(lambda: master_steps(path, "SegmentLost"), timeout=60,
                          what="the leaving node's segment lost")
                 assert bytes(c.get(b"a")) == b"x" * 5000
@@ -95,7 +101,7 @@ def run(tmp_path_factory) -> Path:
 
 def test_every_node_records_its_region_steps_beside_the_masters_file(run):
     files = mergetrace.node_files(run)
-    assert len(files) == 3
+    assert len(files) == 2
     kinds = set()
     for f in files:
         lines = rows(f)
@@ -103,9 +109,9 @@ def test_every_node_records_its_region_steps_beside_the_masters_file(run):
         kinds |= {r["event"]["type"] for r in lines if "event" in r}
     assert kinds >= {"AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica", "Fence",
                      "StampedAllocate", "StampedPublish"}
-    refused = [r for f in files for r in rows(f) if r.get("effects")
-               and r["effects"][0]["type"] == "Refused"]
-    assert any(r["event"]["type"] == "WriteReplica" for r in refused)
+    late = [r for f in files for r in rows(f) if r.get("event", {}).get("type") == "WriteReplica"
+            and r["effects"] and r["effects"][0]["type"] == "Refused"]
+    assert late, "the late write was not refused"
 
 
 @needs_java
@@ -114,7 +120,7 @@ def test_the_merged_run_is_a_behaviour_of_the_spec(run, tmp_path, capsys):
     assert verdict.ok, verdict.message
     assert "EXTENDS PublishTrace" in (tmp_path / "MergedTrace.tla").read_text()
     assert cli.main(["trace", "merge", str(run)]) == 0
-    assert "of the master and 3 node(s) are steps of spec/Publish.tla" in capsys.readouterr().out
+    assert "of the master and 2 node(s) are steps of spec/Publish.tla" in capsys.readouterr().out
 
 
 def rewrite(run: Path, out: Path, change) -> tuple[Path, int]:
