@@ -31,14 +31,16 @@ flight; a node step must be the spec's storage action:
   of its segment's queue (the master sends them in order, on one connection),
   to the node's region table as the trace builds it; a refused assign, or a
   command the master never sent, matches nothing;
-* an accepted ``WriteReplica`` is the spec's ``WriteReplica`` of that
-  attempt's writer into that slot, whose guard is the spec's token check
+* an accepted ``WriteReplica`` is the spec's ``WriteReplica`` into that slot
+  by the writer of the token the write request carried (the node records it,
+  ``asked``, before it steps its core), whose guard is the spec's token check
   (``StorageOwns``); where the master has freed the region already and the
   free is still on its way to the node, the write lands in a region about to
   be freed and changes nothing of the spec; in both cases the node's table
-  must hold the region for that token, unwritten;
-* an accepted ``ReadReplica`` reads a region holding that attempt's complete
-  bytes (the spec's ``content``), or one whose free is on its way;
+  must hold the region for the event's token, unwritten;
+* an accepted ``ReadReplica`` reads, for the token its request carried, a
+  region holding that attempt's complete bytes (the spec's ``content``), or
+  one whose free is on its way;
 * a refused write or read is one the node's table would refuse.
 
 In every state, each traced segment's table with its commands in flight
@@ -72,6 +74,8 @@ __all__ = ["check", "merge", "node_files", "read_node"]
 
 #: the node steps that are steps of the region table (``publish.storage_step``)
 REGION_STEPS = ("AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica")
+#: the steps a request to the node asks for, by the ``op`` of its ``asked`` line
+ASKED = {"WriteReplica": "write", "ReadReplica": "read"}
 #: the master's effects that are commands to a node, and their names in the queue
 COMMANDS = {"AssignRegion": "assign", "FreeRegion": "free"}
 
@@ -100,14 +104,20 @@ def read_node(path: "str | Path") -> tuple[set, list[tuple[int, dict]]]:
     if not lines or "opened" not in lines[0][1]:
         raise TraceError(f"{path} does not start where a storage node opened its segment")
     segments = {obj["opened"]["segment"] for _, obj in lines if "opened" in obj}
-    steps = []
+    steps, asked = [], None
     for number, obj in lines:
-        if "opened" in obj:
+        if "opened" in obj or "asked" in obj:
+            asked = obj.get("asked")
             continue
         if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list):
             raise TraceError(f"{path}:{number}: a step needs 'event' and 'effects'")
-        if obj["event"].get("type") in REGION_STEPS:
+        ev = obj["event"]
+        if ev.get("type") in REGION_STEPS:
+            if asked is not None and ASKED.get(ev["type"]) == asked.get("op") \
+                    and asked.get("offset") == ev.get("offset"):
+                obj = {**obj, "asked": asked.get("token")}
             steps.append((number, obj))
+        asked = None
     return segments, steps
 
 
@@ -142,10 +152,10 @@ def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -
                 command = (ev["segment"], kind, ev["offset"], token)
                 k, seen[command] = seen[command], seen[command] + 1
                 cause = issued[command][k] if k < len(issued[command]) else 0
-            elif kind == "ReadReplica":
-                cause = handed.get(token, granted.get(token, 0))
             else:
-                cause = granted.get(token, 0)
+                causes = handed if kind == "ReadReplica" else {}
+                cause = max(causes.get(t, granted.get(t, 0))
+                            for t in (token, step.get("asked", token)))
             at = max(at, cause)
             order.append(((at, n, i), (n, i)))
     order.sort(key=lambda item: item[0])
@@ -164,10 +174,14 @@ def _commands(m, step: dict) -> Fn:
 
 
 def _node_record(m, step: dict) -> Fn:
+    """A node step: ``t`` the token of the event the node stepped, ``a`` (and its
+    writer ``w``) the token the request carried (the event's, for a command)."""
     ev = step["event"]
     segment, slot = m.slot(ev["segment"], ev["offset"])
+    asked = step.get("asked", ev.get("token"))
     return Fn.of({"src": "node", "act": ev["type"], "ok": _accepted(step), "s": segment,
-                  "x": slot, "t": m.token(ev.get("token")), "w": m.writer(ev.get("token"))})
+                  "x": slot, "t": m.token(ev.get("token")), "a": m.token(asked),
+                  "w": m.writer(asked)})
 
 
 class MergedModel:
@@ -245,9 +259,9 @@ NodeStep ==
              THEN /\ writer[r.w] # None /\ r.s \in DOMAIN writer[r.w].replicas
                   /\ writer[r.w].replicas[r.s] = r.x
                   /\ WriteReplica(r.w, r.s)
-             ELSE FreeInFlight(r.s, r.x, r.t) /\ UNCHANGED vars
+             ELSE r.a = r.t /\ FreeInFlight(r.s, r.x, r.t) /\ UNCHANGED vars
           /\ UNCHANGED sent
-       \/ /\ r.act = "ReadReplica" /\ r.ok
+       \/ /\ r.act = "ReadReplica" /\ r.ok /\ r.a = r.t
           /\ Applied(r.s, r.x, r.t) /\ nodes[r.s][r.x].done
           /\ \/ StoreOwns(r.s, r.x, r.t) /\ store[r.s][r.x].done /\ content[r.s][r.x] = r.t
              \/ FreeInFlight(r.s, r.x, r.t)

@@ -517,6 +517,7 @@ class StorageCore:
         if copy.checksum and checksum(data) != copy.checksum:
             raise errors.ChecksumMismatch(f"{copy.key!r} from {copy.source_segment} does not "
                                           f"match its checksum")
+        self._asked("write", copy.offset, copy.token)
         self._write_region(copy.offset, copy.token, data)
         self.counters["writes"] -= 1          # counted as a repair, not a client's write
         self.counters["bytes_written"] -= copy.length
@@ -583,6 +584,7 @@ class StorageCore:
             try:
                 if not ran:
                     raise errors.StaleGeneration(f"write transfer {xfer} was cancelled; discarded")
+                self._asked("write", offset, token)
                 self._write_region(offset, token, payload)
                 results.append(wire.ok_item())
             except errors.KvError as err:
@@ -590,8 +592,15 @@ class StorageCore:
         return {"results": results}, []
 
     def _op_write(self, body, payloads):
+        self._asked("write", body["offset"], body["token"])
         self._write_region(body["offset"], body["token"], payloads[0])
         return {}, []
+
+    def _asked(self, op: str, offset: int, token: int) -> None:
+        """Record (with a trace) the region and token a write or read asks for,
+        as the request names them, before the steps it causes."""
+        if self.trace is not None:
+            self.trace.asked(op, self.segment, offset, token)
 
     def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
         """``WriteReplica`` and the one memcpy from the received frame; a
@@ -613,6 +622,7 @@ class StorageCore:
 
     def _op_read(self, body, payloads):
         offset, token = body["offset"], body["token"]
+        self._asked("read", offset, token)
         _, err = self._step(ReadReplica(self.segment, offset, token))
         if err is not None:
             raise err

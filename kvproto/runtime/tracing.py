@@ -58,6 +58,10 @@ the nodes of one process). Lines:
   segment id);
 * ``{"machine": "storage", "n": N, "segment": S, "event": ..., "effects":
   [...]}`` per step of its core, accepted or refused.
+* ``{"machine": "storage", "asked": {"op": "write" or "read", "segment": S,
+  "offset": O, "token": T}}`` when a write (a client's, or a repair copy's)
+  or a read of a region arrives, before the steps it causes: the token the
+  request carries, which the checker holds the step to.
 
 ``kvproto trace merge FILE [NODE_FILE ...]`` (:mod:`kvproto.checking.mergetrace`)
 merges a master's file and its nodes' files into one behaviour of
@@ -203,6 +207,12 @@ class StorageRecorder(_Lines):
     def opened(self, segment: str, term: int) -> None:
         """The node opened ``segment`` (at start, or starting over)."""
         self._write({"machine": "storage", "opened": {"segment": segment, "term": term}})
+
+    def asked(self, op: str, segment: str, offset: int, token: int) -> None:
+        """A request to write or read the region at ``offset`` under ``token``
+        arrived (before the node steps its core for it)."""
+        self._write({"machine": "storage", "asked": {"op": op, "segment": segment,
+                                                     "offset": offset, "token": token}})
 
     def step(self, segment: str, event, effects: tuple) -> None:
         """One step of the node's core: ``event`` in, ``effects`` out."""

@@ -4,19 +4,20 @@ causality and checked by TLC as one behaviour of ``spec/Publish.tla``
 
 A real run with tracing on (``KVPROTO_TRACE``: the master writes the file, each
 node its own beside it) of puts, network reads, a remove, an attempt reclaimed
-by the writer timeout and its writer's late write, refused by its node, a
-revoked attempt, and a node that leaves (its segment lost) is a behaviour of
-the spec.
-Node steps changed by hand (a write accepted for a token that no longer owns
-its region, a free the node skipped) are rejected at that step, and so is the
-run of a master that leaves a revoked attempt's regions assigned at the node
-(the ``master-revoke-keeps-node-region`` mutant)."""
+by the writer timeout, its writer's late write into the region the next attempt
+now owns (refused by its node), that attempt revoked, and a node that leaves
+(its segment lost) is a behaviour of the spec, and so is a run of a master and
+two nodes as separate processes, one of them killed. Node steps changed by hand (a
+write accepted for a token that no longer owns its region, a free the node
+skipped) are rejected, and so is the run of a node that takes a late write
+under a token older than its region's owner as the owner's (the
+``node-write-older-token-to-owner`` mutant)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import time
+import signal
 from pathlib import Path
 
 import pytest
@@ -70,24 +71,28 @@ def run(tmp_path_factory) -> Path:
                 assert status == 0
                 wait_for(lambda: master_steps(path, "ReclaimAbandoned"), timeout=60,
                          what="the silent writer's attempt reclaimed")
-                # w2 writes late, once its node had time to free the region (the
-                # verdict on the write is the trace check's)
                 seg, offset, length = g2["replicas"][0]
                 node = next(n for n in cluster.storage if n.segment == seg)
-                deadline = time.monotonic() + 10
-                while node.memory.word(offset) != 0 and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                late = RawClient(node.endpoint)
-                try:
-                    late.call("write", {"segment": seg, "term": 1, "offset": offset,
-                                        "token": g2["token"]}, [b"L" * length], timeout=30)
-                finally:
-                    late.close()
-                # w1 gives up its attempt (the verdict on what the nodes did is
-                # the trace check's)
+                wait_for(lambda: offset not in node.core.node.regions, timeout=30,
+                         what="the reclaimed attempt's region freed at its node")
+                # w1 starts an attempt on the same space (its region there is
+                # assigned, not yet written), and w2 writes late, with the token
+                # that has moved on: its node refuses it (the verdict on the
+                # write is the trace check's)
                 status, g1 = item(raw, "put_start", {"client": "w1", "replicas": 2,
                                                      "items": [[b"c", 4096]]})
                 assert status == 0
+                assert [seg, offset, length] in g1["replicas"], "the next attempt took other space"
+                wait_for(lambda: offset in node.core.node.regions, timeout=30,
+                         what="the next attempt's region assigned at the node")
+                late = RawClient(node.endpoint)
+                try:
+                    late.call("writes", {"segment": seg, "term": 1, "owner": "w2/put",
+                                         "regions": [[offset, g2["token"], 1]]},
+                              [b"L" * length], timeout=30)
+                finally:
+                    late.close()
+                # w1 gives up its attempt
                 raw.call("put_revoke", {"client": "w1", "items": [[b"c", g1["token"]]]}, timeout=30)
                 # a node leaves: its segment is lost (no other segment can take a
                 # repair), the other replicas stay
@@ -110,9 +115,11 @@ def test_every_node_records_its_region_steps_beside_the_masters_file(run):
         kinds |= {r["event"]["type"] for r in lines if "event" in r}
     assert kinds >= {"AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica", "Fence",
                      "StampedAllocate", "StampedPublish"}
-    late = [r for f in files for r in rows(f) if r.get("event", {}).get("type") == "WriteReplica"
-            and r["effects"] and r["effects"][0]["type"] == "Refused"]
-    assert late, "the late write was not refused"
+    # each write and read is recorded with the token its request carried, first
+    asked = [(r["asked"]["op"], r["asked"]["token"]) for f in files for r in rows(f) if "asked" in r]
+    assert {op for op, _ in asked} == {"write", "read"}
+    assert len(asked) == sum(1 for f in files for r in rows(f)
+                             if r.get("event", {}).get("type") in ("WriteReplica", "ReadReplica"))
 
 
 @needs_java
@@ -179,3 +186,46 @@ def test_a_master_file_without_node_files_is_a_one_line_error(tmp_path, capsys):
     assert cli.main(["trace", "merge", str(lone)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvproto trace: no storage node trace beside") and err.count("\n") == 1
+
+
+@needs_java
+def test_a_run_of_separate_processes_with_a_node_killed_is_a_behaviour_of_the_spec(
+        children, tmp_path):
+    """A master and two storage nodes as processes, each with ``--trace`` its
+    own file; one node is killed (SIGKILL) and its segment lost: the files,
+    the killed node's up to its last step, merge into a behaviour of the spec."""
+    master_file = tmp_path / "master.trace"
+    nodes = [tmp_path / f"node{i}.trace" for i in range(2)]
+    m = children(f"""
+        from kvproto.runtime.embedded import run_master
+        run_master("tcp://127.0.0.1:*", writer_timeout=1.5, storage_timeout=1.5,
+                   trace={str(master_file)!r})
+    """)
+    line = m.readline()
+    assert line.startswith("kvproto master listening on "), line
+    address = line.rsplit(" ", 1)[1]
+    storage = []
+    for f in nodes:
+        s = children(f"""
+            from kvproto.runtime.embedded import run_storage
+            run_storage({address!r}, "8MiB", trace={str(f)!r})
+        """)
+        assert s.readline().startswith("kvproto storage listening on ")
+        storage.append(s)
+    c = kvproto.Client(master=address, timeout=10.0, local_reads=False, local_writes=False)
+    try:
+        wait_for(lambda: sum(1 for s in c.stats()["segments"].values() if s["live"]) == 2,
+                 what="two storage nodes")
+        for i in range(4):
+            c.put(b"k%d" % i, bytes([i]) * (3000 + i), replicas=2)
+        assert bytes(c.get(b"k1")) == bytes([1]) * 3001
+        c.remove(b"k0")
+        c.put(b"k4", b"4" * 3000, replicas=2)
+        storage[1].stop(signal.SIGKILL)
+        wait_for(lambda: master_steps(master_file, "SegmentLost"), timeout=30,
+                 what="the killed node's segment lost")
+        assert bytes(c.get(b"k2")) == bytes([2]) * 3002
+    finally:
+        c.close()
+    verdict = mergetrace.check(master_file, nodes)
+    assert verdict.ok, verdict.message
