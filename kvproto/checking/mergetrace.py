@@ -50,9 +50,11 @@ attempt's ``PutEnd`` (as in the master's own check). A merged behaviour that
 the spec does not allow fails at the first step TLC cannot take, named by its
 file and recorded number.
 
-Not covered: runs with repairs (the master's check does not take them yet),
-direct writes (``spec/DirectWrite.tla``: the node writes the region at the
-publish), and a master's takeover (one run per master file).
+A same-host writer's direct write (``spec/DirectWrite.tla``) is stepped by its
+node when it publishes the object, with no request recorded: its cause is the
+grant, so it is placed before the ``PutEnd``, where the writer wrote it. Not
+covered: runs with repairs (the master's check does not take them yet) and a
+master's takeover (one run per master file).
 """
 
 from __future__ import annotations
