@@ -10,8 +10,9 @@ and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
 tenant's token or checks a tenants file, ``kvproto ns`` steps a tenant's namespaces
 through their upgrade lifecycle; ``kvproto chaos`` runs the fault
 matrix, ``kvproto fuzz`` fuzzes frames, ``kvproto mutate`` runs the
-runtime mutants and ``kvproto trace check`` has TLC check a master's recorded
-run (:mod:`kvproto.checking`);
+runtime mutants, ``kvproto trace check`` has TLC check a master's recorded
+run and ``kvproto trace merge`` a master's run merged with its storage nodes'
+(:mod:`kvproto.checking`);
 ``kvproto --version`` prints the installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
@@ -700,8 +701,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "
              "change", _fuzz_arguments, fuzz),
-    "trace": ("check a master's recorded run (--trace FILE) with TLC: is every step a step "
-              "of spec/Publish.tla?", _trace_arguments, trace),
+    "trace": ("check a master's recorded run (--trace FILE), or merged with its storage nodes' "
+              "runs, with TLC: is every step a step of spec/Publish.tla?", _trace_arguments, trace),
     "mutate": ("apply named faults to the runtime one at a time and run the tests that must "
                "catch each; prints the score", _mutate_arguments, mutate),
 }

@@ -306,10 +306,10 @@ def check(master: "str | Path", nodes: Optional[list] = None, *, keep: Optional[
           on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """Have TLC check the master's run in ``master`` merged with its nodes'
     (``nodes``, default: :func:`node_files`) against ``spec/Publish.tla``."""
+    header, steps = traces.publish_run(traces.read(master)["publish"])
     files = [Path(master)] + [Path(n) for n in (node_files(master) if nodes is None else nodes)]
     if len(files) < 2:
         raise TraceError(f"no storage node trace beside {master} (name the nodes' files)")
-    header, steps = traces.publish_run(traces.read(master)["publish"])
     segments, node_steps = set(), []
     for path in files[1:]:
         segs, recorded = read_node(path)
