@@ -235,3 +235,12 @@ def test_a_run_of_separate_processes_with_a_node_killed_is_a_behaviour_of_the_sp
         c.close()
     verdict = mergetrace.check(master_file, nodes)
     assert verdict.ok, verdict.message
+
+
+def test_a_storage_node_that_cannot_write_its_trace_is_a_one_line_error(tmp_path, capsys):
+    missing = tmp_path / "no such dir" / "node.trace"
+    assert cli.main(["storage", "--master", "tcp://127.0.0.1:1", "--size", "1MiB",
+                     "--trace", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvproto storage: cannot write the trace to {missing}: " \
+                  "No such file or directory\n"
