@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvproto.checking import traces
-from kvproto.checking.tla import Fn, ModelValue, format_value
+from kvproto.checking.tla import Fn, format_value
 from kvproto.checking.tracerun import (TraceError, Verdict, cfg_text, failure, module_text,
                                        run_module)
 
@@ -82,8 +82,6 @@ REGION_STEPS = ("AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica")
 ASKED = {"WriteReplica": "write", "ReadReplica": "read"}
 #: the master's effects that are commands to a node, and their names in the queue
 COMMANDS = {"AssignRegion": "assign", "FreeRegion": "free"}
-
-INVARIANTS = traces.INVARIANTS
 
 
 def node_files(master: "str | Path") -> list[Path]:
@@ -306,7 +304,10 @@ def check(master: "str | Path", nodes: Optional[list] = None, *, keep: Optional[
         segs, recorded = read_node(path)
         segments |= segs
         node_steps.append(recorded)
-    model = MergedModel(header, steps, node_steps, files)
+    try:
+        model = MergedModel(header, steps, node_steps, files)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"a step the checker cannot read ({e!r})") from None
     traced = frozenset(model.mapping.segments.names[s] for s in segments
                        if s in model.mapping.segments.names)
     n = len(model.records)
@@ -315,7 +316,7 @@ def check(master: "str | Path", nodes: Optional[list] = None, *, keep: Optional[
                          "are checked (record a shorter run)")
     publish = module_text(traces._MODULE, model)
     text = _MODULE % {"traced": format_value(traced)}
-    cfg = cfg_text(model, INVARIANTS).replace("INIT TraceInit", "INIT MergedInit") \
+    cfg = cfg_text(model, traces.INVARIANTS).replace("INIT TraceInit", "INIT MergedInit") \
         .replace("NEXT TraceNext", "NEXT MergedNext")
     result = run_module("Publish", "MergedTrace", text, cfg, keep=keep, on_output=on_output,
                         also={"PublishTrace": publish})
