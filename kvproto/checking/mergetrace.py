@@ -9,15 +9,16 @@ does. Every node step of the region table has a cause in the master's steps:
 * an ``AssignRegion`` or ``FreeRegion`` is the master's command, sent for the
   effect of that name (same segment, offset and token) of one of its steps;
   the i-th such step at the node was caused by the i-th such effect;
-* a ``WriteReplica`` names a token, which the writer got from the master's
-  ``PutStart`` that granted it; a ``ReadReplica`` names a token the reader got
-  from the first ``ReadBegin`` that handed it out (else from its ``PutStart``).
+* a ``WriteReplica`` or ``ReadReplica`` names a token (the one its request
+  carried, and the one the node stepped), which exists from the master's
+  ``PutStart`` that granted it. (A read's own cause is later, a ``ReadBegin``
+  or, for a repair's copier, a ``RepairStart``; the node's order keeps it
+  after the write it reads.)
 
 The merged behaviour keeps the master's steps in their order and each node's
 in its order, and puts each node step right after the later of its cause and
-the node's step before it. That is a linearization of the run's causal order
-(a node step comes after everything that caused it, and no later than it
-happened, so everything it caused still comes after it). Only the region
+the node's step before it: no later than it happened, so everything it caused
+still comes after it, and after the causes named here. Only the region
 table's steps are merged: the term fence and object index steps (``Fence``,
 ``StampedAllocate``, ``StampedPublish``, ...) belong to ``spec/Failover.tla``
 and are left out.
@@ -52,11 +53,12 @@ before the attempt's ``PutEnd`` (as in the master's own check). A merged behavio
 the spec does not allow fails at the first step TLC cannot take, named by its
 file and recorded number.
 
-A same-host writer's direct write (``spec/DirectWrite.tla``) is stepped by its
+A repair's copy into a traced segment is the node's ``WriteReplica`` of the
+repair's region under the object's token: the spec's ``CopyReplica``. A
+same-host writer's direct write (``spec/DirectWrite.tla``) is stepped by its
 node when it publishes the object, with no request recorded: its cause is the
 grant, so it is placed before the ``PutEnd``, where the writer wrote it. Not
-covered: runs with repairs (the master's check does not take them yet) and a
-master's takeover (one run per master file).
+covered: a master's takeover (one run per master file).
 """
 
 from __future__ import annotations
@@ -133,7 +135,6 @@ def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -
     and else the node's index (see the module docstring)."""
     issued: dict[tuple, list[int]] = defaultdict(list)   # command -> master positions
     granted: dict[int, int] = {}                         # token -> its PutStart
-    handed: dict[int, int] = {}                          # token -> its first ReadBegin
     for pos, (_, step) in enumerate(master, 1):
         for e in step["effects"] if _accepted(step) else ():
             kind = e["type"]
@@ -141,8 +142,6 @@ def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -
                 issued[(e["segment"], kind, e["offset"], e["token"])].append(pos)
             elif kind == "PutGranted":
                 granted.setdefault(e["token"], pos)
-            elif kind == "ReadGranted":
-                handed.setdefault(e["token"], pos)
     order = [((pos, -1, 0), (-1, pos - 1)) for pos in range(1, len(master) + 1)]
     for n, steps in enumerate(nodes):
         seen: dict[tuple, int] = defaultdict(int)
@@ -155,9 +154,7 @@ def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -
                 k, seen[command] = seen[command], seen[command] + 1
                 cause = issued[command][k] if k < len(issued[command]) else 0
             else:
-                causes = handed if kind == "ReadReplica" else {}
-                cause = max(causes.get(t, granted.get(t, 0))
-                            for t in (token, step.get("asked", token)))
+                cause = max(granted.get(t, 0) for t in (token, step.get("asked", token)))
             at = max(at, cause)
             order.append(((at, n, i), (n, i)))
     order.sort(key=lambda item: item[0])
@@ -258,9 +255,14 @@ NodeStep ==
           /\ Applied(r.s, r.x, r.t) /\ ~nodes[r.s][r.x].done
           /\ nodes' = [nodes EXCEPT ![r.s][r.x].done = TRUE]
           /\ IF StoreOwns(r.s, r.x, r.t)
-             THEN /\ writer[r.w] # None /\ r.s \in DOMAIN writer[r.w].replicas
-                  /\ writer[r.w].replicas[r.s] = r.x
-                  /\ WriteReplica(r.w, r.s)
+             THEN \/ /\ writer[r.w] # None /\ r.s \in DOMAIN writer[r.w].replicas
+                     /\ writer[r.w].replicas[r.s] = r.x
+                     /\ WriteReplica(r.w, r.s)
+                  \/ /\ r.a = r.t   \* a repair's copier fills the region of its repair
+                     /\ \E k \in Keys : /\ Published(k) /\ dir[k].token = r.t
+                                       /\ r.s \in DOMAIN dir[k].repairs
+                                       /\ dir[k].repairs[r.s].slot = r.x
+                                       /\ CopyReplica(k, r.s)
              ELSE r.a = r.t /\ FreeInFlight(r.s, r.x, r.t) /\ UNCHANGED vars
           /\ UNCHANGED sent
        \/ /\ r.act = "ReadReplica" /\ r.ok /\ r.a = r.t
@@ -274,10 +276,15 @@ NodeStep ==
           /\ UNCHANGED <<vars, nodes, sent>>
     /\ pos' = pos + 1
 
-\* Writes to segments no node trace covers happen unseen before the PutEnd.
+\* Writes to segments no node trace covers happen unseen before the PutEnd,
+\* and repair copies into them before the ListReplica.
 UntracedWrite ==
     /\ R.src = "master" /\ R.act = "PutEnd" /\ R.ok /\ R.w # wr0
     /\ \E s \in Segments \ Traced : WriteReplica(R.w, s)
+    /\ UNCHANGED <<pos, nodes, sent>>
+UntracedCopy ==
+    /\ R.src = "master" /\ R.act = "ListReplica" /\ R.ok /\ R.copied /\ InFlight(R)
+    /\ R.s \notin Traced /\ CopyReplica(R.k, R.s)
     /\ UNCHANGED <<pos, nodes, sent>>
 
 MergedInit ==
@@ -285,7 +292,7 @@ MergedInit ==
     /\ nodes = [s \in Segments |-> [x \in Slots |-> None]]
     /\ sent = [s \in Segments |-> <<>>]
 MergedNext ==
-    \/ pos <= Len(Trace) /\ (MasterStep \/ NodeStep \/ UntracedWrite)
+    \/ pos <= Len(Trace) /\ (MasterStep \/ NodeStep \/ UntracedWrite \/ UntracedCopy)
     \/ Done /\ UNCHANGED <<nodes, sent>>
 =============================================================================
 """

@@ -244,3 +244,28 @@ def test_a_storage_node_that_cannot_write_its_trace_is_a_one_line_error(tmp_path
     err = capsys.readouterr().err
     assert err == f"kvproto storage: cannot write the trace to {missing}: " \
                   "No such file or directory\n"
+
+
+@needs_java
+def test_a_run_with_repairs_is_a_behaviour_of_the_spec(tmp_path):
+    """Three nodes, one leaves: the master repairs the objects it held onto
+    the third node, whose copier reads a listed replica and writes the
+    repair's region (the spec's ``CopyReplica``) before the master lists it."""
+    path = tmp_path / "repair.trace"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(tracing.ENV, str(path))
+        with kvproto.embedded(storage_nodes=3, segment_size="4MiB", storage_timeout=1.0) as cluster:
+            c = cluster.client(local_reads=False, local_writes=False)
+            for i in range(4):
+                c.put(b"k%d" % i, bytes([65 + i]) * 3000, replicas=2)
+            c.remove(b"k0")
+            cluster.storage[2].stop()
+            wait_for(lambda: master_steps(path, "ListReplica"), timeout=60,
+                     what="a repaired replica listed")
+            for i in range(1, 4):
+                assert bytes(c.get(b"k%d" % i)) == bytes([65 + i]) * 3000
+    copies = [r for f in mergetrace.node_files(path) for r in rows(f)
+              if r.get("asked", {}).get("op") == "write"]
+    assert copies, "no write recorded"
+    verdict = mergetrace.check(path)
+    assert verdict.ok, verdict.message
