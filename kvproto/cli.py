@@ -10,8 +10,9 @@ and traffic per machine (:mod:`kvproto.ops`); ``kvproto tenant`` makes a
 tenant's token or checks a tenants file, ``kvproto ns`` steps a tenant's namespaces
 through their upgrade lifecycle; ``kvproto chaos`` runs the fault
 matrix, ``kvproto fuzz`` fuzzes frames, ``kvproto mutate`` runs the
-runtime mutants and ``kvproto trace check`` has TLC check a master's recorded
-run (:mod:`kvproto.checking`);
+runtime mutants, ``kvproto trace check`` has TLC check a master's recorded
+run and ``kvproto trace merge`` a master's run merged with its storage nodes'
+(:mod:`kvproto.checking`);
 ``kvproto --version`` prints the installed package's version.
 
 A mistake in the arguments, or a problem found while a server starts (an
@@ -518,6 +519,11 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
                         help="endpoint clients connect to (default: the bound one)")
     parser.add_argument("--page-size", type=_page_size, default=4096,
                         help="allocation granularity in bytes (a power of two >= 512)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="append every step of the node's region table and index to FILE "
+                             "as JSON lines, for 'kvproto trace merge MASTER_FILE FILE' "
+                             "(default: off; with KVPROTO_TRACE=MASTER_FILE, the node writes "
+                             "MASTER_FILE.storage-<pid>-<n>)")
     _tenants_argument(parser)
     _metrics_arguments(parser)
 
@@ -534,7 +540,7 @@ def storage(args: argparse.Namespace) -> int:
     try:
         run_storage(args.master, args.size, listen=args.listen, advertise=args.advertise,
                     page_size=args.page_size, metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host, **tenants)
+                    metrics_host=args.metrics_host, trace=args.trace, **tenants)
     except (KvError, OSError, zmq.ZMQError) as e:
         return _fail("storage", _start_failure(e, args.listen))
     return 0
@@ -630,13 +636,13 @@ def mutate(args: argparse.Namespace) -> int:
 
 
 def _trace_arguments(parser: argparse.ArgumentParser) -> None:
-    from .checking import traces
-    traces.add_arguments(parser)
+    from .checking import mergetrace, traces
+    mergetrace.add_arguments(traces.add_arguments(parser))
 
 
 def trace(args: argparse.Namespace) -> int:
-    from .checking import traces
-    return traces.main(args)
+    from .checking import mergetrace, traces
+    return (mergetrace if args.trace_command == "merge" else traces).main(args)
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -695,8 +701,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
               "read checked, nothing leaked", _chaos_arguments, chaos),
     "fuzz": ("fuzz the master's and storage nodes' frames: no crash, typed refusals, no state "
              "change", _fuzz_arguments, fuzz),
-    "trace": ("check a master's recorded run (--trace FILE) with TLC: is every step a step "
-              "of spec/Publish.tla?", _trace_arguments, trace),
+    "trace": ("check a master's recorded run (--trace FILE), or merged with its storage nodes' "
+              "runs, with TLC: is every step a step of spec/Publish.tla?", _trace_arguments, trace),
     "mutate": ("apply named faults to the runtime one at a time and run the tests that must "
                "catch each; prints the score", _mutate_arguments, mutate),
 }

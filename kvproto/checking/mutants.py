@@ -119,6 +119,19 @@ MUTANTS: tuple[Mutant, ...] = (
              "            if True:\n"),
         (f"{LEASES}::test_a_read_slower_than_its_lease_is_rejected_and_classified",)),
     Mutant(
+        "node-write-older-token-to-owner",
+        "a storage node takes a batched write of a region's length under a "
+        "token older than the region's owner (an attempt that has moved on) "
+        "as the owner's write: the late bytes land in the next attempt's region",
+        _one(STORAGE, "                self._write_region(offset, token, payload)\n",
+             "                region = self.node.region(offset)\n"
+             "                if region is not None and token < region.token \\\n"
+             "                        and len(payload) == region.length:\n"
+             "                    token = region.token\n"
+             "                self._write_region(offset, token, payload)\n"),
+        ("tests/runtime/test_merged_trace.py::test_the_merged_run_is_a_behaviour_of_the_spec",),
+        twin="Publish_Weak_NoStorageTokenCheck"),
+    Mutant(
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",

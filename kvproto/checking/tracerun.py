@@ -59,8 +59,10 @@ def spec_dir(spec: str) -> Path:
 
 
 def run_module(spec: str, name: str, module: str, cfg: str, *, keep: Optional[Path] = None,
-               on_output: Optional[Callable[[str], None]] = None) -> tlc.TlcResult:
-    """Write the trace module ``name`` (extending ``spec``) and its cfg beside a
+               on_output: Optional[Callable[[str], None]] = None,
+               also: Optional[dict[str, str]] = None) -> tlc.TlcResult:
+    """Write the trace module ``name`` (extending ``spec``, or a module of
+    ``also``: module name -> text, written beside it) and its cfg beside a
     copy of ``spec/<spec>.tla`` (in ``keep``, else a temporary directory) and
     have TLC check it."""
     source = spec_dir(spec)
@@ -68,6 +70,8 @@ def run_module(spec: str, name: str, module: str, cfg: str, *, keep: Optional[Pa
         where = Path(keep) if keep is not None else Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         shutil.copy(source / f"{spec}.tla", where / f"{spec}.tla")
+        for other, text in (also or {}).items():
+            (where / f"{other}.tla").write_text(text)
         (where / f"{name}.tla").write_text(module)
         (where / f"{name}.cfg").write_text(cfg)
         return tlc.run(tlc.Model.from_cfg(where / f"{name}.cfg"), on_output=on_output)

@@ -220,15 +220,23 @@ class TraceModel:
     numbers: tuple      # (recorded n, file line) per record
 
 
-def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
+def token_range(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, int]:
+    """The first token the run's directory issues and the one after its last."""
+    first = header["next_token"]
+    return first, max([first] + [s["after"]["next_token"] for _, s in steps])
+
+
+def to_model(header: dict, steps: list[tuple[int, dict]],
+             mapping: Optional[_Mapping] = None) -> TraceModel:
     """Map a run onto model values (see the module docstring); raise
-    :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape."""
+    :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape.
+    ``mapping`` (of :func:`token_range`) may already hold names of the run
+    that the master's steps do not (its storage nodes' steps)."""
     if len(steps) > LIMITS["steps"]:
         raise TraceError(f"the run has {len(steps)} steps; at most {LIMITS['steps']} are "
                          "checked (record a shorter run)")
-    first = header["next_token"]
-    last = max([first] + [s["after"]["next_token"] for _, s in steps])
-    m = _Mapping(first, last)
+    first, last = token_range(header, steps)
+    m = mapping if mapping is not None else _Mapping(first, last)
     joined = set(header.get("segments", {}))
     for s in joined:
         m.segments(s)
@@ -453,7 +461,8 @@ def describe(step: dict) -> str:
 # --- command line ----------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser):
+    """The ``trace`` command's arguments; returns its subparsers (for ``merge``)."""
     parser.description = (
         "Check a trace recorded by 'kvproto master --trace FILE' (or KVPROTO_TRACE=FILE): "
         "TLC walks the recorded steps of each of the master's machines in the file (publish, "
@@ -467,6 +476,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               help="write the generated PublishTrace and LeaseTrace modules "
                                    "and cfgs to DIR "
                                    "(default: a temporary directory)")
+    return sub
 
 
 def main(args: argparse.Namespace) -> int:

@@ -59,6 +59,12 @@ the registration itself invalid (``InvalidArgument``, a malformed or
 unsupported frame), so every retry would be refused the same way — stops the
 node: :attr:`StorageServer.refused` holds the reason and ``serve_forever``
 returns. ``on_registered`` (if set) is called each time the node registers.
+
+Tracing: with ``trace=FILE`` (``kvproto storage --trace FILE``), or with
+``KVPROTO_TRACE`` naming the master's file (then the node's is
+:func:`~kvproto.runtime.tracing.node_path` of it), every step of the node's
+core is recorded as a JSON line (:class:`~kvproto.runtime.tracing.StorageRecorder`),
+for ``kvproto trace merge``; off, a step pays one ``if``.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ import zmq
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
 from kvproto.ops.tenants import REPAIR_READER, Credentials, Tickets
-from kvproto.runtime import wire
+from kvproto.runtime import tracing, wire
 from kvproto.runtime.copier import Copier, Copy
 from kvproto.runtime.datapath import checksum
 from kvproto.runtime.endpoints import check_listen, check_master, coordinator_url
@@ -145,6 +151,13 @@ class StorageCore:
         #: repair copies the master asked for, to start (``repair``; the server's
         #: :class:`~kvproto.runtime.copier.Copier` pulls them): ``(copy, term)``
         self.copies: list[tuple[Copy, int]] = []
+        #: records every step of ``node`` when set (:meth:`record_to`)
+        self.trace: Optional[tracing.StorageRecorder] = None
+
+    def record_to(self, trace: tracing.StorageRecorder) -> None:
+        """Record every step of the core to ``trace`` from now on."""
+        self.trace = trace
+        trace.opened(self.node.segment, self.node.term)
 
     @property
     def segment(self) -> str:
@@ -155,6 +168,8 @@ class StorageCore:
         fence keeps the highest term seen, the index is emptied with the bytes."""
         self.memory.reset()
         self.node.restart(segment)
+        if self.trace is not None:
+            self.trace.opened(segment, self.node.term)
         self.direct = dw.DirectTable()
         self.draining.clear()
 
@@ -180,6 +195,8 @@ class StorageCore:
         """Step the core (an accepted event is committed): ``(effects, error)``;
         a refusal is counted (``stale_terms`` or ``refused``) and changes nothing."""
         effects = self.node.step(event)
+        if self.trace is not None:
+            self.trace.step(self.node.segment, event, effects)
         if effects and isinstance(effects[0], Refused):
             err = effects[0].error
             self.counters["stale_terms" if isinstance(err, errors.StaleTerm) else "refused"] += 1
@@ -500,6 +517,7 @@ class StorageCore:
         if copy.checksum and checksum(data) != copy.checksum:
             raise errors.ChecksumMismatch(f"{copy.key!r} from {copy.source_segment} does not "
                                           f"match its checksum")
+        self._asked("write", copy.offset, copy.token)
         self._write_region(copy.offset, copy.token, data)
         self.counters["writes"] -= 1          # counted as a repair, not a client's write
         self.counters["bytes_written"] -= copy.length
@@ -566,6 +584,7 @@ class StorageCore:
             try:
                 if not ran:
                     raise errors.StaleGeneration(f"write transfer {xfer} was cancelled; discarded")
+                self._asked("write", offset, token)
                 self._write_region(offset, token, payload)
                 results.append(wire.ok_item())
             except errors.KvError as err:
@@ -573,8 +592,15 @@ class StorageCore:
         return {"results": results}, []
 
     def _op_write(self, body, payloads):
+        self._asked("write", body["offset"], body["token"])
         self._write_region(body["offset"], body["token"], payloads[0])
         return {}, []
+
+    def _asked(self, op: str, offset: int, token: int) -> None:
+        """Record (with a trace) the region and token a write or read asks for,
+        as the request names them, before the steps it causes."""
+        if self.trace is not None:
+            self.trace.asked(op, self.segment, offset, token)
 
     def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
         """``WriteReplica`` and the one memcpy from the received frame; a
@@ -596,6 +622,7 @@ class StorageCore:
 
     def _op_read(self, body, payloads):
         offset, token = body["offset"], body["token"]
+        self._asked("read", offset, token)
         _, err = self._step(ReadReplica(self.segment, offset, token))
         if err is not None:
             raise err
@@ -659,7 +686,8 @@ class StorageServer:
                  advertise: Optional[str] = None, page_size: int = 4096,
                  max_header_bytes: int = wire.STORAGE_MAX_HEADER, register_timeout: float = 2.0,
                  context: Optional[zmq.Context] = None, debug: bool = False,
-                 tenants: Sequence = (), ticket_key: Optional[bytes] = None) -> None:
+                 tenants: Sequence = (), ticket_key: Optional[bytes] = None,
+                 trace: Optional[str] = None) -> None:
         if tenants and not ticket_key:
             raise errors.InvalidArgument("a storage node with tenants needs the ticket key its "
                                          "master issues read tickets under (--ticket-key FILE)")
@@ -689,8 +717,13 @@ class StorageServer:
         self._next_coord = 0.0
         self.max_header_bytes = max_header_bytes
         self.register_timeout = register_timeout
+        if trace is None and os.environ.get(tracing.ENV):
+            trace = tracing.node_path(os.environ[tracing.ENV])
+        recorder = tracing.StorageRecorder(trace) if trace else None
         self.memory = SegmentMemory(capacity, page_size)
         self.core = StorageCore(self.memory, new_segment_id())
+        if recorder is not None:
+            self.core.record_to(recorder)
         self._own_context = context is None
         self.ctx = context or zmq.Context()
         try:
@@ -1079,6 +1112,8 @@ class StorageServer:
         if self._own_context:
             self.ctx.term()
         self.memory.close()
+        if self.core.trace is not None:
+            self.core.trace.close()
 
 
 def _snapshot(frames: list) -> list:

@@ -44,12 +44,36 @@ are lists; an enum is its value; an error is ``{"type": its class name,
 Times are the master's clock (seconds, ``time.monotonic`` by default), as the
 lease table holds them; a holder is ``[client, lease id]`` and a region
 ``[key, token]``.
+
+A storage node records the steps of its core
+(:class:`~kvproto.cores.storage.StorageNodeCore`, held to
+``publish.storage_step`` and ``failover.storage_step``) with a
+:class:`StorageRecorder`: ``kvproto storage --trace FILE``, or, with
+``KVPROTO_TRACE=FILE`` in its environment, the file :func:`node_path` names
+beside the master's (``FILE.storage-<pid>-<n>``: one file per node, also for
+the nodes of one process). Lines:
+
+* ``{"machine": "storage", "opened": {"segment": S, "term": T}}`` when the
+  node opens a segment (at start, and each time it starts over under a new
+  segment id);
+* ``{"machine": "storage", "n": N, "segment": S, "event": ..., "effects":
+  [...]}`` per step of its core, accepted or refused.
+* ``{"machine": "storage", "asked": {"op": "write" or "read", "segment": S,
+  "offset": O, "token": T}}`` when a write (a client's, or a repair copy's)
+  or a read of a region arrives, before the steps it causes: the token the
+  request carries, which the checker holds the step to.
+
+``kvproto trace merge FILE [NODE_FILE ...]`` (:mod:`kvproto.checking.mergetrace`)
+merges a master's file and its nodes' files into one behaviour of
+``spec/Publish.tla``.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import json
+import os
 from typing import Any
 
 import attrs
@@ -90,8 +114,8 @@ def _keys(event, effects) -> list:
     return list(dict.fromkeys(k for k in keys if k is not None))
 
 
-class Recorder:
-    """Appends the master's publish and lease steps to ``path`` (one JSON line each)."""
+class _Lines:
+    """A trace file: JSON lines appended and written through."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -100,13 +124,23 @@ class Recorder:
         except OSError as e:
             raise errors.InvalidArgument(f"cannot write the trace to {path}: "
                                          f"{e.strerror or e}") from None
+
+    def _write(self, line: dict) -> None:
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Recorder(_Lines):
+    """Appends the master's publish and lease steps to ``path`` (one JSON line each)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
         self._n = 0
         self._published = None   # the event type of the last publish step
         self._ln = 0
         self._table = None       # the lease table last stepped
-
-    def _write(self, line: dict) -> None:
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def opened(self, directory) -> None:
         """The master opened ``directory`` (empty, or recovered at a takeover)."""
@@ -153,5 +187,35 @@ class Recorder:
         self._write(line)
         return effects
 
-    def close(self) -> None:
-        self._file.close()
+
+_nodes = itertools.count(1)
+
+
+def node_path(path: str) -> str:
+    """The file a storage node records to when ``KVPROTO_TRACE`` names ``path``
+    (the master's): ``path.storage-<pid>-<n>``, one per node."""
+    return f"{path}.storage-{os.getpid()}-{next(_nodes)}"
+
+
+class StorageRecorder(_Lines):
+    """Appends a storage node's core steps to ``path`` (one JSON line each)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self._n = 0
+
+    def opened(self, segment: str, term: int) -> None:
+        """The node opened ``segment`` (at start, or starting over)."""
+        self._write({"machine": "storage", "opened": {"segment": segment, "term": term}})
+
+    def asked(self, op: str, segment: str, offset: int, token: int) -> None:
+        """A request to write or read the region at ``offset`` under ``token``
+        arrived (before the node steps its core for it)."""
+        self._write({"machine": "storage", "asked": {"op": op, "segment": segment,
+                                                     "offset": offset, "token": token}})
+
+    def step(self, segment: str, event, effects: tuple) -> None:
+        """One step of the node's core: ``event`` in, ``effects`` out."""
+        self._n += 1
+        self._write({"machine": "storage", "n": self._n, "segment": segment,
+                     "event": encode(event), "effects": encode(effects)})
