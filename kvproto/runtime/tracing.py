@@ -22,8 +22,8 @@ are lists; an enum is its value; an error is ``{"type": its class name,
 "message": ...}``. Lines:
 
 * ``{"machine": "publish", "opened": {"next_token": N, "objects": N,
-  "segments": {name: capacity}}}`` when the master opens its directory
-  (at start, and after each takeover's recovery);
+  "segments": {name: capacity}, "term": T}}`` when the master opens its
+  directory under term ``T`` (at start, and after each takeover's recovery);
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
   a step the master took on a repair copier's report (``repair_done``:
@@ -142,11 +142,14 @@ class Recorder(_Lines):
         self._ln = 0
         self._table = None       # the lease table last stepped
 
-    def opened(self, directory) -> None:
-        """The master opened ``directory`` (empty, or recovered at a takeover)."""
-        self._write({"machine": "publish", "opened": {
-            "next_token": directory.next_token, "objects": len(directory.objects),
-            "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}})
+    def opened(self, directory, term=None) -> None:
+        """The master opened ``directory`` (empty, or recovered at a takeover)
+        under ``term``."""
+        opened = {"next_token": directory.next_token, "objects": len(directory.objects),
+                  "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}
+        if term is not None:
+            opened["term"] = term
+        self._write({"machine": "publish", "opened": opened})
 
     def publish(self, event, effects: tuple, directory, report=None) -> None:
         """One step of the directory: ``event`` in, ``effects`` out; ``report``:
