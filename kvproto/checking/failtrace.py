@@ -25,7 +25,9 @@ recorded at a node     step of ``spec/Failover.tla``
                        exactly the entries the spec's ``Recover`` purged
                        at that node
 refused ``StaleTerm``  the node's fence is above the request's term, and
-                       the master of that term steps down
+                       the master of that term steps down (also a
+                       ``StaleRequest``: any request, a read or write too,
+                       refused at the fence before a step of the core)
 other refusals         change nothing (``KeyExists``: the node holds the
                        key; ``NotPublished``: no open allocation there)
 =====================  ==================================================
@@ -44,8 +46,8 @@ per term. A spec key is one replica, an object's key on one node (the spec
 has one replica per object; a put with two replicas is two spec keys), and a
 spec node is one node file (one segment). Dropped: offsets, lengths, tokens,
 checksums and requested replica counts of the index (the publish protocol's,
-checked by ``kvproto trace merge``); readers (a node's read checks the term
-without a core step, so it leaves nothing to check here); a node that starts
+checked by ``kvproto trace merge``); readers (a node's read is recorded only where
+its term is refused, a ``StaleRequest``; lookups are the master's); a node that starts
 over under a new segment, and a node lost before a master could fence it
 (a run with either is refused as outside what the checker maps).
 
@@ -81,7 +83,7 @@ __all__ = ["check", "read_master", "read_node"]
 
 #: the node steps of ``failover.storage_step`` (the term fence and the object index)
 STEPS = ("Fence", "StampedAllocate", "StampedPublish", "StampedFree", "PurgeUnpublished",
-         "IndexRequest", "StampedRead")
+         "IndexRequest", "StampedRead", "StaleRequest")
 #: the steps that carry a key
 KEYED = ("StampedAllocate", "StampedPublish", "StampedFree")
 #: the spec's invariants checked in every state (spec/Failover.cfg)
@@ -316,7 +318,8 @@ NodeStep ==
           \/ nodeTerm[n] = t /\ UNCHANGED vars     \* fenced again at the same term
        /\ UNCHANGED Others
     \/ /\ ~R.ok /\ R.err = "StaleTerm"
-       /\ R.act \in {"Fence", "IndexRequest", "StampedAllocate", "StampedPublish", "StampedFree"}
+       /\ R.act \in {"Fence", "IndexRequest", "StampedAllocate", "StampedPublish", "StampedFree",
+                     "StaleRequest"}
        /\ RefusedStale(n, t) /\ UNCHANGED Others
     \/ /\ R.act = "StampedAllocate"
        /\ IF R.ok THEN NodeAccepts(n, t) /\ Allocate(m, k, n)

@@ -57,7 +57,10 @@ the nodes of one process). Lines:
   node opens a segment (at start, and each time it starts over under a new
   segment id);
 * ``{"machine": "storage", "n": N, "segment": S, "event": ..., "effects":
-  [...]}`` per step of its core, accepted or refused.
+  [...]}`` per step of its core, accepted or refused; and, numbered with
+  them, a request refused at the node's fence before any step of its core
+  (``StorageCore._check_term``) as ``"event": {"type": "StaleRequest",
+  "op": OP, "term": T}`` with its ``Refused`` (``StaleTerm``) effect.
 * ``{"machine": "storage", "asked": {"op": "write" or "read", "segment": S,
   "offset": O, "token": T}}`` when a write (a client's, or a repair copy's)
   or a read of a region arrives, before the steps it causes: the token the
@@ -222,3 +225,11 @@ class StorageRecorder(_Lines):
         self._n += 1
         self._write({"machine": "storage", "n": self._n, "segment": segment,
                      "event": encode(event), "effects": encode(effects)})
+
+    def stale(self, segment: str, op: str, term: int, error) -> None:
+        """A request ``op`` stamped with ``term`` refused at the node's fence
+        before any step of its core (it changed nothing)."""
+        self._n += 1
+        self._write({"machine": "storage", "n": self._n, "segment": segment,
+                     "event": {"type": "StaleRequest", "op": op, "term": term},
+                     "effects": [{"type": "Refused", "error": encode(error)}]})

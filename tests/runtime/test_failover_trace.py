@@ -1,5 +1,15 @@
-"""The fence and recover steps of a master takeover checked by TLC against
-``spec/Failover.tla`` (``kvproto trace failover``, :mod:`kvproto.checking.failtrace`)."""
+"""The fence, index and purge steps of a master takeover checked by TLC against
+``spec/Failover.tla`` (``kvproto trace failover``, :mod:`kvproto.checking.failtrace`).
+
+A real run of two masters and two storage nodes as processes, every one
+recording (puts with one and two replicas, a remove, an attempt left
+unpublished, the first master killed, the second fencing, recovering,
+purging and serving, and a late request of the old term refused by a node)
+is a behaviour of the spec, and what the new master says it recovered is
+what the fenced nodes' indexes held. Steps changed by hand are rejected at
+the step that breaks the rules: a node that accepts the old term's
+allocation after its fence, refuses the new term's, or purges less than
+the recovery did, and a master that recovers another directory."""
 
 from __future__ import annotations
 
@@ -13,10 +23,12 @@ from pathlib import Path
 import pytest
 
 import kvproto
+from kvproto import cli, errors
+from kvproto.checking import failtrace
 from kvproto.runtime import tracing
 
 import test_master_failover as failover
-from runtime_helpers import wait_for
+from runtime_helpers import Raw, wait_for
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 pytestmark = [pytest.mark.tlc, pytest.mark.runtime]
@@ -26,31 +38,40 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def takeover_run(children, raw, tmp_path) -> Path:
-    """Two masters and two storage nodes as processes, every one recording
-    (``KVPROTO_TRACE``: each master its file, each node one beside it): puts,
-    an attempt left unpublished, the first master killed, the second fences
-    the nodes, recovers and serves; the directory of the run's files."""
-    url = f"file://{tmp_path}/coordinator"
-    out = tmp_path / "run"
-    out.mkdir()
-    env = os.environ.get(tracing.ENV)
+def start(children, url: str, env: str, what):
+    """Start ``what`` (a master or a storage node) recording beside ``env``."""
+    old = os.environ.get(tracing.ENV)
+    os.environ[tracing.ENV] = env
     try:
-        os.environ[tracing.ENV] = str(out / "first.trace")
-        a, a_addr = failover.start_master(children, url)
-        wait_for(lambda: failover.open_at(url, a_addr, raw), what="the first master open")
-        os.environ[tracing.ENV] = str(out / "second.trace")
-        b, b_addr = failover.start_master(children, url)
-        os.environ[tracing.ENV] = str(out / "nodes.trace")
-        for _ in range(2):
-            failover.start_storage(children, url)
+        return what(children, url)
     finally:
-        if env is None:
+        if old is None:
             os.environ.pop(tracing.ENV, None)
         else:
-            os.environ[tracing.ENV] = env
+            os.environ[tracing.ENV] = old
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The directory of a takeover run's trace files (see the module docstring)."""
+    from runtime_helpers import Child
+    out = tmp_path_factory.mktemp("failover")
+    url = f"file://{out}/coordinator"
+    started: list = []
+
+    def children(code: str):
+        c = Child(code)
+        started.append(c)
+        return c
+
     client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
+    raw: list = []
     try:
+        a, a_addr = start(children, url, str(out / "first.trace"), failover.start_master)
+        wait_for(lambda: failover.open_at(url, a_addr, _raw(raw)), what="the first master open")
+        b, b_addr = start(children, url, str(out / "second.trace"), failover.start_master)
+        nodes = [start(children, url, str(out / "nodes.trace"), failover.start_storage)[1]
+                 for _ in range(2)]
         wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 2,
                  what="the storage nodes registered")
         client.put(b"a", failover.value(b"a"), replicas=2)
@@ -62,19 +83,148 @@ def takeover_run(children, raw, tmp_path) -> Path:
                                                 "items": [[b"pending", 3000]]},
                                   time.monotonic() + 5)
         assert rep.body["items"][0][0] == 0
+        old = rep.body["term"]
         a.stop(signal.SIGKILL)
-        wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20, what="the standby open")
+        wait_for(lambda: failover.open_at(url, b_addr, _raw(raw)), timeout=20,
+                 what="the standby open")
         assert bytes(client.get(b"a")) == failover.value(b"a")
         client.put(b"d", failover.value(b"d"))
         client.put(b"e", failover.value(b"e"))
         client.remove(b"d")
+        # the old master's late assign reaches a fenced node: refused
+        node = _raw(raw, nodes[0])
+        seg = node.call("stats", {}).body["segment"]
+        late = node.call("assign", {"segment": seg, "term": old,
+                                    "regions": [[1 << 20, 4096, b"late", 99]]})
+        assert late.status == errors.StaleTerm.code
     finally:
         client.close()
+        for r in raw:
+            r.close()
+        for c in reversed(started):
+            c.stop()
     return out
 
 
-def test_dump(children, raw, tmp_path):
-    out = takeover_run(children, raw, tmp_path)
-    for f in sorted(out.iterdir()):
-        dst = Path("/tmp/ft") / f.name
-        shutil.copy(f, dst)
+def _raw(opened: list, endpoint: str = "") -> "Raw | callable":
+    """A raw connection to ``endpoint`` (closed with the run), or the factory."""
+    def make(ep: str) -> Raw:
+        r = Raw(ep)
+        opened.append(r)
+        return r
+    return make(endpoint) if endpoint else make
+
+
+def files(run: Path) -> tuple[list[Path], list[Path]]:
+    nodes = sorted(run.glob("nodes.trace.storage-*"))
+    return nodes, [run / "first.trace", run / "second.trace"]
+
+
+def test_every_node_records_the_takeover_steps(run):
+    nodes, masters = files(run)
+    assert len(nodes) == 2
+    kinds = {r["event"]["type"] for f in nodes for r in rows(f) if "event" in r}
+    assert kinds >= {"Fence", "StampedAllocate", "StampedPublish", "StampedFree",
+                     "PurgeUnpublished", "StaleRequest"}
+    purged = [k for f in nodes for r in rows(f)
+              if r.get("event", {}).get("type") == "PurgeUnpublished"
+              for k in r["effects"][0]["keys"]]
+    assert purged == ["pending"]
+    openings = [failtrace.read_master(m) for m in masters]
+    assert [[o["term"] for o in m] for m in openings] == [[1], [2]]
+    assert openings[1][0]["keys"] == {"a", "c"}
+
+
+@needs_java
+def test_a_takeover_run_is_a_behaviour_of_the_spec(run, tmp_path, capsys):
+    nodes, masters = files(run)
+    verdict = failtrace.check(nodes, masters, keep=tmp_path)
+    assert verdict.ok, verdict.message
+    assert "EXTENDS Failover" in (tmp_path / "FailoverTrace.tla").read_text()
+    args = ["trace", "failover", *map(str, nodes)] + [a for m in masters for a in ("--master", str(m))]
+    assert cli.main(args) == 0
+    assert "of 2 node(s) and 2 term(s) are steps of spec/Failover.tla" in capsys.readouterr().out
+
+
+def edit(run: Path, out: Path, change) -> tuple[list[Path], list[Path], tuple]:
+    """The run's files copied to ``out`` with ``change`` applied to the first
+    recorded line it accepts (returns True): the files and ``(file, n)`` of that line."""
+    out.mkdir()
+    nodes, masters = files(run)
+    hit = None
+    for f in nodes + masters:
+        kept = []
+        for r in rows(f):
+            if hit is None and change(r):
+                hit = (out / f.name, r.get("n"))
+            kept.append(r)
+        (out / f.name).write_text("".join(json.dumps(r) + "\n" for r in kept))
+    assert hit is not None
+    return [out / f.name for f in nodes], [out / f.name for f in masters], hit
+
+
+def _accept_stale(r):
+    """The fenced node accepts the old master's late allocation."""
+    ev = r.get("event", {})
+    if ev.get("type") != "StaleRequest" or ev["op"] != "assign":
+        return False
+    r["event"] = {"type": "StampedAllocate", "node": r["segment"], "key": "late",
+                  "term": ev["term"], "offset": 1 << 20, "length": 4096, "token": 99}
+    r["effects"] = [{"type": "StorageAccepted", "key": "late", "term": ev["term"]}]
+    return True
+
+
+def _refuse_current(r):
+    """A node refuses the new master's allocation as stale."""
+    ev = r.get("event", {})
+    if ev.get("type") != "StampedAllocate" or ev["term"] != 2:
+        return False
+    r["effects"] = [{"type": "Refused", "error": {"type": "StaleTerm", "message": "x"}}]
+    return True
+
+
+def _purge_less(r):
+    """A node keeps the older term's unpublished allocation at the purge."""
+    ev = r.get("event", {})
+    if ev.get("type") != "PurgeUnpublished" or not r["effects"][0]["keys"]:
+        return False
+    r["effects"][0]["keys"] = []
+    return True
+
+
+@needs_java
+@pytest.mark.parametrize("change", [_accept_stale, _refuse_current, _purge_less])
+def test_a_node_step_changed_by_hand_is_rejected_at_that_step(run, tmp_path, change):
+    nodes, masters, (where, n) = edit(run, tmp_path / "bad", change)
+    verdict = failtrace.check(nodes, masters)
+    assert not verdict.ok
+    assert verdict.failed_step == n, verdict.message
+    assert verdict.message.startswith(f"{where.name} step {n} "), verdict.message
+
+
+def _recover_less(r):
+    """The new master says it recovered one object fewer than the nodes held."""
+    opened = r.get("opened", {})
+    if r.get("machine") != "publish" or opened.get("term") != 2:
+        return False
+    opened["objects"] -= 1
+    return True
+
+
+@needs_java
+def test_a_master_that_recovers_another_directory_is_rejected_at_its_recovery(run, tmp_path):
+    nodes, masters, _ = edit(run, tmp_path / "bad", _recover_less)
+    verdict = failtrace.check(nodes, masters)
+    assert not verdict.ok and verdict.failed_step is None
+    assert verdict.message.startswith("Recover of the master of term 2 "), verdict.message
+    # without the masters' files the nodes' steps alone are a behaviour of the spec
+    assert failtrace.check(nodes).ok
+
+
+def test_a_node_that_started_over_is_a_one_line_error(tmp_path, capsys):
+    f = tmp_path / "node.trace"
+    f.write_text('{"machine":"storage","opened":{"segment":"s1","term":0}}\n'
+                 '{"machine":"storage","opened":{"segment":"s2","term":1}}\n')
+    assert cli.main(["trace", "failover", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "the node started over under a new segment" in err and err.count("\n") == 1
