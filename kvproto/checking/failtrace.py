@@ -37,9 +37,9 @@ and the masters' steps that no node records are placed between them:
 ``Recover(m)`` and ``Open(m)`` before the first step that needs ``m`` to
 serve (a stamped request of its term, or its purge), and at the end for a
 master whose file says it opened. A master's file (``"opened"`` with
-``"term"``) gives the number of objects it recovered and, where its lease
-table lists them, their keys: ``Recover(m)`` must rebuild exactly that
-directory from the fenced nodes' indexes.
+``"term"``) gives the number of objects it recovered and, up to 1,000 of
+them, each one's replicas (``"recovered"``): ``Recover(m)`` must rebuild
+exactly that directory, replica for replica, from the fenced nodes' indexes.
 
 Mapping. Terms are numbered by rank (the spec's ``1..MaxTerm``), one master
 per term. A spec key is one replica, an object's key on one node (the spec
@@ -133,9 +133,10 @@ def read_node(path: "str | Path") -> tuple[dict, list[tuple[int, dict]]]:
 
 
 def read_master(path: "str | Path") -> list[dict]:
-    """What a master's file says it opened: ``{"term", "objects", "keys"}`` per
-    opening (``keys`` the recovered objects' keys where its lease table lists
-    them, else None)."""
+    """What a master's file says it opened: ``{"term", "objects", "keys",
+    "replicas"}`` per opening (``replicas``: ``(key, segment)`` of each
+    recovered replica where the opening lists them; ``keys`` the recovered
+    objects' keys, from there or from its lease table's list; else None)."""
     openings: list[dict] = []
     for number, obj in _lines(path):
         if obj.get("machine") == "publish" and "opened" in obj:
@@ -143,9 +144,15 @@ def read_master(path: "str | Path") -> list[dict]:
             if "term" not in header:
                 raise TraceError(f"{path}:{number}: the master's 'opened' line has no term "
                                  "(recorded by an older master)")
+            listed = header.get("recovered")
+            replicas = frozenset((k, seg) for k, segs in listed for seg in segs) \
+                if isinstance(listed, list) else None
             openings.append({"term": header["term"], "objects": header["objects"],
-                             "keys": frozenset() if header["objects"] == 0 else None})
-        elif obj.get("machine") == "lease" and "opened" in obj and openings:
+                             "keys": frozenset() if header["objects"] == 0 else
+                             None if replicas is None else frozenset(k for k, _ in replicas),
+                             "replicas": frozenset() if header["objects"] == 0 else replicas})
+        elif obj.get("machine") == "lease" and "opened" in obj and openings \
+                and openings[-1]["keys"] is None:
             listed = obj["opened"].get("inherited")
             if isinstance(listed, list) and len(listed) == openings[-1]["objects"]:
                 openings[-1]["keys"] = frozenset(k for k, _ in listed)
@@ -245,9 +252,20 @@ class FailoverModel:
         for o in sorted(masters, key=lambda o: o["term"]):
             open_(rank[o["term"]], "its file says it opened")
         self.records = tuple(self.records)
-        self.objects = Fn.of(objects)
         self.count = Fn.of({rank[o["term"]]: o["objects"] for o in masters})
         self.keys = Fn.of({rank[o["term"]]: o["keys"] for o in masters if o["keys"] is not None})
+        segments = {opened["segment"]: n for n, (opened, _) in enumerate(nodes)}
+        replicas = {}
+        for o in masters:
+            if o.get("replicas") is None:
+                continue
+            for name, seg in o["replicas"]:
+                if seg not in segments:
+                    raise TraceError(f"the master of term {o['term']} recovered {name!r} on "
+                                     f"segment {seg}, which no node file covers")
+            replicas[rank[o["term"]]] = frozenset(key(segments[s], k) for k, s in o["replicas"])
+        self.replicas = Fn.of(replicas)
+        self.objects = Fn.of(objects)
         self.model_values = list(self.masters) + node_names + keys.values()
         self.constants = {"Masters": frozenset(self.masters), "Nodes": frozenset(node_names),
                           "Keys": frozenset(keys.values()), "Readers": frozenset(),
@@ -272,6 +290,8 @@ ObjOf == %(objects)s
 \* term -> how many objects its master's file says it recovered, and which
 RecCount == %(count)s
 RecKeys == %(keys)s
+\* term -> the replicas its master's file lists as recovered
+RecReplicas == %(replicas)s
 
 VARIABLES
     pos,             \* the next step of Trace
@@ -350,6 +370,7 @@ MasterStep ==
        /\ Recover(m)
        /\ R.t \in DOMAIN RecCount => Cardinality(Objects(dir'[m])) = RecCount[R.t]
        /\ R.t \in DOMAIN RecKeys => Objects(dir'[m]) = RecKeys[R.t]
+       /\ R.t \in DOMAIN RecReplicas => {x \in Keys : dir'[m][x] # None} = RecReplicas[R.t]
        /\ pending' = [n \in Nodes |-> pending[n] \cup
                         {k \in Keys : idx[n][k] # None /\ ~idx[n][k].pub
                                       /\ idx[n][k].term < mterm[m]}]
@@ -399,7 +420,8 @@ def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] =
         if model.records else "<<>>"
     text = _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace,
                       "masters": format_value(model.masters), "objects": _fn(model.objects),
-                      "count": _fn(model.count), "keys": _fn(model.keys)}
+                      "count": _fn(model.count), "keys": _fn(model.keys),
+                      "replicas": _fn(model.replicas)}
     cfg = cfg_text(model, INVARIANTS)
     result = run_module("Failover", "FailoverTrace", text, cfg, keep=keep, on_output=on_output)
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,

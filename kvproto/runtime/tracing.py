@@ -24,6 +24,8 @@ are lists; an enum is its value; an error is ``{"type": its class name,
 * ``{"machine": "publish", "opened": {"next_token": N, "objects": N,
   "segments": {name: capacity}, "term": T}}`` when the master opens its
   directory under term ``T`` (at start, and after each takeover's recovery);
+  a recovered directory of up to :data:`INHERITED_LISTED` objects is listed
+  in ``"recovered"``: ``[key, [segment of each replica]]`` each;
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
   a step the master took on a repair copier's report (``repair_done``:
@@ -152,6 +154,9 @@ class Recorder(_Lines):
                   "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}
         if term is not None:
             opened["term"] = term
+            if 0 < len(directory.objects) <= INHERITED_LISTED:
+                opened["recovered"] = [[encode(key), [r.segment for r in record.replicas]]
+                                       for key, record in directory.objects.items()]
         self._write({"machine": "publish", "opened": opened})
 
     def publish(self, event, effects: tuple, directory, report=None) -> None:

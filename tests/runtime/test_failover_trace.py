@@ -9,7 +9,8 @@ is a behaviour of the spec, and what the new master says it recovered is
 what the fenced nodes' indexes held. Steps changed by hand are rejected at
 the step that breaks the rules: a node that accepts the old term's
 allocation after its fence, refuses the new term's, or purges less than
-the recovery did, and a master that recovers another directory."""
+the recovery did, and a master that recovers another directory (one object
+or one replica fewer)."""
 
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ def test_every_node_records_the_takeover_steps(run):
     openings = [failtrace.read_master(m) for m in masters]
     assert [[o["term"] for o in m] for m in openings] == [[1], [2]]
     assert openings[1][0]["keys"] == {"a", "c"}
+    segments = [rows(f)[0]["opened"]["segment"] for f in nodes]
+    assert {k for k, s in openings[1][0]["replicas"] if s in segments} == {"a", "c"}
+    assert sorted(k for k, _ in openings[1][0]["replicas"]) == ["a", "a", "c"]
 
 
 @needs_java
@@ -211,9 +215,23 @@ def _recover_less(r):
     return True
 
 
+def _recover_one_replica(r):
+    """The new master lists one replica of an object the nodes hold two of."""
+    opened = r.get("opened", {})
+    if r.get("machine") != "publish" or opened.get("term") != 2:
+        return False
+    for item in opened["recovered"]:
+        if len(item[1]) == 2:
+            item[1] = item[1][:1]
+            return True
+    return False
+
+
 @needs_java
-def test_a_master_that_recovers_another_directory_is_rejected_at_its_recovery(run, tmp_path):
-    nodes, masters, _ = edit(run, tmp_path / "bad", _recover_less)
+@pytest.mark.parametrize("change", [_recover_less, _recover_one_replica])
+def test_a_master_that_recovers_another_directory_is_rejected_at_its_recovery(
+        run, tmp_path, change):
+    nodes, masters, _ = edit(run, tmp_path / "bad", change)
     verdict = failtrace.check(nodes, masters)
     assert not verdict.ok and verdict.failed_step is None
     assert verdict.message.startswith("Recover of the master of term 2 "), verdict.message
