@@ -83,7 +83,7 @@ __all__ = ["check", "read_master", "read_node"]
 
 #: the node steps of ``failover.storage_step`` (the term fence and the object index)
 STEPS = ("Fence", "StampedAllocate", "StampedPublish", "StampedFree", "PurgeUnpublished",
-         "IndexRequest", "StampedRead", "StaleRequest")
+         "IndexRequest", "StaleRequest")
 #: the steps that carry a key
 KEYED = ("StampedAllocate", "StampedPublish", "StampedFree")
 #: the spec's invariants checked in every state (spec/Failover.cfg)
@@ -356,6 +356,7 @@ NodeStep ==
                        /\ IF dir[m][k].pub THEN Remove(m, k) ELSE Revoke(m, k, n)
                   ELSE R.err = "StaleToken" /\ UNCHANGED vars
        /\ UNCHANGED Others
+    \/ R.act = "IndexRequest" /\ R.ok /\ NodeAccepts(n, t) /\ UNCHANGED <<vars, Others>>
     \/ /\ R.act = "PurgeUnpublished" /\ R.ok
        /\ t \in recoveredTerms
        /\ R.keys = pending[n]
