@@ -26,8 +26,9 @@ recorded at a node     step of ``spec/Failover.tla``
                        at that node
 refused ``StaleTerm``  the node's fence is above the request's term, and
                        the master of that term steps down (also a
-                       ``StaleRequest``: any request, a read or write too,
-                       refused at the fence before a step of the core)
+                       ``StaleRequest``: any request refused at the fence
+                       before a step of the core; a client's read or write
+                       refused so is a miss, its master does not step down)
 other refusals         change nothing (``KeyExists``: the node holds the
                        key; ``NotPublished``: no open allocation there)
 =====================  ==================================================
@@ -86,6 +87,8 @@ STEPS = ("Fence", "StampedAllocate", "StampedPublish", "StampedFree", "PurgeUnpu
          "IndexRequest", "StaleRequest")
 #: the steps that carry a key
 KEYED = ("StampedAllocate", "StampedPublish", "StampedFree")
+#: the requests a master sends a node (the others are clients' reads and writes)
+MASTER_OPS = ("assign", "free", "publish", "fence", "purge", "repair")
 #: the spec's invariants checked in every state (spec/Failover.cfg)
 INVARIANTS = ("TypeOK", "NoSplitBrainAllocation", "NoStaleTermWriteAccepted",
               "DirectoryOnlyListsLiveBytes", "UnpublishedPurgedAfterRecovery",
@@ -247,7 +250,8 @@ class FailoverModel:
             self.records.append(Fn.of({**_BLANK, "src": "node", "act": ev["type"],
                                        "n": node_names[n], "t": t, "k": k,
                                        "ok": _accepted(step), "err": _error(step),
-                                       "keys": purged}))
+                                       "keys": purged, "client": ev["type"] == "StaleRequest"
+                                       and ev.get("op") not in MASTER_OPS}))
             self.origins.append((files[n], step.get("n"), line, step))
         for o in sorted(masters, key=lambda o: o["term"]):
             open_(rank[o["term"]], "its file says it opened")
@@ -272,7 +276,8 @@ class FailoverModel:
                           "MaxTerm": len(rank), "None": NONE}
 
 
-_BLANK = {"n": NONE, "k": NONE, "t": 0, "ok": True, "err": "", "keys": frozenset()}
+_BLANK = {"n": NONE, "k": NONE, "t": 0, "ok": True, "err": "", "keys": frozenset(),
+          "client": False}
 
 
 _MODULE = r"""---------------------------- MODULE FailoverTrace ----------------------------
@@ -303,10 +308,12 @@ M(t) == MasterOf[t]
 Objects(d) == {ObjOf[k] : k \in {x \in Keys : d[x] # None}}
 Others == <<pending, recoveredTerms>>
 
-\* A request stamped below the node's fence is refused; its master steps down.
+\* A request stamped below the node's fence is refused; a master's steps it
+\* down, a client's (a read or a write, spec Read) is a miss.
 RefusedStale(n, t) ==
     /\ ~NodeAccepts(n, t)
-    /\ IF phase[M(t)] # "standby" THEN StepDown(M(t)) ELSE UNCHANGED <<phase, mterm, acked>>
+    /\ IF phase[M(t)] # "standby" /\ ~R.client THEN StepDown(M(t))
+       ELSE UNCHANGED <<phase, mterm, acked>>
     /\ UNCHANGED <<coordTerm, dir, live, nodeTerm, idx, desc, got, promised, staleAccepted, told>>
 
 \* A node joins a master that already serves (the spec has every node from

@@ -4,11 +4,12 @@
 A real run of two masters and two storage nodes as processes, every one
 recording (puts with one and two replicas, a remove, an attempt left
 unpublished, the first master killed, the second fencing, recovering,
-purging and serving, and a late request of the old term refused by a node)
-is a behaviour of the spec, and what the new master says it recovered is
+purging and serving, and a late assign and a read of the old term refused
+by a node) is a behaviour of the spec, and what the new master says it recovered is
 what the fenced nodes' indexes held. Steps changed by hand are rejected at
 the step that breaks the rules: a node that accepts the old term's
-allocation after its fence, refuses the new term's, or purges less than
+allocation after its fence, refuses the new term's allocation or read, or
+purges less than
 the recovery did, and a master that recovers another directory (one object
 or one replica fewer)."""
 
@@ -98,6 +99,10 @@ def run(tmp_path_factory):
         late = node.call("assign", {"segment": seg, "term": old,
                                     "regions": [[1 << 20, 4096, b"late", 99]]})
         assert late.status == errors.StaleTerm.code
+        # and a reader's read with a descriptor of the old term: a miss
+        read = node.call("read", {"segment": seg, "term": old, "offset": 0, "token": 1,
+                                  "length": 1})
+        assert read.status == errors.StaleTerm.code
     finally:
         client.close()
         for r in raw:
@@ -127,6 +132,9 @@ def test_every_node_records_the_takeover_steps(run):
     kinds = {r["event"]["type"] for f in nodes for r in rows(f) if "event" in r}
     assert kinds >= {"Fence", "StampedAllocate", "StampedPublish", "StampedFree",
                      "PurgeUnpublished", "StaleRequest"}
+    stale = [r["event"]["op"] for f in nodes for r in rows(f)
+             if r.get("event", {}).get("type") == "StaleRequest"]
+    assert stale == ["assign", "read"]
     purged = [k for f in nodes for r in rows(f)
               if r.get("event", {}).get("type") == "PurgeUnpublished"
               for k in r["effects"][0]["keys"]]
@@ -187,6 +195,15 @@ def _refuse_current(r):
     return True
 
 
+def _refuse_current_read(r):
+    """A node refuses a read stamped with the new term as stale."""
+    ev = r.get("event", {})
+    if ev.get("type") != "StaleRequest" or ev["op"] != "read":
+        return False
+    ev["term"] = 2
+    return True
+
+
 def _purge_less(r):
     """A node keeps the older term's unpublished allocation at the purge."""
     ev = r.get("event", {})
@@ -197,7 +214,8 @@ def _purge_less(r):
 
 
 @needs_java
-@pytest.mark.parametrize("change", [_accept_stale, _refuse_current, _purge_less])
+@pytest.mark.parametrize("change", [_accept_stale, _refuse_current, _refuse_current_read,
+                                    _purge_less])
 def test_a_node_step_changed_by_hand_is_rejected_at_that_step(run, tmp_path, change):
     nodes, masters, (where, n) = edit(run, tmp_path / "bad", change)
     verdict = failtrace.check(nodes, masters)
