@@ -45,12 +45,19 @@ exactly that directory, replica for replica, from the fenced nodes' indexes.
 Mapping. Terms are numbered by rank (the spec's ``1..MaxTerm``), one master
 per term. A spec key is one replica, an object's key on one node (the spec
 has one replica per object; a put with two replicas is two spec keys), and a
-spec node is one node file (one segment). Dropped: offsets, lengths, tokens,
-checksums and requested replica counts of the index (the publish protocol's,
-checked by ``kvproto trace merge``); readers (a node's read is recorded only where
-its term is refused, a ``StaleRequest``; lookups are the master's); a node that starts
-over under a new segment, and a node lost before a master could fence it
-(a run with either is refused as outside what the checker maps).
+spec node is one segment of a node file (a node that starts over opens a new
+one). Dropped: offsets, lengths, tokens, checksums and requested replica
+counts of the index (the publish protocol's, checked by ``kvproto trace
+merge``); readers (a node's read is recorded only where its term is refused,
+a ``StaleRequest``; lookups are the master's).
+
+Joining and leaving, which the spec does not model (its nodes are all there
+from ``Init`` and only ``NodeLost`` leaves), are placed before each
+``Recover(m)``: a segment with no step yet holds nothing, and is fenced by
+``m`` there (``FenceUnstarted``: the spec's ``Fence`` of an empty node); a
+segment that ``m`` did not fence and that has no step left (killed, or
+started over) is the spec's ``NodeLost``. A segment that ``m`` did not fence
+but that still takes steps stays live, and ``Recover(m)`` cannot be taken.
 
 Order. No clock orders the files; the fence does. Each node's steps keep
 their order; across nodes they are ordered by the term the node held before
@@ -114,25 +121,26 @@ def _lines(path: Path) -> list[tuple[int, dict]]:
     return out
 
 
-def read_node(path: "str | Path") -> tuple[dict, list[tuple[int, dict]]]:
-    """A node file's ``opened`` header and its fence and index steps (each with its line)."""
+def read_node(path: "str | Path") -> list[tuple[dict, list[tuple[int, dict]]]]:
+    """A node file's segments: each one's ``opened`` header and its fence and
+    index steps (each with its line). A node that starts over opens a new
+    segment in the same file."""
     lines = [(n, o) for n, o in _lines(path) if o.get("machine") == "storage"]
     if not lines or "opened" not in lines[0][1]:
         raise TraceError(f"{path} does not start where a storage node opened its segment")
-    opened = [o for _, o in lines if "opened" in o]
-    if len(opened) > 1:
-        raise TraceError(f"{path}: the node started over under a new segment "
-                         f"({len(opened)} segments); only one segment per file is checked")
-    steps = []
-    for number, obj in lines[1:]:
+    segments: list = []
+    for number, obj in lines:
+        if "opened" in obj:
+            segments.append((obj["opened"], []))
+            continue
         if "asked" in obj:
             continue
         ev = obj.get("event")
         if not isinstance(ev, dict) or not isinstance(obj.get("effects"), list):
             raise TraceError(f"{path}:{number}: a step needs 'event' and 'effects'")
         if ev.get("type") in STEPS:
-            steps.append((number, obj))
-    return opened[0]["opened"], steps
+            segments[-1][1].append((number, obj))
+    return segments
 
 
 def read_master(path: "str | Path") -> list[dict]:
@@ -174,17 +182,21 @@ def _term(ev: dict) -> int:
     return ev["below"] if ev["type"] == "PurgeUnpublished" else ev["term"]
 
 
-def merge(nodes: list[tuple[dict, list]]) -> list[tuple[int, int]]:
+def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
     """The nodes' steps in one order: ``(node, index)`` each, by the term the
-    node held before the step, then node, then the node's own order."""
+    node held before the step (an accepted fence raising it by more than one
+    term: the term just below the fence's), then node, then the node's own
+    order."""
     keyed = []
     for n, (opened, steps) in enumerate(nodes):
-        held = opened.get("term", 0)
+        held = rank.get(opened.get("term", 0), 0)
         for i, (_, step) in enumerate(steps):
-            keyed.append(((held, n, i), (n, i)))
             ev = step["event"]
-            if _accepted(step) and ev["type"] in ("Fence",) + KEYED:
-                held = max(held, ev["term"])
+            raised = rank[ev["term"]] if _accepted(step) and ev["type"] in ("Fence",) + KEYED \
+                else 0
+            at = raised - 1 if ev["type"] == "Fence" and raised > held else held
+            keyed.append(((at, n, i), (n, i)))
+            held = max(held, raised)
     keyed.sort(key=lambda item: item[0])
     return [where for _, where in keyed]
 
@@ -218,10 +230,13 @@ class FailoverModel:
         self.records, self.origins = [], []
         obtained, opened_terms = 0, set()
 
-        def master(act: str, t: int, why: str) -> None:
-            self.records.append(Fn.of({**_BLANK, "src": "master", "act": act, "t": t}))
-            self.origins.append((None, None, None, f"{act} of the master of term "
-                                 f"{sorted(rank)[t - 1]} ({why})"))
+        def master(act: str, t: int, why: str, n: Optional[int] = None) -> None:
+            self.records.append(Fn.of({**_BLANK, "src": "master", "act": act, "t": t,
+                                       "n": NONE if n is None else node_names[n]}))
+            what = f"{act} of the master of term {sorted(rank)[t - 1]}" if n is None else \
+                f"{act} of {files[n].name} segment {nodes[n][0].get('segment')!r} " \
+                f"(term {sorted(rank)[t - 1]})"
+            self.origins.append((None, None, None, f"{what} ({why})"))
 
         def obtain(t: int, why: str) -> None:
             nonlocal obtained
@@ -229,14 +244,27 @@ class FailoverModel:
                 obtained += 1
                 master("ObtainTerm", obtained, why)
 
-        def open_(t: int, why: str) -> None:
-            if t not in opened_terms:
-                obtain(t, why)
-                opened_terms.add(t)
-                master("Recover", t, why)
-                master("Open", t, why)
+        placed = [0] * len(nodes)          # per node: its steps placed so far
+        fenced = [set() for _ in nodes]    # per node: the terms whose fence it took
+        lost: set = set()
 
-        for n, i in merge(nodes):
+        def open_(t: int, why: str) -> None:
+            if t in opened_terms:
+                return
+            obtain(t, why)
+            opened_terms.add(t)
+            for n, (_, steps) in enumerate(nodes):
+                if n in lost or t in fenced[n]:
+                    continue
+                if placed[n] == 0:         # not started yet: it holds nothing
+                    master("FenceUnstarted", t, why, n)
+                elif placed[n] == len(steps):   # gone (killed, or started over)
+                    master("NodeLost", t, why, n)
+                    lost.add(n)
+            master("Recover", t, why)
+            master("Open", t, why)
+
+        for n, i in merge(nodes, rank):
             line, step = nodes[n][1][i]
             ev = step["event"]
             t = rank[_term(ev)]
@@ -253,6 +281,9 @@ class FailoverModel:
                                        "keys": purged, "client": ev["type"] == "StaleRequest"
                                        and ev.get("op") not in MASTER_OPS}))
             self.origins.append((files[n], step.get("n"), line, step))
+            placed[n] += 1
+            if ev["type"] == "Fence" and _accepted(step):
+                fenced[n].add(t)
         for o in sorted(masters, key=lambda o: o["term"]):
             open_(rank[o["term"]], "its file says it opened")
         self.records = tuple(self.records)
@@ -384,6 +415,12 @@ MasterStep ==
                                       /\ idx[n][k].term < mterm[m]}]
        /\ recoveredTerms' = recoveredTerms \cup {R.t}
     \/ R.act = "Open" /\ Open(m) /\ UNCHANGED Others
+    \* a node that has not started yet holds nothing: its fence changes nothing it holds
+    \/ /\ R.act = "FenceUnstarted" /\ phase[m] = "fencing"
+       /\ nodeTerm[R.n] <= R.t /\ \A k \in Keys : idx[R.n][k] = None
+       /\ Fence(m, R.n) /\ UNCHANGED Others
+    \* a node with no step left (killed, or started over under a new segment)
+    \/ R.act = "NodeLost" /\ NodeLost(R.n) /\ UNCHANGED Others
 
 TraceInit ==
     /\ Init
@@ -411,10 +448,13 @@ def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] =
     """Have TLC check the fence and index steps in the node files ``nodes``
     (with what the masters' files ``masters`` say they recovered) against
     ``spec/Failover.tla``."""
-    files = [Path(p) for p in nodes]
-    if not files:
+    if not nodes:
         raise TraceError("no storage node trace to check")
-    read = [read_node(p) for p in files]
+    read, files = [], []
+    for path in nodes:
+        for segment in read_node(path):
+            read.append(segment)
+            files.append(Path(path))
     openings = [o for p in (masters or ()) for o in read_master(p)]
     try:
         model = FailoverModel(read, files, openings)
@@ -436,7 +476,7 @@ def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] =
                   machine="failover")
     if result.verdict == "ok":
         return Verdict(True, message=f"all {n} fence, index and recovery steps of "
-                                     f"{len(files)} node(s) and {len(model.masters)} term(s) "
+                                     f"{len(files)} segment(s) and {len(model.masters)} term(s) "
                                      "are steps of spec/Failover.tla", **common)
     if result.verdict in ("deadlock", "safety") and result.trace:
         pos = result.trace[-1].state["pos"]

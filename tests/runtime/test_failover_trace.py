@@ -90,6 +90,11 @@ def run(tmp_path_factory):
         wait_for(lambda: failover.open_at(url, b_addr, _raw(raw)), timeout=20,
                  what="the standby open")
         assert bytes(client.get(b"a")) == failover.value(b"a")
+        # a third node joins the new master
+        start(children, url, str(out / "nodes.trace"), failover.start_storage)
+        wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,
+                 what="the third storage node registered")
+        client.put(b"f", failover.value(b"f"), replicas=3)
         client.put(b"d", failover.value(b"d"))
         client.put(b"e", failover.value(b"e"))
         client.remove(b"d")
@@ -128,7 +133,7 @@ def files(run: Path) -> tuple[list[Path], list[Path]]:
 
 def test_every_node_records_the_takeover_steps(run):
     nodes, masters = files(run)
-    assert len(nodes) == 2
+    assert len(nodes) == 3
     kinds = {r["event"]["type"] for f in nodes for r in rows(f) if "event" in r}
     assert kinds >= {"Fence", "StampedAllocate", "StampedPublish", "StampedFree",
                      "PurgeUnpublished", "StaleRequest"}
@@ -155,7 +160,7 @@ def test_a_takeover_run_is_a_behaviour_of_the_spec(run, tmp_path, capsys):
     assert "EXTENDS Failover" in (tmp_path / "FailoverTrace.tla").read_text()
     args = ["trace", "failover", *map(str, nodes)] + [a for m in masters for a in ("--master", str(m))]
     assert cli.main(args) == 0
-    assert "of 2 node(s) and 2 term(s) are steps of spec/Failover.tla" in capsys.readouterr().out
+    assert "of 3 segment(s) and 2 term(s) are steps of spec/Failover.tla" in capsys.readouterr().out
 
 
 def edit(run: Path, out: Path, change) -> tuple[list[Path], list[Path], tuple]:
@@ -257,10 +262,59 @@ def test_a_master_that_recovers_another_directory_is_rejected_at_its_recovery(
     assert failtrace.check(nodes).ok
 
 
-def test_a_node_that_started_over_is_a_one_line_error(tmp_path, capsys):
+def _lines(*steps) -> str:
+    return "".join(json.dumps({"machine": "storage", **step}) + "\n" for step in steps)
+
+
+def _step(n: int, ev: dict, effects: list) -> dict:
+    return {"n": n, "segment": "s", "event": ev, "effects": effects}
+
+
+def _fence(n: int, term: int) -> dict:
+    return _step(n, {"type": "Fence", "term": term}, [{"type": "FenceAck", "term": term}])
+
+
+def _alloc(n: int, key: str, term: int) -> dict:
+    return _step(n, {"type": "StampedAllocate", "key": key, "term": term},
+                 [{"type": "StorageAccepted", "key": key, "term": term}])
+
+
+def _publish(n: int, key: str, term: int) -> dict:
+    return _step(n, {"type": "StampedPublish", "key": key, "term": term},
+                 [{"type": "StorageAccepted", "key": key, "term": term}])
+
+
+@needs_java
+@pytest.mark.parametrize("restarted", [True, False])
+def test_a_node_lost_at_a_takeover_is_left_out_and_may_start_over(tmp_path, capsys, restarted):
+    """Node A holds ``x`` and is lost while the master of term 2 fences: it
+    is not fenced, so the new master recovers without it; A starts over
+    under a new segment and joins the new master. The same run where A, never
+    fenced by term 2, takes an allocation of term 2 is rejected at the
+    takeover: the new master recovered with a live node unfenced."""
+    a, b = tmp_path / "a.trace", tmp_path / "b.trace"
+    later = [{"opened": {"segment": "a2", "term": 1}}, _fence(4, 2), _alloc(5, "y", 2)] \
+        if restarted else [_alloc(4, "y", 2)]
+    a.write_text(_lines({"opened": {"segment": "a1", "term": 0}}, _fence(1, 1),
+                        _alloc(2, "x", 1), _publish(3, "x", 1), *later))
+    b.write_text(_lines({"opened": {"segment": "b", "term": 0}}, _fence(1, 1), _fence(2, 2),
+                        _step(3, {"type": "PurgeUnpublished", "below": 2},
+                              [{"type": "Purged", "keys": [], "freed": 0}]),
+                        _alloc(4, "z", 2)))
+    verdict = failtrace.check([a, b])
+    if restarted:
+        assert verdict.ok, verdict.message
+        assert cli.main(["trace", "failover", str(a), str(b)]) == 0
+        assert "of 3 segment(s) and 2 term(s)" in capsys.readouterr().out
+    else:
+        assert not verdict.ok
+        assert verdict.message.startswith("Recover of the master of term 2 "), verdict.message
+
+
+def test_a_node_file_that_is_not_a_trace_is_a_one_line_error(tmp_path, capsys):
     f = tmp_path / "node.trace"
-    f.write_text('{"machine":"storage","opened":{"segment":"s1","term":0}}\n'
-                 '{"machine":"storage","opened":{"segment":"s2","term":1}}\n')
+    f.write_text('{"machine":"publish","opened":{"next_token":1}}\n')
     assert cli.main(["trace", "failover", str(f)]) == 2
     err = capsys.readouterr().err
-    assert "the node started over under a new segment" in err and err.count("\n") == 1
+    assert "does not start where a storage node opened its segment" in err
+    assert err.count("\n") == 1
