@@ -53,8 +53,9 @@ a ``StaleRequest``; lookups are the master's).
 
 Joining and leaving, which the spec does not model (its nodes are all there
 from ``Init`` and only ``NodeLost`` leaves), are placed before each
-``Recover(m)``: a segment with no step yet holds nothing, and is fenced by
-``m`` there (``FenceUnstarted``: the spec's ``Fence`` of an empty node); a
+``Recover(m)``: a segment with no step yet, whose first step will be a
+fence (a node joins by one), holds nothing and is fenced by ``m`` there
+(``FenceUnstarted``: the spec's ``Fence`` of an empty node); a
 segment that ``m`` did not fence and that has no step left (killed, or
 started over) is the spec's ``NodeLost``. A segment that ``m`` did not fence
 but that still takes steps stays live, and ``Recover(m)`` cannot be taken.
@@ -256,7 +257,8 @@ class FailoverModel:
             for n, (_, steps) in enumerate(nodes):
                 if n in lost or t in fenced[n]:
                     continue
-                if placed[n] == 0:         # not started yet: it holds nothing
+                if placed[n] == 0 and (not steps or steps[0][1]["event"]["type"] == "Fence"):
+                    # not started yet (it joins by a fence): it holds nothing
                     master("FenceUnstarted", t, why, n)
                 elif placed[n] == len(steps):   # gone (killed, or started over)
                     master("NodeLost", t, why, n)
