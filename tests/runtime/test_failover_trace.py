@@ -30,7 +30,7 @@ from kvproto.checking import failtrace
 from kvproto.runtime import tracing
 
 import test_master_failover as failover
-from runtime_helpers import Raw, wait_for
+from runtime_helpers import Child, Raw, wait_for
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 pytestmark = [pytest.mark.tlc, pytest.mark.runtime]
@@ -56,7 +56,6 @@ def start(children, url: str, env: str, what):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The directory of a takeover run's trace files (see the module docstring)."""
-    from runtime_helpers import Child
     out = tmp_path_factory.mktemp("failover")
     url = f"file://{out}/coordinator"
     started: list = []
@@ -66,11 +65,17 @@ def run(tmp_path_factory):
         started.append(c)
         return c
 
+    opened: list[Raw] = []
+
+    def raw(endpoint: str) -> Raw:
+        r = Raw(endpoint)
+        opened.append(r)
+        return r
+
     client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
-    raw: list = []
     try:
         a, a_addr = start(children, url, str(out / "first.trace"), failover.start_master)
-        wait_for(lambda: failover.open_at(url, a_addr, _raw(raw)), what="the first master open")
+        wait_for(lambda: failover.open_at(url, a_addr, raw), what="the first master open")
         b, b_addr = start(children, url, str(out / "second.trace"), failover.start_master)
         nodes = [start(children, url, str(out / "nodes.trace"), failover.start_storage)[1]
                  for _ in range(2)]
@@ -87,7 +92,7 @@ def run(tmp_path_factory):
         assert rep.body["items"][0][0] == 0
         old = rep.body["term"]
         a.stop(signal.SIGKILL)
-        wait_for(lambda: failover.open_at(url, b_addr, _raw(raw)), timeout=20,
+        wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20,
                  what="the standby open")
         assert bytes(client.get(b"a")) == failover.value(b"a")
         # a third node joins the new master
@@ -99,7 +104,7 @@ def run(tmp_path_factory):
         client.put(b"e", failover.value(b"e"))
         client.remove(b"d")
         # the old master's late assign reaches a fenced node: refused
-        node = _raw(raw, nodes[0])
+        node = raw(nodes[0])
         seg = node.call("stats", {}).body["segment"]
         late = node.call("assign", {"segment": seg, "term": old,
                                     "regions": [[1 << 20, 4096, b"late", 99]]})
@@ -110,20 +115,11 @@ def run(tmp_path_factory):
         assert read.status == errors.StaleTerm.code
     finally:
         client.close()
-        for r in raw:
+        for r in opened:
             r.close()
         for c in reversed(started):
             c.stop()
     return out
-
-
-def _raw(opened: list, endpoint: str = "") -> "Raw | callable":
-    """A raw connection to ``endpoint`` (closed with the run), or the factory."""
-    def make(ep: str) -> Raw:
-        r = Raw(ep)
-        opened.append(r)
-        return r
-    return make(endpoint) if endpoint else make
 
 
 def files(run: Path) -> tuple[list[Path], list[Path]]:
