@@ -658,7 +658,9 @@ def rebuild_e2e_bench(objects: int, nodes: int = 2) -> dict:
                     time.sleep(0.2)
             last = failover["last"]
         finally:
-            _stop([*procs, *masters.values()])
+            # the masters first: a storage node stopping deregisters, and the
+            # master would drop its half million objects (SegmentLost) first
+            _stop([*masters.values(), *procs])
             coord.close()
     return {"objects": objects, "filled_s": filled, **last,
             "objects_s": last["recovered"] / last["open_s"]}
