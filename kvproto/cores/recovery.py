@@ -164,20 +164,19 @@ class Rebuild:
                                         np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64),
                                         next_token, [0] * len(ids), rows, np.zeros(0, np.uint64))
         keys = np.fromiter(chain.from_iterable(ix.keys for _, ix, _, _ in parts), object, n)
-        lengths = cat["length"]
         if len(self.seen) == n and n - kept <= n // 8:
             # no key on two nodes: each listed entry is its object's one replica
             if kept < n:
                 for key in keys[~listed].tolist():
                     del self.seen[key]
                 keys[~listed] = None
-            used = _sums(sid[listed], lengths[listed], len(ids))
-            tokens = cat["token"][listed]
+                cat = {name: col[listed] for name, col in cat.items()}
+                sid = sid[listed]
+            tokens, lengths = cat["token"], cat["length"]
             return DirectoryCore._build(
-                capacities, (self.seen, keys, listed), tokens, lengths[listed],
-                sid[listed][:, None], cat["offset"][listed][:, None],
-                max(next_token, int(tokens.max()) + 1), used, rows,
-                cat["checksum"][listed], cat["requested"][listed])
+                capacities, (self.seen, keys, listed), tokens, lengths, sid[:, None],
+                cat["offset"][:, None], max(next_token, int(tokens.max()) + 1),
+                _sums(sid, lengths, len(ids)), rows, cat["checksum"], cat["requested"])
         rank = _per_entry(parts, [rank_of.get(node, -1) for node, _, _, _ in parts], n)
         group = np.concatenate([g for _, _, _, g in parts])
         return _grouped(capacities, ids, live, parts, cat, keys, sid, rank, group, listed,
