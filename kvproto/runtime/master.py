@@ -1282,8 +1282,7 @@ class MasterCore:
                 del self._commands[cmd_id]
         # the phase machine steps Recover (its effects are the purges); the
         # directory it would rebuild from the indexes (rebuild_directory) is
-        # rebuilt on columns by its checked twin (cores.recovery.Rebuild, as
-        # cores.recovery.recovered)
+        # rebuilt on columns by its checked twin, cores.recovery.Rebuild
         new, effects = fm.master_step(self.failover, fm.Recover(live, {}))
         if effects and isinstance(effects[0], fm.Refused):
             raise effects[0].error  # cannot happen: live is exactly the acked nodes
