@@ -122,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill -9 trials per coordinator backend (0 skips the section)")
     parser.add_argument("--rebuild-objects", type=int, default=1_000_000,
                         help="objects the failover rebuild recovers (0 skips it)")
+    parser.add_argument("--rebuild-replicas", type=int, choices=(1, 2, 4), default=1,
+                        help="replicas of each object the failover rebuild recovers (of 4 nodes)")
     parser.add_argument("--e2e-objects", type=int, default=1_000_000,
                         help="objects stored before the end-to-end failover rebuild (0 skips it)")
 
@@ -512,18 +514,19 @@ def failover_bench(trials: int, ttl: float = 1.0) -> dict:
     return results
 
 
-def rebuild_bench(objects: int, nodes: int = 4) -> dict:
+def rebuild_bench(objects: int, nodes: int = 4, replicas: int = 1) -> dict:
     """A new master fenced by ``nodes`` storage nodes holding ``objects``
-    published 4 KiB objects: the nodes' ``fence`` replies (encoding the index),
-    then the master's decode, ``Recover`` (rebuild), allocator and lease
-    tables, and ``Open``. Returns seconds per stage and objects/s."""
+    published 4 KiB objects, each on ``replicas`` of them: the nodes'
+    ``fence`` replies (encoding the index), then the master's decode,
+    ``Recover`` (rebuild), allocator and lease tables, and ``Open``. Returns
+    seconds per stage and objects/s."""
     from kvproto.runtime import wire
     from kvproto.runtime.master import MasterCore
     from kvproto.runtime.shm import SegmentMemory
     from kvproto.runtime.storage import StorageCore
     from kvproto.statemachines import failover as fm
 
-    per = objects // nodes
+    per = objects * replicas // nodes       # entries per node
     page = 4096
     capacity = per * page
     cores, memories = {}, []
@@ -534,9 +537,10 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
         core = StorageCore(memory, segment)
         step = core.node.step
         step(fm.Fence(1))
+        group = n // replicas                # the nodes of a group hold the same objects
         for i in range(per):
-            key = f"key-{n}-{i:09d}".encode()
-            step(fm.StampedAllocate(segment, key, 1, i * page, page, n * per + i + 1))
+            key = f"key-{group}-{i:09d}".encode()
+            step(fm.StampedAllocate(segment, key, 1, i * page, page, group * per + i + 1))
             step(fm.StampedPublish(segment, key, 1))
         cores[segment] = core
     try:
@@ -554,13 +558,14 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
         for segment, reply in replies:
             master.storage_reply(segment, reply)
         t2 = time.perf_counter()
-        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != per * nodes:
+        listed = per * nodes // replicas
+        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != listed:
             raise RuntimeError(f"rebuild incomplete: {master.failover.phase}, {len(master.directory.objects)}")
     finally:
         for m in memories:
             m.close()
-    return {"objects": per * nodes, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
-            "objects_s": per * nodes / (t2 - t0), "last": master.last_failover}
+    return {"objects": listed, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
+            "objects_s": listed / (t2 - t0), "last": master.last_failover}
 
 
 def _filled_storage(master: str, size: int, page: int, first: int, count: int) -> None:
@@ -706,8 +711,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
                   f"leased / pinned {r['lease'] / r['pin']:.2f}")
     if args.rebuild_objects and "rebuild" in only:
-        r = rebuild_bench(args.rebuild_objects)
-        print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes recovered in "
+        r = rebuild_bench(args.rebuild_objects, replicas=args.rebuild_replicas)
+        print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes "
+              f"({args.rebuild_replicas} replica(s) each) recovered in "
               f"{r['encode_s'] + r['rebuild_s']:.2f}s ({r['objects_s']:,.0f} objects/s; nodes encode "
               f"their index {r['encode_s']:.2f}s, master decodes, rebuilds and opens {r['rebuild_s']:.2f}s)")
     if args.failover_trials and "failover" in only:
