@@ -655,14 +655,18 @@ class DirectoryCore:
         width = sids.shape[1]
         nrep = (sids >= 0).sum(1)
         inline = (nrep <= INLINE) & (sids[:, :min(width, INLINE)] < SEGMENT_ID_LIMIT).all(1)
+        every = bool(inline.all())             # no overflow: the columns as they are
+
+        def kept(values, mask=inline, other=0):
+            return values if every and mask is inline else np.where(mask, values, other)
+
         req = nrep if requested is None else np.maximum(np.asarray(requested, np.int64), nrep)
         cols = {"_st": PUBLISHED, "_tok": tokens, "_len": lengths, "_sum": sums,
-                "_req": np.minimum(req, 0xFFFF),
-                "_nrep": np.where(inline, nrep, OVERFLOW),
-                "_s0": np.where(inline, sids[:, 0], 0), "_o0": np.where(inline, offs[:, 0], 0)}
+                "_req": np.minimum(req, 0xFFFF), "_nrep": kept(nrep, other=OVERFLOW),
+                "_s0": kept(sids[:, 0]), "_o0": kept(offs[:, 0])}
         if width > 1:
-            cols["_s1"] = np.where(inline & (nrep > 1), sids[:, 1], 0)
-            cols["_o1"] = np.where(inline & (nrep > 1), offs[:, 1], 0)
+            cols["_s1"] = kept(sids[:, 1], inline & (nrep > 1))
+            cols["_o1"] = kept(offs[:, 1], inline & (nrep > 1))
         size = len(core.rows.owners)           # the columns grew to it when the rows filled
         for name, values in cols.items():
             col = getattr(core, name)
