@@ -82,7 +82,7 @@ from kvproto.runtime.allocator import Placer
 from kvproto.runtime.tenanted import Tenants
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
-from kvproto.cores.recovery import IndexColumns, recovered
+from kvproto.cores.recovery import IndexColumns, Rebuild
 from kvproto.statemachines.publish import (
     AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd, PutGranted,
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
@@ -162,14 +162,14 @@ class Parked:
 class FenceRound:
     """A new master's fence: the nodes the coordinator listed, their answers."""
 
-    __slots__ = ("started", "deadline", "nodes", "infos", "indexes", "failed")
+    __slots__ = ("started", "deadline", "nodes", "infos", "rebuild", "failed")
 
     def __init__(self, nodes: dict, now: float, timeout: float) -> None:
         self.started = now
         self.deadline = now + timeout
         self.nodes = dict(nodes)                     # segment -> endpoint
         self.infos: dict[str, dict] = {}             # segment -> registration body
-        self.indexes: dict[str, IndexColumns] = {}   # segment -> its index
+        self.rebuild = Rebuild()                     # the indexes, joined as they come
         self.failed: set[str] = set()
 
     def answered(self) -> bool:
@@ -1252,14 +1252,14 @@ class MasterCore:
                     or type(info["next_token"]) is not int or info["next_token"] < 1:
                 raise errors.MalformedFrame("fence reply for another segment, without its index "
                                             "or without a next token")
-            index = IndexColumns.from_frames(reply.payloads, objects)
+            # decoded and joined (a key listed twice refuses the node) as it comes
+            rnd.rebuild.add(segment, IndexColumns.from_frames(reply.payloads, objects))
         except (errors.KvError, KeyError, ValueError, TypeError) as err:
             log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
             rnd.failed.add(segment)
         else:
             self.failover, _ = fm.master_step(self.failover, fm.FenceAcked(segment))
             rnd.infos[segment] = info
-            rnd.indexes[segment] = index
         if rnd.answered():
             self._maybe_recover()
 
@@ -1287,7 +1287,7 @@ class MasterCore:
                 del self._commands[cmd_id]
         # the phase machine steps Recover (its effects are the purges); the
         # directory it would rebuild from the indexes (rebuild_directory) is
-        # rebuilt on columns by its checked twin, cores.recovery.recovered
+        # rebuilt on columns by its checked twin, cores.recovery.Rebuild
         new, effects = fm.master_step(self.failover, fm.Recover(live, {}))
         if effects and isinstance(effects[0], fm.Refused):
             raise effects[0].error  # cannot happen: live is exactly the acked nodes
@@ -1296,9 +1296,9 @@ class MasterCore:
         # carried (freed ones included: a same-host reader may still hold one)
         next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
         mismatches: list = []
-        self.directory = recovered({s: rnd.infos[s]["capacity"] for s in live}, rnd.indexes,
-                                   next_token, mismatches=mismatches)
-        rnd.indexes.clear()
+        self.directory = rnd.rebuild.directory({s: rnd.infos[s]["capacity"] for s in live},
+                                               next_token, mismatches=mismatches)
+        rnd.rebuild = None
         if self.trace is not None:
             self.trace.opened(self.directory)
         if mismatches:

@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 from kvproto import errors
 from kvproto.cores.directory import PENDING, DirectoryCore
 from kvproto.cores.leases import LeaseCore
+from kvproto.cores.recovery import IndexColumns, recovered
 from kvproto.cores.storage import StorageNodeCore
 from kvproto.statemachines import failover as F, lease as L, publish as P
 from kvproto.statemachines.refusal import Refused
@@ -541,22 +542,46 @@ class MasterDiff(Differential):
             self.check()
 
     def takeover(self, c: Choose):
-        """A new master rebuilds both tables in bulk from the published objects."""
+        """A new master rebuilds both tables in bulk from the published
+        objects: from columns, or from the nodes' indexes (each replica an
+        entry, listed in node order; some unpublished entries besides, left
+        out as free rows), as the runtime master rebuilds; with one replica
+        per object the rebuild's dict of keys becomes the row index."""
         if not c.rare(3):
             return
         quiet = c.one([0, 5, 30])
         capacities = {s: l.capacity for s, l in self.ref.segments.items() if l.live}
-        objects = [(k, r.token, r.length, r.replicas, r.checksum)
+        indexes = c.one([None, "all", "first"])     # "first": the other replicas were lost
+        objects = [(k, r.token, r.length, r.replicas if indexes is None else
+                    tuple(sorted(r.replicas, key=lambda p: p.segment))[:None if indexes == "all" else 1],
+                    r.checksum)
                    for k, r in self.ref.objects.items() if r.status is P.Status.PUBLISHED]
         now = self.lref.now
         self.ref = P.restored(capacities, objects, self.ref.next_token)
-        self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),
-                                              next_token=self.dir.next_token)
+        if indexes:
+            self.dir = recovered(capacities, self._indexes(c, objects, list(capacities)),
+                                 self.dir.next_token)
+        else:
+            self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),
+                                                  next_token=self.dir.next_token)
         self.lref = L.restored_table(self.TTL, now, [
             (k, (k, r.token), r.length * len(r.replicas)) for k, r in self.ref.objects.items()],
             quiet)
         self.lease = LeaseCore.inherit(self.dir, self.TTL, now, quiet)
         self.check()
+
+    @staticmethod
+    def _indexes(c: Choose, objects: list, nodes: list) -> dict:
+        """The live nodes' indexes holding ``objects``, and unpublished
+        allocations of other keys."""
+        index: dict = {node: {} for node in nodes}
+        for key, token, length, replicas, checksum in objects:
+            for r in replicas:
+                index[r.segment][key] = F.IndexEntry(1, True, 1, r.offset, length, checksum, token)
+        listed = {o[0] for o in objects}
+        for key in c.some([k for k in KEYS if k not in listed], 0, 6) if nodes else ():
+            index[c.one(nodes)][key] = F.IndexEntry(2, False, 0, 0, 8, 0, 1)
+        return {node: IndexColumns.of(entries) for node, entries in index.items()}
 
 
 # --------------------------------------------------------------------------
