@@ -439,11 +439,14 @@ class MasterCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _lstep(self, event, by: Optional[str] = None) -> tuple[Optional[errors.KvError], tuple]:
-        """Feed the master's clock (``Tick``), then ``event``, to the lease
+    def _lstep(self, event, by: Optional[str] = None,
+               tick: bool = True) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed the master's clock (``Tick``; not with ``tick=False``, for the
+        steps after the first of one object's), then ``event``, to the lease
         machine; commit only an accepted step. ``by``: why the master feeds a
         ``Release`` itself (recorded with ``trace``)."""
-        self._ltick()
+        if tick:
+            self._ltick()
         effects = self.leases.step(event) if self.trace is None \
             else self.trace.lease(self.leases, event, by)
         if effects and isinstance(effects[0], lm.Refused):
@@ -481,11 +484,12 @@ class MasterCore:
         tables agree."""
         if key not in self.leases.objects:
             return
+        self._ltick()     # once: the steps below are one object's, at one time
         for holder in self.leases.holders(key):
-            self._lstep(lm.Release(holder), by="dropped")
+            self._lstep(lm.Release(holder), by="dropped", tick=False)
         if self.leases.is_inherited(key):
-            self._lstep(lm.Disown(key))
-        err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
+            self._lstep(lm.Disown(key), tick=False)
+        err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key), tick=False)
         if err is not None:
             log.error("lease table refused to drop %r: %s", key, err)
 
