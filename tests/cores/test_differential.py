@@ -30,11 +30,12 @@ from hypothesis.stateful import (
 )
 
 from kvproto import errors
+from kvproto.cores.direct import DirectCore
 from kvproto.cores.directory import PENDING, DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, recovered
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.statemachines import failover as F, lease as L, publish as P
+from kvproto.statemachines import directwrite as D, failover as F, lease as L, publish as P
 from kvproto.statemachines.refusal import Refused
 
 SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
@@ -679,12 +680,71 @@ class StorageDiff(Differential):
             assert self.core.reference() == (self.table, self.node)
 
 
-for machine in (DirectoryDiff, LeaseDiff, MasterDiff, StorageDiff):
+# --------------------------------------------------------------------------
+# A storage node's regions granted to direct writers
+# --------------------------------------------------------------------------
+
+WRITERS = [f"w{i}" for i in range(6)]
+
+
+class DirectDiff(Differential):
+    """directwrite.DirectTable + node_step against DirectCore: grants on many
+    offsets by a few writers, reports, publishes, frees of live and dead
+    writers' regions (draining), drains, and stale tokens."""
+
+    ACTIONS = ("grant", "grant", "grant", "report", "report", "publish", "publish", "free",
+               "drain")
+
+    def begin(self, c: Choose):
+        self.table, self.core = D.DirectTable(), DirectCore()
+
+    def step(self, event):
+        self.table, expected = D.node_step(self.table, event)
+        got = self.core.step(event)
+        assert_same(expected, got)
+        assert self.core.reference() == self.table
+
+    def region(self, c: Choose):
+        """An offset, mostly one with a region, and mostly its token."""
+        offset = c.mostly(list(self.table.regions), OFFSETS)
+        region = self.table.regions.get(offset)
+        token = region.token if region is not None and not c.rare(5) else c.int(1, 400)
+        assert self.core.unreported(offset, token) == (
+            region is not None and region.token == token and not region.wrote)
+        return offset, token
+
+    def grant(self, c: Choose):
+        self.step(D.GrantDirect(c.one(OFFSETS), c.int(1, 400), c.one(WRITERS)))
+
+    def report(self, c: Choose):
+        self.step(D.WriteReported(*self.region(c)))
+
+    def publish(self, c: Choose):
+        self.step(D.PublishDirect(*self.region(c)))
+
+    def free(self, c: Choose):
+        self.step(D.FreeDirect(*self.region(c), c.one([True, False])))
+
+    def drain(self, c: Choose):
+        self.step(D.Drain(c.mostly(list(self.table.regions), OFFSETS), c.one([True, False])))
+
+
+for machine in (DirectoryDiff, LeaseDiff, MasterDiff, StorageDiff, DirectDiff):
     machine.TestCase.settings = RUNS
 TestDirectory = DirectoryDiff.TestCase
 TestLeases = LeaseDiff.TestCase
 TestMaster = MasterDiff.TestCase
 TestStorage = StorageDiff.TestCase
+TestDirect = DirectDiff.TestCase
+
+
+def test_a_direct_core_copy_is_independent():
+    core = DirectCore()
+    core.step(D.GrantDirect(0, 1, "w0"))
+    copy = core.copy()
+    copy.step(D.WriteReported(0, 1))
+    assert core.unreported(0, 1) and not copy.unreported(0, 1)
+    assert core.reference() != copy.reference()
 
 
 # --------------------------------------------------------------------------
@@ -736,3 +796,35 @@ def test_an_allocation_that_ignores_the_fence_is_caught(monkeypatch):
     with pytest.raises(AssertionError):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
 
+
+
+def test_a_publish_of_an_unreported_direct_write_is_caught(monkeypatch):
+    """A node that publishes a direct writer's region before the writer
+    reported its write (the DirectWrite_Weak_PublishUnwritten flaw)."""
+    def publish_unwritten(self, ev):
+        row = self._held(ev.offset, ev.token)
+        if row is None:
+            return (Refused(errors.StaleToken(f"region {ev.offset} holds no finished direct "
+                                              f"write of token {ev.token}")),)
+        self._st[row] = 2
+        return ()
+
+    monkeypatch.setattr(DirectCore, "_publish", publish_unwritten)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectDiff, settings=HUNT)
+
+
+def test_a_free_that_never_drains_is_caught(monkeypatch):
+    """A node that frees a region at once while its live writer may still
+    write it (the DirectWrite_Weak_FreeAtOnce flaw)."""
+    def free_at_once(self, ev):
+        row = self._held(ev.offset, ev.token)
+        if row is None or self._st[row] == 3:
+            return (Refused(errors.StaleToken(f"region {ev.offset} is not held by token "
+                                              f"{ev.token}")),)
+        self._rows.release(row, 1)
+        return (D.Freed(ev.offset),)
+
+    monkeypatch.setattr(DirectCore, "_free", free_at_once)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectDiff, settings=HUNT)
