@@ -41,8 +41,10 @@ median and worst; and the rebuild rate: a new master fenced by storage nodes
 whose indexes hold one million published objects (the nodes' ``fence``
 answers, i.e. the index encoded as each node sends it, decoded, rebuilt and
 opened by the master), in objects per second; and the same end to end
-(``rebuild-e2e``): storage processes filled with one million 100-byte objects,
-the active master killed, and the standby's takeover over TCP as its own
+(``rebuild-e2e``): storage processes whose nodes published one million
+100-byte objects in their own indexes (through the node's command handlers,
+not through puts: filling a store through puts would take minutes), the
+active master killed, and the standby's takeover over TCP as its own
 failover metrics report it.
 
 Checksums: per size, the object checksum (XXH3-64, what a writer sends with
@@ -123,6 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill -9 trials per coordinator backend (0 skips the section)")
     parser.add_argument("--rebuild-objects", type=int, default=1_000_000,
                         help="objects the failover rebuild recovers (0 skips it)")
+    parser.add_argument("--rebuild-replicas", type=int, choices=(1, 2, 4), default=1,
+                        help="replicas of each object the failover rebuild recovers (of 4 nodes)")
     parser.add_argument("--e2e-objects", type=int, default=1_000_000,
                         help="objects stored before the end-to-end failover rebuild (0 skips it)")
 
@@ -533,18 +537,19 @@ def failover_bench(trials: int, ttl: float = 1.0) -> dict:
     return results
 
 
-def rebuild_bench(objects: int, nodes: int = 4) -> dict:
+def rebuild_bench(objects: int, nodes: int = 4, replicas: int = 1) -> dict:
     """A new master fenced by ``nodes`` storage nodes holding ``objects``
-    published 4 KiB objects: the nodes' ``fence`` replies (encoding the index),
-    then the master's decode, ``Recover`` (rebuild), allocator and lease
-    tables, and ``Open``. Returns seconds per stage and objects/s."""
+    published 4 KiB objects, each on ``replicas`` of them: the nodes'
+    ``fence`` replies (encoding the index), then the master's decode,
+    ``Recover`` (rebuild), allocator and lease tables, and ``Open``. Returns
+    seconds per stage and objects/s."""
     from kvproto.runtime import wire
     from kvproto.runtime.master import MasterCore
     from kvproto.runtime.shm import SegmentMemory
     from kvproto.runtime.storage import StorageCore
     from kvproto.statemachines import failover as fm
 
-    per = objects // nodes
+    per = objects * replicas // nodes       # entries per node
     page = 4096
     capacity = per * page
     cores, memories = {}, []
@@ -555,9 +560,10 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
         core = StorageCore(memory, segment)
         step = core.node.step
         step(fm.Fence(1))
+        group = n // replicas                # the nodes of a group hold the same objects
         for i in range(per):
-            key = f"key-{n}-{i:09d}".encode()
-            step(fm.StampedAllocate(segment, key, 1, i * page, page, n * per + i + 1))
+            key = f"key-{group}-{i:09d}".encode()
+            step(fm.StampedAllocate(segment, key, 1, i * page, page, group * per + i + 1))
             step(fm.StampedPublish(segment, key, 1))
         cores[segment] = core
     try:
@@ -575,20 +581,66 @@ def rebuild_bench(objects: int, nodes: int = 4) -> dict:
         for segment, reply in replies:
             master.storage_reply(segment, reply)
         t2 = time.perf_counter()
-        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != per * nodes:
+        listed = per * nodes // replicas
+        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != listed:
             raise RuntimeError(f"rebuild incomplete: {master.failover.phase}, {len(master.directory.objects)}")
     finally:
         for m in memories:
             m.close()
-    return {"objects": per * nodes, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
-            "objects_s": per * nodes / (t2 - t0), "last": master.last_failover}
+    return {"objects": listed, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
+            "objects_s": listed / (t2 - t0), "last": master.last_failover}
+
+
+def _filled_storage(master: str, size: int, page: int, first: int, count: int) -> None:
+    """A storage process for ``rebuild-e2e``: once registered, its node takes
+    ``count`` 100-byte objects ``e2e-{first..}`` through its own command
+    handlers at its master's term (``assign``: StampedAllocate and
+    AssignRegion; ``write``: the bytes; ``publish``: StampedPublish with the
+    checksum), 4096 a turn of its loop, as its master's put grants would have
+    them; it prints ``filled`` when done and serves on. The active master
+    never hears of these objects: only the standby's takeover reads them, from
+    the node's index, as it reads objects put through it."""
+    from kvproto.runtime.datapath import checksum
+    from kvproto.runtime.embedded import _serve
+    from kvproto.runtime.storage import StorageServer
+
+    value = b"v" * 100
+    total = checksum(value)
+
+    class Filled(StorageServer):
+        chunks = iter(range(first, first + count, 4096))
+
+        def _timers(self) -> None:
+            super()._timers()
+            if self.chunks is None or not self.registered.is_set():
+                return
+            at = next(self.chunks, None)
+            if at is None:
+                self.chunks = None
+                print("filled", flush=True)
+                return
+            core, ids = self.core, range(at, min(at + 4096, first + count))
+            head = {"segment": core.segment, "term": core.term}
+            keys = [f"e2e-{i:09d}".encode() for i in ids]
+            offsets = [(i - first) * page for i in ids]
+            results = core.handle("assign", {**head, "regions": [
+                [o, len(value), k, i + 1] for o, k, i in zip(offsets, keys, ids)]}, [])[0]["results"]
+            for o, i in zip(offsets, ids):
+                core.handle("write", {**head, "offset": o, "token": i + 1}, [memoryview(value)])
+            results += core.handle("publish", {**head, "regions": [
+                [o, k, i + 1, total, 1] for o, k, i in zip(offsets, keys, ids)]}, [])[0]["results"]
+            if any(status for status, _ in results):
+                raise RuntimeError(f"filling the node failed: {results}")
+
+    _serve(Filled(master, size, page_size=page), "storage", None, "WARNING")
 
 
 def rebuild_e2e_bench(objects: int, nodes: int = 2) -> dict:
     """The rebuild end to end: ``objects`` small published objects on storage
-    processes, the active master killed with SIGKILL, and the standby's
-    takeover over TCP (fence with every node's index frame, decode, rebuild,
-    purge, open), as the new master's own ``stats()["failover"]`` reports it."""
+    processes (each node fills its own index, :func:`_filled_storage`), the
+    active master killed with SIGKILL, and the standby's takeover over TCP
+    (fence with every node's index frame, decode, rebuild, purge, open), as
+    the new master's own ``stats()["failover"]`` reports it."""
     import tempfile
     from kvproto import errors
     from kvproto.runtime.client import Client
@@ -607,24 +659,18 @@ def rebuild_e2e_bench(objects: int, nodes: int = 2) -> dict:
                             url, "--standby", "--ttl", "2", "--fence-timeout", "300",
                             "--storage-timeout", "300", "--log-level", "WARNING"])
                 masters[p.stdout.readline().split()[-1]] = p
-            for _ in range(nodes):
-                procs.append(_spawn(["-m", "kvproto", "storage", "--master", url, "--page-size", str(page),
-                                     "--size", str((per + 1024) * page)]))
-                procs[-1].stdout.readline()
+            t0 = time.perf_counter()
+            for n in range(nodes):
+                first, count = n * per, max(0, min(per, objects - n * per))
+                procs.append(_spawn(["-c", f"from kvproto.bench import _filled_storage; "
+                                     f"_filled_storage({url!r}, {(per + 1024) * page}, {page}, "
+                                     f"{first}, {count})"]))
+            for p in procs:
+                lines = [p.stdout.readline() for _ in range(3)]   # listening, ready, filled
+                if lines[-1].strip() != "filled":
+                    raise RuntimeError(f"a storage node did not fill: {lines}")
+            filled = time.perf_counter() - t0
             with Client(url, timeout=300.0) as client:
-                deadline = time.monotonic() + 60
-                while sum(s["live"] for s in client.stats()["segments"].values()) < nodes:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("storage nodes did not register")
-                    time.sleep(0.1)
-                value = b"v" * 100
-                t0 = time.perf_counter()
-                for at in range(0, objects, 4096):
-                    batch = [(f"e2e-{i:09d}".encode(), value) for i in range(at, min(at + 4096, objects))]
-                    failed = [e for e in client.put_many(batch) if e is not None]
-                    if failed:
-                        raise RuntimeError(f"filling the store failed: {failed[0]}")
-                filled = time.perf_counter() - t0
                 term, active = coord.leader()
                 masters.pop(active).kill()
                 deadline = time.monotonic() + 600
@@ -640,7 +686,9 @@ def rebuild_e2e_bench(objects: int, nodes: int = 2) -> dict:
                     time.sleep(0.2)
             last = failover["last"]
         finally:
-            _stop([*procs, *masters.values()])
+            # the masters first: a storage node stopping deregisters, and the
+            # master would drop its half million objects (SegmentLost) first
+            _stop([*masters.values(), *procs])
             coord.close()
     return {"objects": objects, "filled_s": filled, **last,
             "objects_s": last["recovered"] / last["open_s"]}
@@ -699,8 +747,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
                   f"leased / pinned {r['lease'] / r['pin']:.2f}")
     if args.rebuild_objects and "rebuild" in only:
-        r = rebuild_bench(args.rebuild_objects)
-        print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes recovered in "
+        r = rebuild_bench(args.rebuild_objects, replicas=args.rebuild_replicas)
+        print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes "
+              f"({args.rebuild_replicas} replica(s) each) recovered in "
               f"{r['encode_s'] + r['rebuild_s']:.2f}s ({r['objects_s']:,.0f} objects/s; nodes encode "
               f"their index {r['encode_s']:.2f}s, master decodes, rebuilds and opens {r['rebuild_s']:.2f}s)")
     if args.failover_trials and "failover" in only:
@@ -716,8 +765,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nfailover rebuild end to end: {r['objects']:,} objects (100 B) on 2 storage processes; "
               f"after SIGKILL of the active master the standby recovered {r['recovered']:,} in "
               f"{r['open_s']:.2f}s from its term to open ({r['objects_s']:,.0f} objects/s; fence and "
-              f"index transfer {r['fence_s']:.2f}s, rebuild {r['recover_s']:.2f}s; filling took "
-              f"{r['filled_s']:.0f}s)")
+              f"index transfer {r['fence_s']:.2f}s, rebuild {r['recover_s']:.2f}s; the nodes filled their "
+              f"indexes in {r['filled_s']:.0f}s)")
     if "checksum" in only:
         print(f"\nobject checksums (XXH3-64), GB/s, medians of {args.repeat}; same store, same run")
         print(f"{'size':>7} {'checksum':>9} {'memcpy':>7} {'ratio':>6}   {'get shm':>8} {'verify':>7} "

@@ -6,11 +6,11 @@ stated mapping ``to_tla`` over its own step functions and values. Here the
 same code runs with the fast cores in their place: every function of the
 module, and the methods of its ``System`` and ``Constants``, are re-created
 over a copy of the module's namespace in which the step functions
-(``master_step``, ``storage_step``, ``pool_step``) and the constructors
-(``Directory``, ``RegionTable``, ``new_table``, ``restored_table``,
-``StorageNode``, ``new_pool``) name the fast cores. Nothing of the closed
-system is written twice, so the graph compared with TLC's is the fast core's
-and only the core differs.
+(``master_step``, ``storage_step``, ``node_step``, ``pool_step``) and the
+constructors (``Directory``, ``RegionTable``, ``new_table``,
+``restored_table``, ``StorageNode``, ``DirectTable``, ``new_pool``) name the
+fast cores. Nothing of the closed system is written twice, so the graph
+compared with TLC's is the fast core's and only the core differs.
 
 A state of the closed system holds a :class:`Snapshot`, a core that is never
 mutated again: a step copies the core and steps the copy (a refused step
@@ -24,9 +24,11 @@ Publish (the master's :class:`~kvproto.cores.directory.DirectoryCore` and the
 storage nodes' :class:`~kvproto.cores.storage.StorageNodeCore` region tables),
 Lease (:class:`~kvproto.cores.leases.LeaseCore`), Failover (the storage
 nodes' fence and index, :class:`~kvproto.cores.storage.StorageNodeCore`; the
-master's failover phase machine stays the reference) and Timeout (the
-client's pool, :class:`~kvproto.cores.pool.PoolCore`; the storage node's
-transfers stay the reference).
+master's failover phase machine stays the reference), DirectWrite (the
+storage node's regions granted to direct writers,
+:class:`~kvproto.cores.direct.DirectCore`) and Timeout (the client's pool,
+:class:`~kvproto.cores.pool.PoolCore`; the storage node's transfers stay the
+reference).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from __future__ import annotations
 import types
 
 from kvproto.checking.conformance import SpecBinding
+from kvproto.cores.direct import DirectCore
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.pool import PoolCore
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.statemachines import failover, lease, publish, timeout
+from kvproto.statemachines import directwrite, failover, lease, publish, timeout
 from kvproto.statemachines.refusal import Refused
 
 
@@ -151,6 +154,9 @@ FAST_BINDINGS: dict[str, SpecBinding] = {
     }),
     "Failover": fast_binding(failover, {
         "storage_step": stepped, "StorageNode": _storage_node,
+    }),
+    "DirectWrite": fast_binding(directwrite, {
+        "node_step": stepped, "DirectTable": lambda: Snapshot(DirectCore()),
     }),
     "Timeout": fast_binding(timeout, {
         "pool_step": stepped,

@@ -628,42 +628,55 @@ class DirectoryCore:
                           used.tolist(), rows, sums, req)
 
     @classmethod
-    def _build(cls, capacities, keys: list, tokens, lengths, sids, offs, next_token: int,
+    def _build(cls, capacities, keys, tokens, lengths, sids, offs, next_token: int,
                used: Sequence[int], rows: Optional[Rows], sums, requested=None) -> "DirectoryCore":
-        """A directory of published objects at rows ``0..n-1``: ``sids``/``offs``
-        (n x width, kept replicas first, -1 after) in the ids of ``capacities``,
-        checksums ``sums``, requested counts ``requested`` (none, or below the
-        replicas kept: the replicas kept)."""
+        """A directory of published objects: ``keys`` (a list) at rows
+        ``0..n-1``, or ``(index, names, held)`` (:meth:`Rows.adopt`) at the
+        held rows in row order; ``sids``/``offs`` (n x width, kept replicas
+        first, -1 after) in the ids of ``capacities``, checksums ``sums``,
+        requested counts ``requested`` (none, or below the replicas kept: the
+        replicas kept)."""
         core = cls(rows)
         for (name, capacity), u in zip(capacities.items(), used):
             core._join(name, capacity, capacity - u)
         if any(l.free < 0 for l in core._by_id):
             raise ValueError("recovered objects exceed a segment's capacity")
-        n = len(keys)
-        core.rows.bulk(keys, cls.BIT)
+        if isinstance(keys, list):
+            core.rows.bulk(keys, cls.BIT)
+            at = slice(0, len(keys))
+        else:
+            core.rows.adopt(*keys, cls.BIT)
+            held = keys[2]
+            at = slice(0, len(held)) if held.all() else np.flatnonzero(held)
+        n = len(tokens)
         core.count, core.next_token = n, next_token
         if not n:
             return core
         width = sids.shape[1]
         nrep = (sids >= 0).sum(1)
         inline = (nrep <= INLINE) & (sids[:, :min(width, INLINE)] < SEGMENT_ID_LIMIT).all(1)
+        every = bool(inline.all())             # no overflow: the columns as they are
+
+        def kept(values, mask=inline, other=0):
+            return values if every and mask is inline else np.where(mask, values, other)
+
         req = nrep if requested is None else np.maximum(np.asarray(requested, np.int64), nrep)
-        cols = {"_st": np.full(n, PUBLISHED, np.int8), "_tok": tokens, "_len": lengths,
-                "_sum": sums, "_req": np.minimum(req, 0xFFFF),
-                "_nrep": np.where(inline, nrep, OVERFLOW).astype(np.uint8),
-                "_s0": np.where(inline, sids[:, 0], 0).astype(np.uint16),
-                "_o0": np.where(inline, offs[:, 0], 0)}
+        cols = {"_st": PUBLISHED, "_tok": tokens, "_len": lengths, "_sum": sums,
+                "_req": np.minimum(req, 0xFFFF), "_nrep": kept(nrep, other=OVERFLOW),
+                "_s0": kept(sids[:, 0]), "_o0": kept(offs[:, 0])}
         if width > 1:
-            cols["_s1"] = np.where(inline & (nrep > 1), sids[:, 1], 0).astype(np.uint16)
-            cols["_o1"] = np.where(inline & (nrep > 1), offs[:, 1], 0)
+            cols["_s1"] = kept(sids[:, 1], inline & (nrep > 1))
+            cols["_o1"] = kept(offs[:, 1], inline & (nrep > 1))
+        size = len(core.rows.owners)           # the columns grew to it when the rows filled
         for name, values in cols.items():
             col = getattr(core, name)
-            setattr(core, name, array(col.typecode, np.ascontiguousarray(
-                values, np.dtype(col.typecode)).tobytes()))
-        for row in np.flatnonzero(~inline).tolist():
-            core._extra[row] = tuple((s, o) for s, o in zip(sids[row].tolist(), offs[row].tolist())
-                                     if s >= 0)
-        core._grow(len(core.rows.owners))
+            view = np.frombuffer(col, np.dtype(col.typecode), size)
+            view[at] = values
+            del view                           # the column may grow again
+        rows_of = np.arange(at.start, at.stop) if isinstance(at, slice) else at
+        for i in np.flatnonzero(~inline).tolist():
+            core._extra[int(rows_of[i])] = tuple(
+                (s, o) for s, o in zip(sids[i].tolist(), offs[i].tolist()) if s >= 0)
         return core
 
 

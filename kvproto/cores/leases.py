@@ -440,13 +440,19 @@ class LeaseCore:
         owners = np.frombuffer(directory.rows.owners, np.uint8)
         owners[published] |= cls.BIT
         del owners
-        core._flags = array("B", flags.tobytes())
-        core._size = array("q", sizes.tobytes())
-        core._rtok = array("q", tokens.tobytes())
-        core._last = array("d", np.full(size, float(now)).tobytes())
+        core._flags, core._size, core._rtok, core._last = (
+            _column(code, values) for code, values in (
+                ("B", flags), ("q", sizes), ("q", tokens), ("d", np.full(size, float(now)))))
         core.used, core.count = int(sizes.sum()), int(published.sum())
         core._setup()
         return core
+
+
+def _column(typecode: str, values: np.ndarray) -> array:
+    """A column holding ``values``, copied once."""
+    col = array(typecode)
+    col.frombytes(memoryview(np.ascontiguousarray(values, np.dtype(typecode))).cast("B"))
+    return col
 
 
 def new_table(ttl) -> LeaseCore:

@@ -111,6 +111,22 @@ class Rows:
         for grower in self._growers:
             grower(n)
 
+    def adopt(self, index: dict, keys: np.ndarray, held: np.ndarray, bit: int) -> None:
+        """Fill an empty :class:`Rows` with rows ``0..len(keys)-1``: ``index``
+        (key -> row, taken over as it is) holds the rows where ``held`` is
+        true, each held by ``bit``, ``keys`` (an object array, taken over)
+        names them; the other rows are free."""
+        if self.size:
+            raise ValueError("adopting rows needs empty rows")
+        n = len(keys)
+        if held.shape != (n,) or len(index) != int(np.count_nonzero(held)):
+            raise ValueError("the index does not name exactly the held rows")
+        self.index, self.keys, self.size = index, keys, n
+        self.owners = array("B", np.where(held, bit, 0).astype(np.uint8).tobytes())
+        self.free = array("q", np.flatnonzero(~held)[::-1].astype(np.int64).tobytes())
+        for grower in self._growers:
+            grower(n)
+
     def copy(self) -> "Rows":
         """An independent copy, with no attached cores."""
         new = Rows()

@@ -255,10 +255,12 @@ class StorageNodeCore:
         accepted ``IndexRequest`` returns, read from the columns without an
         object per entry but its key)."""
         size = len(self._i_pub)
-        held = np.flatnonzero(np.frombuffer(self._idx.owners, np.uint8, size) != 0) if size else \
-            np.zeros(0, np.int64)
-        keys = self._idx.keys[held].tolist() if len(held) else []
-        cols = {name: np.frombuffer(col, dtype, size)[held] for name, col, dtype in (
+        if self._idx.free:
+            held = np.flatnonzero(np.frombuffer(self._idx.owners, np.uint8, size) != 0)
+        else:                                # rows 0..n-1 all held: copied as slices
+            held = slice(0, self._idx.size)
+        keys = self._idx.keys[held].tolist()
+        cols = {name: np.frombuffer(col, dtype, size)[held].copy() for name, col, dtype in (
             ("term", self._i_term, np.int64), ("published", self._i_pub, np.int8),
             ("by", self._i_by, np.int64), ("offset", self._i_off, np.int64),
             ("length", self._i_len, np.int64), ("token", self._i_tok, np.int64),

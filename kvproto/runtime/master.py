@@ -82,7 +82,7 @@ from kvproto.runtime.allocator import Placer
 from kvproto.runtime.tenanted import Tenants
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
-from kvproto.cores.recovery import IndexColumns, recovered
+from kvproto.cores.recovery import IndexColumns, Rebuild
 from kvproto.statemachines.publish import (
     AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd, PutGranted,
     PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
@@ -162,14 +162,14 @@ class Parked:
 class FenceRound:
     """A new master's fence: the nodes the coordinator listed, their answers."""
 
-    __slots__ = ("started", "deadline", "nodes", "infos", "indexes", "failed")
+    __slots__ = ("started", "deadline", "nodes", "infos", "rebuild", "failed")
 
     def __init__(self, nodes: dict, now: float, timeout: float) -> None:
         self.started = now
         self.deadline = now + timeout
         self.nodes = dict(nodes)                     # segment -> endpoint
         self.infos: dict[str, dict] = {}             # segment -> registration body
-        self.indexes: dict[str, IndexColumns] = {}   # segment -> its index
+        self.rebuild = Rebuild()                     # the indexes, joined as they come
         self.failed: set[str] = set()
 
     def answered(self) -> bool:
@@ -329,58 +329,79 @@ class MasterCore:
         return None, effects
 
     def _carry_out(self, effects: tuple) -> None:
+        """Carry out accepted effects in order (one handler per effect type;
+        a grant, ``PutGranted`` or ``ReadGranted``, is the caller's)."""
+        handlers = self._effect_handlers
         for e in effects:
-            if isinstance(e, AssignRegion):
-                region = [e.offset, e.length, e.key, e.token]
-                writing = self._writing
-                if writing is not None and self._same_host(e.segment, writing[1]):
-                    # its writer writes it itself (spec/DirectWrite.tla Grant)
-                    region.append(writing[0])
-                    self._direct[(e.segment, e.offset)] = e.token
-                self._queue.append((e.segment, "assign", region))
-            elif isinstance(e, FreeRegion):
-                if self._direct.get((e.segment, e.offset)) != e.token:
-                    self.placer.release([Replica(e.segment, e.offset, e.length)])
-                # else: free once the node says so; it may drain for its writer first
-                self._queue.append((e.segment, "free", [e.offset, e.token, e.length]))
-            elif isinstance(e, Published):
-                self._forget_pending(e.token)
-                self.counters["puts_published"] += 1
-                if self.tenants is not None:
-                    self.tenants.published(e.key)
-                self._lease_put(e.key, e.token)
-                # the storage nodes' index learns the publish (StampedPublish),
-                # with the object's checksum and requested replica count, so a
-                # new master recovers them
-                record = self.directory.objects[e.key]
-                for r in record.replicas:
-                    self._queue.append((r.segment, "publish", [r.offset, e.key, e.token,
-                                                               record.checksum, record.requested]))
-            elif isinstance(e, Revoked):
-                self._forget_pending(e.token)
-                if self.tenants is not None:
-                    self.tenants.abandoned(e.key)
-            elif isinstance(e, RepairStarted):
-                self.counters["repairs_started"] += 1
-            elif isinstance(e, ReplicaListed):
-                # listed on its copier's report; its node's index learns the
-                # publish, so a new master recovers the replica too
-                self.counters["repairs_listed"] += 1
-                self.counters["bytes_repaired"] += e.replica.length
-                self.repairs.ended(e.repair)
-                record = self.directory.objects[e.key]
-                self._repair_marks.add((e.replica.segment, e.replica.offset, e.token))
-                self._queue.append((e.replica.segment, "publish", [
-                    e.replica.offset, e.key, e.token, record.checksum, record.requested]))
-            elif isinstance(e, RepairCancelled):
-                self.counters["repairs_cancelled"] += 1
-                self.repairs.ended(e.repair)
-                self.repairs.stale = True
-            elif isinstance(e, Removed):
-                self.counters["evictions" if self._evicting else "removes"] += 1
-                self._lease_drop(e.key)
-                if self.tenants is not None:
-                    self.tenants.removed(e.key)
+            handler = handlers.get(type(e))
+            if handler is not None:
+                handler(self, e)
+
+    def _assigned(self, e: AssignRegion) -> None:
+        region = [e.offset, e.length, e.key, e.token]
+        writing = self._writing
+        if writing is not None and self._same_host(e.segment, writing[1]):
+            # its writer writes it itself (spec/DirectWrite.tla Grant)
+            region.append(writing[0])
+            self._direct[(e.segment, e.offset)] = e.token
+        self._queue.append((e.segment, "assign", region))
+
+    def _freed(self, e: FreeRegion) -> None:
+        if self._direct.get((e.segment, e.offset)) != e.token:
+            self.placer.release([Replica(e.segment, e.offset, e.length)])
+        # else: free once the node says so; it may drain for its writer first
+        self._queue.append((e.segment, "free", [e.offset, e.token, e.length]))
+
+    def _published(self, e: Published) -> None:
+        self._forget_pending(e.token)
+        self.counters["puts_published"] += 1
+        if self.tenants is not None:
+            self.tenants.published(e.key)
+        record = self.directory.objects[e.key]
+        self._lease_put(e.key, e.token, record)
+        # the storage nodes' index learns the publish (StampedPublish),
+        # with the object's checksum and requested replica count, so a
+        # new master recovers them
+        queue = self._queue
+        for r in record.replicas:
+            queue.append((r.segment, "publish", [r.offset, e.key, e.token,
+                                                 record.checksum, record.requested]))
+
+    def _revoked(self, e: Revoked) -> None:
+        self._forget_pending(e.token)
+        if self.tenants is not None:
+            self.tenants.abandoned(e.key)
+
+    def _repair_started(self, e: RepairStarted) -> None:
+        self.counters["repairs_started"] += 1
+
+    def _replica_listed(self, e: ReplicaListed) -> None:
+        # listed on its copier's report; its node's index learns the
+        # publish, so a new master recovers the replica too
+        self.counters["repairs_listed"] += 1
+        self.counters["bytes_repaired"] += e.replica.length
+        self.repairs.ended(e.repair)
+        record = self.directory.objects[e.key]
+        self._repair_marks.add((e.replica.segment, e.replica.offset, e.token))
+        self._queue.append((e.replica.segment, "publish", [
+            e.replica.offset, e.key, e.token, record.checksum, record.requested]))
+
+    def _repair_cancelled(self, e: RepairCancelled) -> None:
+        self.counters["repairs_cancelled"] += 1
+        self.repairs.ended(e.repair)
+        self.repairs.stale = True
+
+    def _removed(self, e: Removed) -> None:
+        self.counters["evictions" if self._evicting else "removes"] += 1
+        self._lease_drop(e.key)
+        if self.tenants is not None:
+            self.tenants.removed(e.key)
+
+    _effect_handlers = {
+        AssignRegion: _assigned, FreeRegion: _freed, Published: _published, Revoked: _revoked,
+        RepairStarted: _repair_started, ReplicaListed: _replica_listed,
+        RepairCancelled: _repair_cancelled, Removed: _removed,
+    }
 
     def _forget_pending(self, token: int) -> None:
         client = self._owner.pop(token, None)
@@ -439,11 +460,14 @@ class MasterCore:
 
     # ------------------------------------------------------------------ leases
 
-    def _lstep(self, event, by: Optional[str] = None) -> tuple[Optional[errors.KvError], tuple]:
-        """Feed the master's clock (``Tick``), then ``event``, to the lease
+    def _lstep(self, event, by: Optional[str] = None,
+               tick: bool = True) -> tuple[Optional[errors.KvError], tuple]:
+        """Feed the master's clock (``Tick``; not with ``tick=False``, for the
+        steps after the first of one object's), then ``event``, to the lease
         machine; commit only an accepted step. ``by``: why the master feeds a
         ``Release`` itself (recorded with ``trace``)."""
-        self._ltick()
+        if tick:
+            self._ltick()
         effects = self.leases.step(event) if self.trace is None \
             else self.trace.lease(self.leases, event, by)
         if effects and isinstance(effects[0], lm.Refused):
@@ -463,10 +487,8 @@ class MasterCore:
             for ended in effects:
                 self.tenants.release(ended.holder)
 
-    def _lease_put(self, key: bytes, token: int) -> None:
-        record = self.directory.objects.get(key)
-        if record is None:
-            return
+    def _lease_put(self, key: bytes, token: int, record) -> None:
+        """``Put`` the just published ``record`` of ``key`` into the lease table."""
         size = record.length * max(len(record.replicas), 1)
         err, _ = self._lstep(lm.Put(key, (key, token), size))
         if err is not None:  # cannot happen while the tables agree
@@ -481,11 +503,12 @@ class MasterCore:
         tables agree."""
         if key not in self.leases.objects:
             return
+        self._ltick()     # once: the steps below are one object's, at one time
         for holder in self.leases.holders(key):
-            self._lstep(lm.Release(holder), by="dropped")
+            self._lstep(lm.Release(holder), by="dropped", tick=False)
         if self.leases.is_inherited(key):
-            self._lstep(lm.Disown(key))
-        err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key))
+            self._lstep(lm.Disown(key), tick=False)
+        err, _ = self._lstep(lm.Evict(key) if self._evicting else lm.Remove(key), tick=False)
         if err is not None:
             log.error("lease table refused to drop %r: %s", key, err)
 
@@ -720,7 +743,7 @@ class MasterCore:
         return self._complete(parked)
 
     def _put_start_items(self, body, client, replicas, items, session) -> None:
-        tenants = self.tenants
+        tenants, now, direct_of = self.tenants, self.clock(), self._direct.get
         for i, (key, length) in enumerate(body["items"]):
             write = None
             if tenants is not None:
@@ -757,12 +780,12 @@ class MasterCore:
             if write is not None:
                 tenants.commit(write)
             self.counters["puts_started"] += 1
-            session.tokens[grant.token] = [key, self.clock()]
-            self._owner[grant.token] = client
-            item = {"token": grant.token,
+            token = grant.token
+            session.tokens[token] = [key, now]
+            self._owner[token] = client
+            item = {"token": token,
                     "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
-            direct = [r.segment for r in grant.replicas
-                      if self._direct.get((r.segment, r.offset)) == grant.token]
+            direct = [r.segment for r in grant.replicas if direct_of((r.segment, r.offset)) == token]
             if direct:
                 item["direct"] = direct
             items[i] = wire.ok_item(item)
@@ -891,9 +914,10 @@ class MasterCore:
                 pin = (key, grant.token)
                 session.pins[pin] = session.pins.get(pin, 0) + 1
             for r in grant.replicas:
-                info = self.segments.get(r.segment)
-                if info is not None:
-                    segments[r.segment] = info.wire()
+                if r.segment not in segments:
+                    info = self.segments.get(r.segment)
+                    if info is not None:
+                        segments[r.segment] = info.wire()
             items.append(wire.ok_item(item))
         if session.empty():
             del self.sessions[client]
@@ -1252,14 +1276,14 @@ class MasterCore:
                     or type(info["next_token"]) is not int or info["next_token"] < 1:
                 raise errors.MalformedFrame("fence reply for another segment, without its index "
                                             "or without a next token")
-            index = IndexColumns.from_frames(reply.payloads, objects)
+            # decoded and joined (a key listed twice refuses the node) as it comes
+            rnd.rebuild.add(segment, IndexColumns.from_frames(reply.payloads, objects))
         except (errors.KvError, KeyError, ValueError, TypeError) as err:
             log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
             rnd.failed.add(segment)
         else:
             self.failover, _ = fm.master_step(self.failover, fm.FenceAcked(segment))
             rnd.infos[segment] = info
-            rnd.indexes[segment] = index
         if rnd.answered():
             self._maybe_recover()
 
@@ -1287,7 +1311,7 @@ class MasterCore:
                 del self._commands[cmd_id]
         # the phase machine steps Recover (its effects are the purges); the
         # directory it would rebuild from the indexes (rebuild_directory) is
-        # rebuilt on columns by its checked twin, cores.recovery.recovered
+        # rebuilt on columns by its checked twin, cores.recovery.Rebuild
         new, effects = fm.master_step(self.failover, fm.Recover(live, {}))
         if effects and isinstance(effects[0], fm.Refused):
             raise effects[0].error  # cannot happen: live is exactly the acked nodes
@@ -1296,9 +1320,9 @@ class MasterCore:
         # carried (freed ones included: a same-host reader may still hold one)
         next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
         mismatches: list = []
-        self.directory = recovered({s: rnd.infos[s]["capacity"] for s in live}, rnd.indexes,
-                                   next_token, mismatches=mismatches)
-        rnd.indexes.clear()
+        self.directory = rnd.rebuild.directory({s: rnd.infos[s]["capacity"] for s in live},
+                                               next_token, mismatches=mismatches)
+        rnd.rebuild = None
         if self.trace is not None:
             self.trace.opened(self.directory, term)
         if mismatches:

@@ -4,7 +4,10 @@
 and its term fence and object index (``spec/Failover.tla``) in one fast core,
 :class:`~kvproto.cores.storage.StorageNodeCore`, held to the reference machines
 ``publish.storage_step`` and ``failover.storage_step`` (``docs/cores.md``), and
-changes them only by stepping it. Every ``assign``, ``free``, ``write`` and
+changes them only by stepping it; the regions granted to direct writers
+(``spec/DirectWrite.tla``) are a second fast core,
+:class:`~kvproto.cores.direct.DirectCore`, held to ``directwrite.node_step``.
+Every ``assign``, ``free``, ``write`` and
 ``read`` is first stepped; only an accepted event touches memory: a write's
 bytes are copied into the segment (one memcpy from the received frame) after
 ``WriteReplica`` was accepted, and a read is answered with a zero-copy frame of
@@ -14,7 +17,7 @@ event it accepts, so where one request is several events that hold together
 (an ``assign`` is ``StampedAllocate``, ``AssignRegion`` and maybe
 ``GrantDirect``; a direct writer's ``publish`` is ``PublishDirect``,
 ``WriteReplica`` and ``StampedPublish``), the node first asks the core whether
-each would be accepted (its ``regions``, ``index`` and ``term``), steps a
+each would be accepted (their ``regions``, ``index`` and ``term``), steps a
 refused one alone for its error, and steps them all only when none can be
 refused.
 Segment bytes live in POSIX shared memory with a generation table for
@@ -82,6 +85,7 @@ from typing import Callable, Optional, Sequence
 import zmq
 
 from kvproto import errors
+from kvproto.cores.direct import DirectCore
 from kvproto.cores.storage import StorageNodeCore
 from kvproto.ops.tenants import REPAIR_READER, Credentials, Tickets
 from kvproto.runtime import tracing, wire
@@ -142,10 +146,11 @@ class StorageCore:
         #: an owner is one client transfer engine, whose generations are unique.
         #: Only transfers in progress are kept, and only owners that have some.
         self.xfers: dict[str, NodeTransfers] = {}
-        #: regions granted to direct writers (``spec/DirectWrite.tla``), replaced
-        #: only by ``directwrite.node_step``; a region freed while its writer may
-        #: still write it stays here, draining, until the writer reports or dies
-        self.direct = dw.DirectTable()
+        #: regions granted to direct writers (``spec/DirectWrite.tla``), changed
+        #: only by its ``step``: the fast core held to ``directwrite.node_step``;
+        #: a region freed while its writer may still write it stays here,
+        #: draining, until the writer reports or dies
+        self.direct = DirectCore()
         #: offset -> length of the draining regions (what the master must keep out)
         self.draining: dict[int, int] = {}
         #: repair copies the master asked for, to start (``repair``; the server's
@@ -170,7 +175,7 @@ class StorageCore:
         self.node.restart(segment)
         if self.trace is not None:
             self.trace.opened(segment, self.node.term)
-        self.direct = dw.DirectTable()
+        self.direct = DirectCore()
         self.draining.clear()
 
     @property
@@ -327,20 +332,22 @@ class StorageCore:
             return {"xfer": body["xfer"], "buffer": body["buffer"]}, result[1]
         return getattr(self, "_op_" + op)(body, payloads)
 
-    def _dstep(self, event):
-        """``directwrite.node_step`` without committing: ``(table, effects, error)``."""
-        table, effects = dw.node_step(self.direct, event)
+    def _dstep(self, event) -> tuple[tuple, Optional[errors.KvError]]:
+        """Step the direct-write core: ``(effects, error)``; a refusal changes
+        nothing. Where a direct step holds together with steps of the node
+        core, the node judges it first from the core's view and steps it
+        when all are accepted (or alone, for its error)."""
+        effects = self.direct.step(event)
         if effects and isinstance(effects[0], dw.Refused):
-            return None, effects, effects[0].error
-        return table, effects, None
+            return effects, effects[0].error
+        return effects, None
 
     def _observe(self, offset: int, token: int) -> None:
         """``WriteReported`` once a direct writer's report shows in the region's
         generation word (it sets ``token << 1 | 1`` after its copy)."""
-        region = self.direct.regions.get(offset)
-        if region is not None and region.token == token and not region.wrote \
+        if self.direct.unreported(offset, token) \
                 and self.memory.word(offset) == gen_word(token, True):
-            self.direct, _ = dw.node_step(self.direct, dw.WriteReported(offset, token))
+            self.direct.step(dw.WriteReported(offset, token))
 
     def _op_assign(self, body, payloads):
         """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index),
@@ -357,7 +364,7 @@ class StorageCore:
                 continue
             allocate = fm.StampedAllocate(self.segment, key, term, offset, length, token)
             assign = AssignRegion(self.segment, offset, length, key, token)
-            node, dtable, err = self.node, self.direct, None
+            node, err = self.node, None
             # asked of the core, stepped only if every step is accepted: a
             # refused one is stepped alone, for its error (it changes nothing)
             if key in node.index or term < node.term:      # held here, or a stale term
@@ -365,8 +372,9 @@ class StorageCore:
             elif offset in node.regions:                   # already owned
                 err = self._refusal(assign)
             elif offset in direct:
-                dtable, _, err = self._dstep(dw.GrantDirect(offset, token, direct[offset]))
-            elif offset in dtable.regions:
+                # the last check: once accepted, the two steps below are too
+                _, err = self._dstep(dw.GrantDirect(offset, token, direct[offset]))
+            elif offset in self.direct.regions:
                 err = errors.RegionMismatch(f"region {offset} is still draining for a direct writer")
             if err is not None:
                 results.append(wire.error_item(err))
@@ -374,7 +382,6 @@ class StorageCore:
             self._commit(allocate)
             self._commit(assign)
             mem.set_word(offset, gen_word(token, False))
-            self.direct = dtable
             self.counters["direct_granted"] += offset in direct
             self.tokens_seen = max(self.tokens_seen, token)
             self.counters["assigned"] += 1
@@ -419,16 +426,20 @@ class StorageCore:
         region table (it holds no object) but keeps its generation word, where
         its writer's report will show."""
         region = self.direct.regions.get(offset)
-        draining = False
+        draining, free = False, None
         if region is not None and region.token == token:
             self._observe(offset, token)
-            table, effects, err = self._dstep(dw.FreeDirect(offset, token, writer_alive(region.writer)))
-            if err is not None:
-                return err, False
-            draining = isinstance(effects[0], dw.Draining)
+            region = self.direct.regions[offset]
+            free = dw.FreeDirect(offset, token, writer_alive(region.writer))
+            if region.state is dw.RegionState.DRAINING:   # refused: stepped for its error
+                return self._dstep(free)[1], False
+            draining = region.state is dw.RegionState.GRANTED and not region.wrote \
+                and free.writer_alive
         err = self._free_region(offset, token, length, keep_word=draining)
-        if err is None and region is not None and region.token == token:
-            self.direct = table
+        if err is None and free is not None:
+            effects, derr = self._dstep(free)
+            if derr is not None or isinstance(effects[0], dw.Draining) != draining:
+                raise errors.InternalError(f"FreeDirect({offset}) was not as judged: {effects}")
             if draining:
                 self.draining[offset] = length
                 self.counters["draining"] += 1
@@ -442,9 +453,8 @@ class StorageCore:
             if region.state is not dw.RegionState.DRAINING:
                 continue
             self._observe(offset, region.token)
-            table, _, err = self._dstep(dw.Drain(offset, writer_alive(region.writer)))
+            _, err = self._dstep(dw.Drain(offset, writer_alive(region.writer)))
             if err is None:
-                self.direct = table
                 self.memory.set_word(offset, 0)
                 self.draining.pop(offset, None)
                 self.counters["drained"] += 1
@@ -460,15 +470,16 @@ class StorageCore:
         for offset, key, token, *recorded in body["regions"]:
             region = node.region(offset)
             direct = self.direct.regions.get(offset)
-            dtable, write = self.direct, False
+            write = False
             if direct is not None and direct.token == token and region is not None \
                     and region.token == token and region.key == key:
                 # a direct write: published only once its writer reported it
                 self._observe(offset, token)
-                dtable, _, err = self._dstep(dw.PublishDirect(offset, token))
-                if err is not None:
+                direct = self.direct.regions[offset]
+                if direct.state is not dw.RegionState.GRANTED or not direct.wrote:
+                    # refused: stepped alone, for its error
                     self.counters["refused"] += 1
-                    results.append(wire.error_item(err))
+                    results.append(wire.error_item(self._dstep(dw.PublishDirect(offset, token))[1]))
                     continue
                 # WriteReplica by the token that owns the unwritten region: accepted
                 write = not region.done
@@ -487,7 +498,10 @@ class StorageCore:
             if write:
                 self._commit(WriteReplica(self.segment, offset, token))
             self._commit(publish)
-            self.direct = dtable
+            if direct is not None and direct.token == token:
+                _, err = self._dstep(dw.PublishDirect(offset, token))
+                if err is not None:
+                    raise errors.InternalError(f"PublishDirect was refused where accepted: {err}")
             self.counters["published"] += 1
             self.counters["direct_published"] += direct is not None and direct.token == token
             results.append(wire.ok_item())

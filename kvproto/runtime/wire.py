@@ -81,17 +81,35 @@ def _malformed(path: str, what: str) -> errors.MalformedFrame:
     return errors.MalformedFrame(f"{path}: {what}")
 
 
-def _with(ok: Callable[[Any], bool], norm: Optional[Callable[[Any], Any]] = None):
-    """Attach the fast test ``ok`` (and the normaliser ``norm``) to a checker."""
+def _with(expr: Callable[[str, dict], str], norm: Optional[Callable[[Any], Any]] = None):
+    """Attach the fast test (``ok``, the normaliser ``norm``) to a checker.
+
+    ``expr(var, ns)`` writes the test of the value named ``var`` as one Python
+    expression (names it needs go into ``ns``), so that a container's test
+    inlines its elements' tests: the ``ok`` of an array of tuples is one loop
+    over the array with the test of an element written out in it, compiled
+    once per field of each op, not a call per element and per field."""
     def attach(check):
-        check.ok = ok
+        check.expr = expr
+        check.ok = _compiled(expr)
         check.norm = norm
         return check
     return attach
 
 
+def _compiled(expr: Callable[[str, dict], str]) -> Callable[[Any], bool]:
+    ns: dict = {}
+    exec(f"def ok(v):\n    return {expr('v', ns)}\n", ns)
+    return ns["ok"]
+
+
+def _sized(kind: str, lo: int, hi: int) -> Callable[[str, dict], str]:
+    """The test of a value of type ``kind`` whose ``len`` is in ``[lo, hi]``."""
+    return lambda var, ns: f"(type({var}) is {kind} and {lo} <= len({var}) <= {hi})"
+
+
 def uint(max_value: int = _UINT63, min_value: int = 0) -> Check:
-    @_with(lambda v: type(v) is int and min_value <= v <= max_value)
+    @_with(lambda var, ns: f"(type({var}) is int and {min_value} <= {var} <= {max_value})")
     def check(v, path):
         if type(v) is not int:
             raise _malformed(path, f"expected int, got {type(v).__name__}")
@@ -102,7 +120,7 @@ def uint(max_value: int = _UINT63, min_value: int = 0) -> Check:
 
 
 def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
-    @_with(lambda v: type(v) is bytes and min_len <= len(v) <= max_len)
+    @_with(_sized("bytes", min_len, max_len))
     def check(v, path):
         if type(v) is not bytes:
             raise _malformed(path, f"expected bytes, got {type(v).__name__}")
@@ -113,7 +131,7 @@ def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
 
 
 def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
-    @_with(lambda v: type(v) is str and min_len <= len(v) <= max_len)
+    @_with(_sized("str", min_len, max_len))
     def check(v, path):
         if type(v) is not str:
             raise _malformed(path, f"expected str, got {type(v).__name__}")
@@ -123,11 +141,29 @@ def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
     return check
 
 
-def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Check:
-    item_ok, item_norm = item.ok, item.norm
+def _loop(item: Check, min_items: int, max_items: int) -> Callable[[str, dict], str]:
+    """The test of an array of ``item``: a compiled loop, called by name."""
+    ns: dict = {}
+    exec("def ok(v):\n"
+         f"    if type(v) is not list or not {min_items} <= len(v) <= {max_items}:\n"
+         "        return False\n"
+         "    for x in v:\n"
+         f"        if not {item.expr('x', ns)}:\n"
+         "            return False\n"
+         "    return True\n", ns)
+    ok = ns["ok"]
 
-    @_with(lambda v: type(v) is list and min_items <= len(v) <= max_items
-           and all(map(item_ok, v)),
+    def expr(var, outer):
+        name = f"_ok{len(outer)}"
+        outer[name] = ok
+        return f"{name}({var})"
+    return expr
+
+
+def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Check:
+    item_norm = item.norm
+
+    @_with(_loop(item, min_items, max_items),
            None if item_norm is None else (lambda v: [item_norm(x) for x in v]))
     def check(v, path):
         if type(v) is not list:
@@ -139,7 +175,7 @@ def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Chec
 
 
 def boolean() -> Check:
-    @_with(lambda v: type(v) is bool)
+    @_with(lambda var, ns: f"(type({var}) is bool)")
     def check(v, path):
         if type(v) is not bool:
             raise _malformed(path, f"expected bool, got {type(v).__name__}")
@@ -151,11 +187,16 @@ def tuple_of(*items: Check, optional: tuple = ()) -> Check:
     """An array of ``items``, then (from the end, any number) of ``optional``
     trailing ones: a field added later that an older sender leaves out."""
     every = items + tuple(optional)
-    oks = tuple(c.ok for c in every)
     n, most = len(items), len(every)
 
-    @_with(lambda v: type(v) is list and n <= len(v) <= most
-           and all(ok(x) for ok, x in zip(oks, v)), tuple)
+    def expr(var, ns):
+        tests = [f"(type({var}) is list and {n} <= len({var}) <= {most})"]
+        for i, c in enumerate(every):
+            test = c.expr(f"{var}[{i}]", ns)
+            tests.append(test if i < n else f"(len({var}) <= {i} or {test})")
+        return "(" + " and ".join(tests) + ")"
+
+    @_with(expr, tuple)
     def check(v, path):
         if type(v) is not list:
             raise _malformed(path, f"expected array, got {type(v).__name__}")

@@ -30,10 +30,12 @@ from hypothesis.stateful import (
 )
 
 from kvproto import errors
+from kvproto.cores.direct import DirectCore
 from kvproto.cores.directory import PENDING, DirectoryCore
 from kvproto.cores.leases import LeaseCore
+from kvproto.cores.recovery import IndexColumns, recovered
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.statemachines import failover as F, lease as L, publish as P
+from kvproto.statemachines import directwrite as D, failover as F, lease as L, publish as P
 from kvproto.statemachines.refusal import Refused
 
 SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
@@ -541,22 +543,46 @@ class MasterDiff(Differential):
             self.check()
 
     def takeover(self, c: Choose):
-        """A new master rebuilds both tables in bulk from the published objects."""
+        """A new master rebuilds both tables in bulk from the published
+        objects: from columns, or from the nodes' indexes (each replica an
+        entry, listed in node order; some unpublished entries besides, left
+        out as free rows), as the runtime master rebuilds; with one replica
+        per object the rebuild's dict of keys becomes the row index."""
         if not c.rare(3):
             return
         quiet = c.one([0, 5, 30])
         capacities = {s: l.capacity for s, l in self.ref.segments.items() if l.live}
-        objects = [(k, r.token, r.length, r.replicas, r.checksum)
+        indexes = c.one([None, "all", "first"])     # "first": the other replicas were lost
+        objects = [(k, r.token, r.length, r.replicas if indexes is None else
+                    tuple(sorted(r.replicas, key=lambda p: p.segment))[:None if indexes == "all" else 1],
+                    r.checksum)
                    for k, r in self.ref.objects.items() if r.status is P.Status.PUBLISHED]
         now = self.lref.now
         self.ref = P.restored(capacities, objects, self.ref.next_token)
-        self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),
-                                              next_token=self.dir.next_token)
+        if indexes:
+            self.dir = recovered(capacities, self._indexes(c, objects, list(capacities)),
+                                 self.dir.next_token)
+        else:
+            self.dir = DirectoryCore.from_columns(capacities, **columns_of(objects, list(capacities)),
+                                                  next_token=self.dir.next_token)
         self.lref = L.restored_table(self.TTL, now, [
             (k, (k, r.token), r.length * len(r.replicas)) for k, r in self.ref.objects.items()],
             quiet)
         self.lease = LeaseCore.inherit(self.dir, self.TTL, now, quiet)
         self.check()
+
+    @staticmethod
+    def _indexes(c: Choose, objects: list, nodes: list) -> dict:
+        """The live nodes' indexes holding ``objects``, and unpublished
+        allocations of other keys."""
+        index: dict = {node: {} for node in nodes}
+        for key, token, length, replicas, checksum in objects:
+            for r in replicas:
+                index[r.segment][key] = F.IndexEntry(1, True, 1, r.offset, length, checksum, token)
+        listed = {o[0] for o in objects}
+        for key in c.some([k for k in KEYS if k not in listed], 0, 6) if nodes else ():
+            index[c.one(nodes)][key] = F.IndexEntry(2, False, 0, 0, 8, 0, 1)
+        return {node: IndexColumns.of(entries) for node, entries in index.items()}
 
 
 # --------------------------------------------------------------------------
@@ -654,12 +680,71 @@ class StorageDiff(Differential):
             assert self.core.reference() == (self.table, self.node)
 
 
-for machine in (DirectoryDiff, LeaseDiff, MasterDiff, StorageDiff):
+# --------------------------------------------------------------------------
+# A storage node's regions granted to direct writers
+# --------------------------------------------------------------------------
+
+WRITERS = [f"w{i}" for i in range(6)]
+
+
+class DirectDiff(Differential):
+    """directwrite.DirectTable + node_step against DirectCore: grants on many
+    offsets by a few writers, reports, publishes, frees of live and dead
+    writers' regions (draining), drains, and stale tokens."""
+
+    ACTIONS = ("grant", "grant", "grant", "report", "report", "publish", "publish", "free",
+               "drain")
+
+    def begin(self, c: Choose):
+        self.table, self.core = D.DirectTable(), DirectCore()
+
+    def step(self, event):
+        self.table, expected = D.node_step(self.table, event)
+        got = self.core.step(event)
+        assert_same(expected, got)
+        assert self.core.reference() == self.table
+
+    def region(self, c: Choose):
+        """An offset, mostly one with a region, and mostly its token."""
+        offset = c.mostly(list(self.table.regions), OFFSETS)
+        region = self.table.regions.get(offset)
+        token = region.token if region is not None and not c.rare(5) else c.int(1, 400)
+        assert self.core.unreported(offset, token) == (
+            region is not None and region.token == token and not region.wrote)
+        return offset, token
+
+    def grant(self, c: Choose):
+        self.step(D.GrantDirect(c.one(OFFSETS), c.int(1, 400), c.one(WRITERS)))
+
+    def report(self, c: Choose):
+        self.step(D.WriteReported(*self.region(c)))
+
+    def publish(self, c: Choose):
+        self.step(D.PublishDirect(*self.region(c)))
+
+    def free(self, c: Choose):
+        self.step(D.FreeDirect(*self.region(c), c.one([True, False])))
+
+    def drain(self, c: Choose):
+        self.step(D.Drain(c.mostly(list(self.table.regions), OFFSETS), c.one([True, False])))
+
+
+for machine in (DirectoryDiff, LeaseDiff, MasterDiff, StorageDiff, DirectDiff):
     machine.TestCase.settings = RUNS
 TestDirectory = DirectoryDiff.TestCase
 TestLeases = LeaseDiff.TestCase
 TestMaster = MasterDiff.TestCase
 TestStorage = StorageDiff.TestCase
+TestDirect = DirectDiff.TestCase
+
+
+def test_a_direct_core_copy_is_independent():
+    core = DirectCore()
+    core.step(D.GrantDirect(0, 1, "w0"))
+    copy = core.copy()
+    copy.step(D.WriteReported(0, 1))
+    assert core.unreported(0, 1) and not copy.unreported(0, 1)
+    assert core.reference() != copy.reference()
 
 
 # --------------------------------------------------------------------------
@@ -711,3 +796,35 @@ def test_an_allocation_that_ignores_the_fence_is_caught(monkeypatch):
     with pytest.raises(AssertionError):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
 
+
+
+def test_a_publish_of_an_unreported_direct_write_is_caught(monkeypatch):
+    """A node that publishes a direct writer's region before the writer
+    reported its write (the DirectWrite_Weak_PublishUnwritten flaw)."""
+    def publish_unwritten(self, ev):
+        row = self._held(ev.offset, ev.token)
+        if row is None:
+            return (Refused(errors.StaleToken(f"region {ev.offset} holds no finished direct "
+                                              f"write of token {ev.token}")),)
+        self._st[row] = 2
+        return ()
+
+    monkeypatch.setattr(DirectCore, "_publish", publish_unwritten)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectDiff, settings=HUNT)
+
+
+def test_a_free_that_never_drains_is_caught(monkeypatch):
+    """A node that frees a region at once while its live writer may still
+    write it (the DirectWrite_Weak_FreeAtOnce flaw)."""
+    def free_at_once(self, ev):
+        row = self._held(ev.offset, ev.token)
+        if row is None or self._st[row] == 3:
+            return (Refused(errors.StaleToken(f"region {ev.offset} is not held by token "
+                                              f"{ev.token}")),)
+        self._rows.release(row, 1)
+        return (D.Freed(ev.offset),)
+
+    monkeypatch.setattr(DirectCore, "_free", free_at_once)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectDiff, settings=HUNT)

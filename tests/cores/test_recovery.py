@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvproto.cores.recovery import COLUMNS, IndexColumns, recovered
+from kvproto.cores.recovery import COLUMNS, IndexColumns, Rebuild, recovered
 from kvproto.statemachines import failover as fm
+from kvproto.statemachines import publish as P
 from kvproto.statemachines.publish import Replica, restored
 
 NODES = ["n-a", "n-b", "n-c", "n-d"]
@@ -88,7 +89,61 @@ def test_a_malformed_index_is_refused(damage):
     else:
         frames = _frames([b"a", b"a"])
     with pytest.raises(ValueError):
-        IndexColumns.from_frames(frames, count)
+        Rebuild().add("n-a", IndexColumns.from_frames(frames, count))
+
+
+def _index(keys, published=1, by=1, token=None):
+    """Published entries of 10 bytes at offsets 0, 4096, ..."""
+    n = len(keys)
+    return IndexColumns(keys, term=[1] * n, published=[published] * n, by=[by] * n,
+                        offset=[4096 * i for i in range(n)], length=[10] * n,
+                        token=token or list(range(1, n + 1)), checksum=[7] * n, requested=[0] * n)
+
+
+def test_a_refused_index_leaves_the_rebuild_as_it_was():
+    """A node whose index lists a key twice joins nothing, not even its
+    other keys; one that joined already cannot join again."""
+    rebuild = Rebuild()
+    rebuild.add("n-a", _index([b"k1", b"k2"]))
+    with pytest.raises(ValueError):
+        rebuild.add("n-b", _index([b"k3", b"k1", b"k4", b"k4"]))
+    with pytest.raises(ValueError):
+        rebuild.add("n-a", _index([b"k5"]))
+    assert rebuild.seen == {b"k1": 0, b"k2": 1} and rebuild.entries == 2
+    rebuild.add("n-b", _index([b"k3"]))
+    core = rebuild.directory({"n-a": 1 << 20, "n-b": 1 << 20}, 1)
+    assert sorted(core.objects) == [b"k1", b"k2", b"k3"]
+
+
+@pytest.mark.parametrize("shape", ["one replica", "left out", "two replicas", "mostly unpublished"])
+def test_the_keys_dict_becomes_the_row_index_when_no_key_is_on_two_nodes(shape):
+    """One replica per object: the rebuild's dict of keys is the directory's
+    row index, entries left out (unpublished) are free rows; a key on two
+    nodes, or many entries left out, number the rows afresh. Either way the
+    directory is the reference's."""
+    a = [b"a%03d" % i for i in range(40)]
+    b = [b"b%03d" % i for i in range(40)] if shape != "two replicas" else a
+    indexes = {"n-a": _index(a), "n-b": _index(b, token=[i + 1 for i in range(40)])}
+    if shape == "left out":
+        indexes["n-c"] = _index([b"c%03d" % i for i in range(5)], published=0)
+    elif shape == "mostly unpublished":
+        indexes["n-c"] = _index([b"c%03d" % i for i in range(60)], published=0)
+    capacities = dict.fromkeys(indexes, 1 << 30)
+    rebuild = Rebuild()
+    for node in ("n-b", "n-c", "n-a"):
+        if node in indexes:
+            rebuild.add(node, indexes[node])
+    seen = rebuild.seen
+    core = rebuild.directory(capacities, 1)
+    assert (core.rows.index is seen) == (shape in ("one replica", "left out"))
+    assert len(core.rows.free) == (5 if shape == "left out" else 0)
+    reference_indexes = {n: ix.entries() for n, ix in indexes.items()}
+    assert core.reference() == reference(capacities, reference_indexes, 1)
+    core.step(P.AddSegment("n-d", 1 << 20))     # free rows are reused, the columns grow
+    for i in range(50):
+        (granted, *_) = core.step(P.PutStart(b"new%d" % i, 10, (Replica("n-d", 4096 * i, 10),)))
+        assert isinstance(granted, P.PutGranted)
+    assert len(core.objects) == (40 if shape == "two replicas" else 80) + 50
 
 
 def test_a_nodes_index_columns_are_what_its_index_request_returns():

@@ -116,3 +116,52 @@ def test_replies():
         wire.decode_reply([b"junk"])
     assert wire.item_result([errors.KeyExists.code, "x"])[0].__class__ is errors.KeyExists
     assert wire.item_result([0, {"a": 1}]) == (None, {"a": 1})
+
+
+# The fast test of a field (``check.ok``, compiled from its schema) must
+# accept exactly what the slow check accepts: a value it wrongly passed would
+# reach a handler unchecked. Values are drawn near the schemas' shapes (ints
+# at the bounds, short keys, arrays of 0..5 elements, nested).
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_LEAVES = st.one_of(
+    st.sampled_from([0, 1, -1, 0xFFFF, 0x10000, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 1 << 64,
+                     True, None, 1.0, "", "s", b"", b"k", b"x" * 32, b"y" * 33]),
+    st.integers(-3, 1 << 20), st.binary(max_size=5), st.text(max_size=3))
+_VALUES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=5), max_leaves=24)
+_FIELDS = [(f"{op}.{name}", check) for table in (wire.MASTER_OPS, wire.STORAGE_OPS)
+           for op, schema in table.items()
+           for name, check in {**schema.fields, **schema.optional}.items()]
+
+
+def _passes(check, value) -> bool:
+    try:
+        check(value, "v")
+    except (errors.MalformedFrame, errors.InvalidArgument):
+        return False
+    return True
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.sampled_from(_FIELDS), _VALUES)
+def test_the_fast_test_of_every_field_agrees_with_its_check(field, value):
+    name, check = field
+    assert check.ok(value) == _passes(check, value), (name, value)
+
+
+@pytest.mark.parametrize("op,field,value,ok", [
+    ("assign", "regions", [[0, 4096, b"k", 1]], True),
+    ("assign", "regions", [[0, 4096, b"k", 0]], False),          # token 0
+    ("assign", "regions", [[0, 4096, b"k", 1], [0, 4096, "k", 1]], False),
+    ("assign", "regions", [], False),                              # min_items 1
+    ("publish", "regions", [[0, b"k", 1, 5, 2]], True),            # both optional fields
+    ("publish", "regions", [[0, b"k", 1, 5, 1 << 16]], False),     # requested > 0xFFFF
+    ("publish", "regions", [[0, b"k", 1, 5, 2, 0]], False),        # one field too many
+    ("assign", "direct", [[4096, "w"]], True),
+    ("assign", "direct", [[4096, ""]], False),                     # writer name empty
+])
+def test_the_fast_test_of_nested_fields(op, field, value, ok):
+    schema = wire.STORAGE_OPS[op]
+    check = {**schema.fields, **schema.optional}[field]
+    assert check.ok(value) is ok and _passes(check, value) is ok
