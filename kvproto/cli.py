@@ -636,13 +636,15 @@ def mutate(args: argparse.Namespace) -> int:
 
 
 def _trace_arguments(parser: argparse.ArgumentParser) -> None:
-    from .checking import mergetrace, traces
-    mergetrace.add_arguments(traces.add_arguments(parser))
+    from .checking import failtrace, mergetrace, traces
+    sub = traces.add_arguments(parser)
+    mergetrace.add_arguments(sub)
+    failtrace.add_arguments(sub)
 
 
 def trace(args: argparse.Namespace) -> int:
-    from .checking import mergetrace, traces
-    return (mergetrace if args.trace_command == "merge" else traces).main(args)
+    from .checking import failtrace, mergetrace, traces
+    return {"merge": mergetrace, "failover": failtrace}.get(args.trace_command, traces).main(args)
 
 
 def _plan_arguments(parser: argparse.ArgumentParser) -> None:

@@ -123,7 +123,8 @@ def test_a_run_records_every_kind_of_step(recorded):
     refused = [s for s in lines(recorded) if s.get("effects") and s["effects"][0]["type"] == "Refused"]
     assert {s["event"]["type"] for s in refused} >= {"PutEnd", "ReadBegin"}
     first = lines(recorded)[0]
-    assert first == {"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {}}}
+    assert first == {"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {},
+                                                      "term": 1}}
     put = steps_of(recorded, "PutStart")[0]
     assert put["event"]["key"] == "a" and put["effects"][0]["type"] == "PutGranted"
 

@@ -132,6 +132,15 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/runtime/test_merged_trace.py::test_the_merged_run_is_a_behaviour_of_the_spec",),
         twin="Publish_Weak_NoStorageTokenCheck"),
     Mutant(
+        "node-joins-without-term",
+        "a storage node registers with a master without learning its term "
+        "(no fence): it serves that master with a fence it never raised, and "
+        "would take an older master's requests until one of this term arrives",
+        _one(STORAGE, "                    reply.status == 0 and not (type(term) is int and "
+                      "self.core.fence_to(term))):\n",
+             "                    reply.status == 0 and not (type(term) is int)):\n"),
+        ("tests/runtime/test_failover_trace.py::test_a_takeover_run_is_a_behaviour_of_the_spec",)),
+    Mutant(
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",

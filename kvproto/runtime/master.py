@@ -1324,7 +1324,7 @@ class MasterCore:
                                                next_token, mismatches=mismatches)
         rnd.rebuild = None
         if self.trace is not None:
-            self.trace.opened(self.directory)
+            self.trace.opened(self.directory, term)
         if mismatches:
             # a replica whose index records another checksum than the one
             # listed is not listed: its region is freed at its node (after

@@ -223,11 +223,15 @@ class StorageCore:
             raise errors.InternalError(f"{type(event).__name__} was refused where accepted: {err}")
         return effects
 
-    def _check_term(self, body: dict) -> None:
-        """Spec ``NodeAccepts``: a request stamped below the fence is refused."""
+    def _check_term(self, op: str, body: dict) -> None:
+        """Spec ``NodeAccepts``: a request stamped below the fence is refused
+        (before any step of the core; recorded as a ``StaleRequest``)."""
         if not fm.node_accepts(self.node, body["term"]):
             self.counters["stale_terms"] += 1
-            raise errors.StaleTerm(f"term {body['term']} is below {self.node.term}")
+            err = errors.StaleTerm(f"term {body['term']} is below {self.node.term}")
+            if self.trace is not None:
+                self.trace.stale(self.node.segment, op, body["term"], err)
+            raise err
 
     def fence_to(self, term: int) -> bool:
         """Spec ``Fence`` (node side): learn ``term``; False if it is below the fence."""
@@ -321,7 +325,7 @@ class StorageCore:
                 return None
             raise errors.StaleGeneration(f"write transfer {body['xfer']} was cancelled; discarded")
         self._check_segment(body)
-        self._check_term(body)
+        self._check_term(op, body)
         if op == "load":
             result = self._op_read(body, payloads)
             self.counters["loads"] += 1
@@ -593,7 +597,7 @@ class StorageCore:
         owner, results = body["owner"], []
         landed = [self._land(owner, xfer) for _, _, xfer in body["regions"]]
         self._check_segment(body)
-        self._check_term(body)
+        self._check_term("writes", body)
         for (offset, token, xfer), ran, payload in zip(body["regions"], landed, payloads):
             try:
                 if not ran:

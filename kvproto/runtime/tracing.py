@@ -22,8 +22,10 @@ are lists; an enum is its value; an error is ``{"type": its class name,
 "message": ...}``. Lines:
 
 * ``{"machine": "publish", "opened": {"next_token": N, "objects": N,
-  "segments": {name: capacity}}}`` when the master opens its directory
-  (at start, and after each takeover's recovery);
+  "segments": {name: capacity}, "term": T}}`` when the master opens its
+  directory under term ``T`` (at start, and after each takeover's recovery);
+  a recovered directory of up to :data:`INHERITED_LISTED` objects is listed
+  in ``"recovered"``: ``[key, [segment of each replica]]`` each;
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
   a step the master took on a repair copier's report (``repair_done``:
@@ -57,7 +59,10 @@ the nodes of one process). Lines:
   node opens a segment (at start, and each time it starts over under a new
   segment id);
 * ``{"machine": "storage", "n": N, "segment": S, "event": ..., "effects":
-  [...]}`` per step of its core, accepted or refused.
+  [...]}`` per step of its core, accepted or refused; and, numbered with
+  them, a request refused at the node's fence before any step of its core
+  (``StorageCore._check_term``) as ``"event": {"type": "StaleRequest",
+  "op": OP, "term": T}`` with its ``Refused`` (``StaleTerm``) effect.
 * ``{"machine": "storage", "asked": {"op": "write" or "read", "segment": S,
   "offset": O, "token": T}}`` when a write (a client's, or a repair copy's)
   or a read of a region arrives, before the steps it causes: the token the
@@ -142,11 +147,17 @@ class Recorder(_Lines):
         self._ln = 0
         self._table = None       # the lease table last stepped
 
-    def opened(self, directory) -> None:
-        """The master opened ``directory`` (empty, or recovered at a takeover)."""
-        self._write({"machine": "publish", "opened": {
-            "next_token": directory.next_token, "objects": len(directory.objects),
-            "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}})
+    def opened(self, directory, term=None) -> None:
+        """The master opened ``directory`` (empty, or recovered at a takeover)
+        under ``term``."""
+        opened = {"next_token": directory.next_token, "objects": len(directory.objects),
+                  "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}
+        if term is not None:
+            opened["term"] = term
+            if 0 < len(directory.objects) <= INHERITED_LISTED:
+                opened["recovered"] = [[encode(key), [r.segment for r in record.replicas]]
+                                       for key, record in directory.objects.items()]
+        self._write({"machine": "publish", "opened": opened})
 
     def publish(self, event, effects: tuple, directory, report=None) -> None:
         """One step of the directory: ``event`` in, ``effects`` out; ``report``:
@@ -219,3 +230,11 @@ class StorageRecorder(_Lines):
         self._n += 1
         self._write({"machine": "storage", "n": self._n, "segment": segment,
                      "event": encode(event), "effects": encode(effects)})
+
+    def stale(self, segment: str, op: str, term: int, error) -> None:
+        """A request ``op`` stamped with ``term`` refused at the node's fence
+        before any step of its core (it changed nothing)."""
+        self._n += 1
+        self._write({"machine": "storage", "n": self._n, "segment": segment,
+                     "event": {"type": "StaleRequest", "op": op, "term": term},
+                     "effects": [{"type": "Refused", "error": encode(error)}]})

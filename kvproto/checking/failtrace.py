@@ -1,0 +1,534 @@
+r"""The storage nodes' fence, index and purge steps of a run with master
+takeovers, merged into one behaviour of ``spec/Failover.tla`` and checked by
+TLC (``kvproto trace failover``).
+
+Each storage node records the steps of its core
+(:class:`~kvproto.cores.storage.StorageNodeCore`, ``failover.storage_step``)
+beside the master's trace (``KVPROTO_TRACE``, or ``kvproto storage --trace``);
+each master records, when it opens, its term and what it recovered
+(:mod:`kvproto.runtime.tracing`). The checker takes the nodes' steps of the
+term fence and the object index:
+
+=====================  ==================================================
+recorded at a node     step of ``spec/Failover.tla``
+=====================  ==================================================
+``Fence`` accepted     ``Fence(m, n)`` of the master ``m`` of that term,
+                       while it fences; once it serves, a node that joins
+                       it (empty) learns the term as a fence does
+``StampedAllocate``    ``Allocate(m, k, n)``, accepted
+``StampedPublish``     ``Publish(m, k)``, accepted
+``StampedFree``        ``Remove(m, k)`` of a published object; of an
+                       unpublished one (a revoked or reclaimed attempt)
+                       ``Revoke``, which the spec abstracts away: the entry
+                       leaves the index and the directory, under the fence
+``PurgeUnpublished``   the node's part of ``Recover(m)``: it must drop
+                       exactly the entries the spec's ``Recover`` purged
+                       at that node
+refused ``StaleTerm``  the node's fence is above the request's term, and
+                       the master of that term steps down (also a
+                       ``StaleRequest``: any request refused at the fence
+                       before a step of the core; a client's read or write
+                       refused so is a miss, its master does not step down)
+other refusals         change nothing (``KeyExists``: the node holds the
+                       key; ``NotPublished``: no open allocation there)
+=====================  ==================================================
+
+and the masters' steps that no node records are placed between them:
+``ObtainTerm(m)`` before the first step that carries ``m``'s term,
+``Recover(m)`` and ``Open(m)`` before the first step that needs ``m`` to
+serve (a stamped request of its term, or its purge), and at the end for a
+master whose file says it opened. A master's file (``"opened"`` with
+``"term"``) gives the number of objects it recovered and, up to 1,000 of
+them, each one's replicas (``"recovered"``): ``Recover(m)`` must rebuild
+exactly that directory, replica for replica, from the fenced nodes' indexes.
+
+Mapping. Terms are numbered by rank (the spec's ``1..MaxTerm``), one master
+per term. A spec key is one replica, an object's key on one node (the spec
+has one replica per object; a put with two replicas is two spec keys), and a
+spec node is one segment of a node file (a node that starts over opens a new
+one). Dropped: offsets, lengths, tokens, checksums and requested replica
+counts of the index (the publish protocol's, checked by ``kvproto trace
+merge``); readers (a node's read is recorded only where its term is refused,
+a ``StaleRequest``; lookups are the master's).
+
+Joining and leaving, which the spec does not model (its nodes are all there
+from ``Init`` and only ``NodeLost`` leaves), are placed before each
+``Recover(m)``: a segment with no step yet, whose first step will be a
+fence (a node joins by one), holds nothing and is fenced by ``m`` there
+(``FenceUnstarted``: the spec's ``Fence`` of an empty node); a
+segment that ``m`` did not fence and that has no step left (killed, or
+started over) is the spec's ``NodeLost``. A segment that ``m`` did not fence
+but that still takes steps stays live, and ``Recover(m)`` cannot be taken.
+
+Order. No clock orders the files; the fence does. Each node's steps keep
+their order; across nodes they are ordered by the term the node held before
+each step (its fence), then by node: a step of a node fenced at term ``t``
+has no cause in a step of another node fenced higher, since a master of a
+higher term sends nothing but its fence before every node acknowledged it,
+and a master refused for its term stops. In the merged behaviour every
+fence of term ``t`` comes before the steps of nodes fenced at ``t``, as the
+spec's ``Recover`` requires.
+
+TLC walks the merged behaviour with a module ``FailoverTrace`` that extends
+``spec/Failover.tla``: each step must be the spec's action above from the
+state the steps before it reached, and the spec's invariants are checked in
+every state. A behaviour that the spec does not allow fails at the first
+step TLC cannot take, named by its node file and recorded number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from kvproto.checking.tla import Fn, ModelValue, format_value
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure, outcome,
+                                       run_module)
+
+__all__ = ["check", "read_master", "read_node"]
+
+#: the node steps of ``failover.storage_step`` (the term fence and the object index)
+STEPS = ("Fence", "StampedAllocate", "StampedPublish", "StampedFree", "PurgeUnpublished",
+         "IndexRequest", "StaleRequest")
+#: the steps that carry a key
+KEYED = ("StampedAllocate", "StampedPublish", "StampedFree")
+#: the requests a master sends a node (the others are clients' reads and writes)
+MASTER_OPS = ("assign", "free", "publish", "fence", "purge", "repair")
+#: the spec's invariants checked in every state (spec/Failover.cfg)
+INVARIANTS = ("TypeOK", "NoSplitBrainAllocation", "NoStaleTermWriteAccepted",
+              "DirectoryOnlyListsLiveBytes", "UnpublishedPurgedAfterRecovery",
+              "AcknowledgedChangesSurvive")
+#: at most this many merged steps are checked
+MAX_STEPS = 5000
+NONE = ModelValue("None")
+
+
+def _lines(path: Path) -> list[tuple[int, dict]]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            obj = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+        if isinstance(obj, dict):
+            out.append((number, obj))
+    return out
+
+
+def read_node(path: "str | Path") -> list[tuple[dict, list[tuple[int, dict]]]]:
+    """A node file's segments: each one's ``opened`` header and its fence and
+    index steps (each with its line). A node that starts over opens a new
+    segment in the same file."""
+    lines = [(n, o) for n, o in _lines(path) if o.get("machine") == "storage"]
+    if not lines or "opened" not in lines[0][1]:
+        raise TraceError(f"{path} does not start where a storage node opened its segment")
+    segments: list = []
+    for number, obj in lines:
+        if "opened" in obj:
+            segments.append((obj["opened"], []))
+            continue
+        if "asked" in obj:
+            continue
+        ev = obj.get("event")
+        if not isinstance(ev, dict) or not isinstance(obj.get("effects"), list):
+            raise TraceError(f"{path}:{number}: a step needs 'event' and 'effects'")
+        if ev.get("type") in STEPS:
+            segments[-1][1].append((number, obj))
+    return segments
+
+
+def read_master(path: "str | Path") -> list[dict]:
+    """What a master's file says it opened: ``{"term", "objects", "keys",
+    "replicas"}`` per opening (``replicas``: ``(key, segment)`` of each
+    recovered replica where the opening lists them; ``keys`` the recovered
+    objects' keys, from there or from its lease table's list; else None)."""
+    openings: list[dict] = []
+    for number, obj in _lines(path):
+        if obj.get("machine") == "publish" and "opened" in obj:
+            header = obj["opened"]
+            if "term" not in header:
+                raise TraceError(f"{path}:{number}: the master's 'opened' line has no term "
+                                 "(recorded by an older master)")
+            listed = header.get("recovered")
+            replicas = frozenset((k, seg) for k, segs in listed for seg in segs) \
+                if isinstance(listed, list) else None
+            openings.append({"term": header["term"], "objects": header["objects"],
+                             "keys": frozenset() if header["objects"] == 0 else
+                             None if replicas is None else frozenset(k for k, _ in replicas),
+                             "replicas": frozenset() if header["objects"] == 0 else replicas})
+        elif obj.get("machine") == "lease" and "opened" in obj and openings \
+                and openings[-1]["keys"] is None:
+            listed = obj["opened"].get("inherited")
+            if isinstance(listed, list) and len(listed) == openings[-1]["objects"]:
+                openings[-1]["keys"] = frozenset(k for k, _ in listed)
+    return openings
+
+
+def _accepted(step: dict) -> bool:
+    return not (step["effects"] and step["effects"][0].get("type") == "Refused")
+
+
+def _error(step: dict) -> str:
+    return "" if _accepted(step) else step["effects"][0]["error"]["type"]
+
+
+def _term(ev: dict) -> int:
+    return ev["below"] if ev["type"] == "PurgeUnpublished" else ev["term"]
+
+
+def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
+    """The nodes' steps in one order: ``(node, index)`` each, by the term the
+    node held before the step (an accepted fence raising it by more than one
+    term: the term just below the fence's), then node, then the node's own
+    order."""
+    keyed = []
+    for n, (opened, steps) in enumerate(nodes):
+        held = rank.get(opened.get("term", 0), 0)
+        for i, (_, step) in enumerate(steps):
+            ev = step["event"]
+            raised = rank[ev["term"]] if _accepted(step) and ev["type"] in ("Fence",) + KEYED \
+                else 0
+            at = raised - 1 if ev["type"] == "Fence" and raised > held else held
+            keyed.append(((at, n, i), (n, i)))
+            held = max(held, raised)
+    keyed.sort(key=lambda item: item[0])
+    return [where for _, where in keyed]
+
+
+def _needs_open(step: dict) -> bool:
+    """A step only a serving master of its term causes."""
+    kind = step["event"]["type"]
+    return kind == "PurgeUnpublished" or (kind in KEYED and _error(step) != "StaleTerm")
+
+
+class FailoverModel:
+    """The merged behaviour on model values: records, constants and origins."""
+
+    def __init__(self, nodes: list[tuple[dict, list]], files: list[Path],
+                 masters: list[dict]) -> None:
+        terms = {opened.get("term", 0) for opened, _ in nodes} - {0}
+        terms |= {_term(step["event"]) for _, steps in nodes for _, step in steps}
+        terms |= {o["term"] for o in masters}
+        rank = {t: i for i, t in enumerate(sorted(terms), 1)}
+        self.rank = rank
+        self.masters = tuple(ModelValue(f"m{i}") for i in range(1, len(rank) + 1))
+        node_names = [ModelValue(f"n{i}") for i in range(1, len(nodes) + 1)]
+        keys = Numbered("k")
+        objects: dict = {}
+
+        def key(n: int, name: str) -> ModelValue:
+            k = keys((n, name))
+            objects[k] = name
+            return k
+
+        self.records, self.origins = [], []
+        obtained, opened_terms = 0, set()
+
+        def master(act: str, t: int, why: str, n: Optional[int] = None) -> None:
+            self.records.append(Fn.of({**_BLANK, "src": "master", "act": act, "t": t,
+                                       "n": NONE if n is None else node_names[n]}))
+            what = f"{act} of the master of term {sorted(rank)[t - 1]}" if n is None else \
+                f"{act} of {files[n].name} segment {nodes[n][0].get('segment')!r} " \
+                f"(term {sorted(rank)[t - 1]})"
+            self.origins.append((None, None, None, f"{what} ({why})"))
+
+        def obtain(t: int, why: str) -> None:
+            nonlocal obtained
+            while obtained < t:
+                obtained += 1
+                master("ObtainTerm", obtained, why)
+
+        placed = [0] * len(nodes)          # per node: its steps placed so far
+        fenced = [set() for _ in nodes]    # per node: the terms whose fence it took
+        lost: set = set()
+
+        def open_(t: int, why: str) -> None:
+            if t in opened_terms:
+                return
+            obtain(t, why)
+            opened_terms.add(t)
+            for n, (_, steps) in enumerate(nodes):
+                if n in lost or t in fenced[n]:
+                    continue
+                if placed[n] == 0 and (not steps or steps[0][1]["event"]["type"] == "Fence"):
+                    # not started yet (it joins by a fence): it holds nothing
+                    master("FenceUnstarted", t, why, n)
+                elif placed[n] == len(steps):   # gone (killed, or started over)
+                    master("NodeLost", t, why, n)
+                    lost.add(n)
+            master("Recover", t, why)
+            master("Open", t, why)
+
+        for n, i in merge(nodes, rank):
+            line, step = nodes[n][1][i]
+            ev = step["event"]
+            t = rank[_term(ev)]
+            why = f"before {files[n].name} step {step.get('n')}"
+            obtain(t, why)
+            if _needs_open(step):
+                open_(t, why)
+            k = key(n, ev["key"]) if ev["type"] in KEYED else NONE
+            purged = frozenset(key(n, name) for name in step["effects"][0]["keys"]) \
+                if ev["type"] == "PurgeUnpublished" and _accepted(step) else frozenset()
+            self.records.append(Fn.of({**_BLANK, "src": "node", "act": ev["type"],
+                                       "n": node_names[n], "t": t, "k": k,
+                                       "ok": _accepted(step), "err": _error(step),
+                                       "keys": purged, "client": ev["type"] == "StaleRequest"
+                                       and ev.get("op") not in MASTER_OPS}))
+            self.origins.append((files[n], step.get("n"), line, step))
+            placed[n] += 1
+            if ev["type"] == "Fence" and _accepted(step):
+                fenced[n].add(t)
+        for o in sorted(masters, key=lambda o: o["term"]):
+            open_(rank[o["term"]], "its file says it opened")
+        self.records = tuple(self.records)
+        self.count = Fn.of({rank[o["term"]]: o["objects"] for o in masters})
+        self.keys = Fn.of({rank[o["term"]]: o["keys"] for o in masters if o["keys"] is not None})
+        segments = {opened["segment"]: n for n, (opened, _) in enumerate(nodes)}
+        replicas = {}
+        for o in masters:
+            if o.get("replicas") is None:
+                continue
+            for name, seg in o["replicas"]:
+                if seg not in segments:
+                    raise TraceError(f"the master of term {o['term']} recovered {name!r} on "
+                                     f"segment {seg}, which no node file covers")
+            replicas[rank[o["term"]]] = frozenset(key(segments[s], k) for k, s in o["replicas"])
+        self.replicas = Fn.of(replicas)
+        self.objects = Fn.of(objects)
+        self.model_values = list(self.masters) + node_names + keys.values()
+        self.constants = {"Masters": frozenset(self.masters), "Nodes": frozenset(node_names),
+                          "Keys": frozenset(keys.values()), "Readers": frozenset(),
+                          "MaxTerm": len(rank), "None": NONE}
+
+
+_BLANK = {"n": NONE, "k": NONE, "t": 0, "ok": True, "err": "", "keys": frozenset(),
+          "client": False}
+
+
+_MODULE = r"""---------------------------- MODULE FailoverTrace ----------------------------
+(* The storage nodes' recorded fence and index steps of a run with master    *)
+(* takeovers, merged (kvproto trace failover): each step must be an action   *)
+(* of Failover from the state the steps before it reached.                  *)
+EXTENDS Failover, Sequences, TLC
+
+CONSTANTS %(values)s
+
+Trace == %(trace)s
+MasterOf == %(masters)s
+\* spec key (one replica) -> the object's key
+ObjOf == %(objects)s
+\* term -> how many objects its master's file says it recovered, and which
+RecCount == %(count)s
+RecKeys == %(keys)s
+\* term -> the replicas its master's file lists as recovered
+RecReplicas == %(replicas)s
+
+VARIABLES
+    pos,             \* the next step of Trace
+    pending,         \* node -> entries Recover purged that the node has not purged yet
+    recoveredTerms   \* the terms whose master recovered
+
+R == Trace[pos]
+M(t) == MasterOf[t]
+Objects(d) == {ObjOf[k] : k \in {x \in Keys : d[x] # None}}
+Others == <<pending, recoveredTerms>>
+
+\* A request stamped below the node's fence is refused; a master's steps it
+\* down, a client's (a read or a write, spec Read) is a miss.
+RefusedStale(n, t) ==
+    /\ ~NodeAccepts(n, t)
+    /\ IF phase[M(t)] # "standby" /\ ~R.client THEN StepDown(M(t))
+       ELSE UNCHANGED <<phase, mterm, acked>>
+    /\ UNCHANGED <<coordTerm, dir, live, nodeTerm, idx, desc, got, promised, staleAccepted, told>>
+
+\* A node joins a master that already serves (the spec has every node from
+\* the start): it holds nothing and learns the term as a fence does.
+Join(m, n) ==
+    /\ phase[m] \in {"recovered", "open"}
+    /\ nodeTerm[n] <= mterm[m]
+    /\ \A k \in Keys : idx[n][k] = None
+    /\ nodeTerm' = [nodeTerm EXCEPT ![n] = mterm[m]]
+    /\ promised' = [promised EXCEPT ![n] = Max(@, mterm[m])]
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, idx, desc, got, staleAccepted, told>>
+
+\* An unpublished allocation freed (its attempt revoked or reclaimed): the
+\* spec abstracts this away; the entry leaves the index and the directory.
+Revoke(m, k, n) ==
+    /\ phase[m] = "open"
+    /\ idx[n][k] # None /\ ~idx[n][k].pub
+    /\ idx' = [idx EXCEPT ![n][k] = None]
+    /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+    /\ dir' = [dir EXCEPT ![m][k] = None]
+    /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n} ELSE staleAccepted
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, live, desc, got, promised, told>>
+
+NodeStep ==
+    LET n == R.n  t == R.t  k == R.k  m == M(R.t) IN
+    \/ /\ R.act = "Fence" /\ R.ok
+       /\ \/ phase[m] = "fencing" /\ nodeTerm[n] <= t /\ Fence(m, n)
+          \/ Join(m, n)
+          \/ nodeTerm[n] = t /\ UNCHANGED vars     \* fenced again at the same term
+       /\ UNCHANGED Others
+    \/ /\ ~R.ok /\ R.err = "StaleTerm"
+       /\ R.act \in {"Fence", "IndexRequest", "StampedAllocate", "StampedPublish", "StampedFree",
+                     "StaleRequest"}
+       /\ RefusedStale(n, t) /\ UNCHANGED Others
+    \/ /\ R.act = "StampedAllocate"
+       /\ IF R.ok THEN NodeAccepts(n, t) /\ Allocate(m, k, n)
+                  ELSE R.err = "KeyExists" /\ idx[n][k] # None /\ UNCHANGED vars
+       /\ UNCHANGED Others
+    \/ /\ R.act = "StampedPublish"
+       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].node = n
+                       /\ Publish(m, k)
+                  ELSE /\ R.err = "NotPublished" /\ k \notin pending[n]
+                       /\ (idx[n][k] = None \/ idx[n][k].pub) /\ UNCHANGED vars
+       /\ UNCHANGED Others
+    \/ /\ R.act = "StampedFree"
+       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].node = n
+                       /\ IF dir[m][k].pub THEN Remove(m, k) ELSE Revoke(m, k, n)
+                  ELSE R.err = "StaleToken" /\ UNCHANGED vars
+       /\ UNCHANGED Others
+    \/ R.act = "IndexRequest" /\ R.ok /\ NodeAccepts(n, t) /\ UNCHANGED <<vars, Others>>
+    \/ /\ R.act = "PurgeUnpublished" /\ R.ok
+       /\ t \in recoveredTerms
+       /\ R.keys = pending[n]
+       /\ pending' = [pending EXCEPT ![n] = {}]
+       /\ UNCHANGED <<vars, recoveredTerms>>
+
+MasterStep ==
+    LET m == M(R.t) IN
+    \/ R.act = "ObtainTerm" /\ ObtainTerm(m) /\ UNCHANGED Others
+    \/ /\ R.act = "Recover"
+       /\ phase[m] = "fencing" /\ FenceComplete(m) /\ \A n \in live : nodeTerm[n] <= mterm[m]
+       /\ Recover(m)
+       /\ R.t \in DOMAIN RecCount => Cardinality(Objects(dir'[m])) = RecCount[R.t]
+       /\ R.t \in DOMAIN RecKeys => Objects(dir'[m]) = RecKeys[R.t]
+       /\ R.t \in DOMAIN RecReplicas => {x \in Keys : dir'[m][x] # None} = RecReplicas[R.t]
+       /\ pending' = [n \in Nodes |-> pending[n] \cup
+                        {k \in Keys : idx[n][k] # None /\ ~idx[n][k].pub
+                                      /\ idx[n][k].term < mterm[m]}]
+       /\ recoveredTerms' = recoveredTerms \cup {R.t}
+    \/ R.act = "Open" /\ Open(m) /\ UNCHANGED Others
+    \* a node that has not started yet holds nothing: its fence changes nothing it holds
+    \/ /\ R.act = "FenceUnstarted" /\ phase[m] = "fencing"
+       /\ nodeTerm[R.n] <= R.t /\ \A k \in Keys : idx[R.n][k] = None
+       /\ Fence(m, R.n) /\ UNCHANGED Others
+    \* a node with no step left (killed, or started over under a new segment)
+    \/ R.act = "NodeLost" /\ NodeLost(R.n) /\ UNCHANGED Others
+
+TraceInit ==
+    /\ Init
+    /\ pos = 1
+    /\ pending = [n \in Nodes |-> {}]
+    /\ recoveredTerms = {}
+
+Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos, Others>>
+
+TraceNext ==
+    \/ /\ pos <= Len(Trace)
+       /\ IF R.src = "node" THEN NodeStep ELSE MasterStep
+       /\ pos' = pos + 1
+    \/ Done
+=============================================================================
+"""
+
+
+def _fn(value: Fn) -> str:
+    return format_value(value) if value else "<<>>"
+
+
+def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] = None,
+          on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """Have TLC check the fence and index steps in the node files ``nodes``
+    (with what the masters' files ``masters`` say they recovered) against
+    ``spec/Failover.tla``."""
+    if not nodes:
+        raise TraceError("no storage node trace to check")
+    read, files = [], []
+    for path in nodes:
+        for segment in read_node(path):
+            read.append(segment)
+            files.append(Path(path))
+    openings = [o for p in (masters or ()) for o in read_master(p)]
+    try:
+        model = FailoverModel(read, files, openings)
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise TraceError(f"a step the checker cannot read ({e!r})") from None
+    n = len(model.records)
+    if n > MAX_STEPS:
+        raise TraceError(f"the merged run has {n} steps; at most {MAX_STEPS} are checked "
+                         "(record a shorter run)")
+    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
+        if model.records else "<<>>"
+    text = _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace,
+                      "masters": format_value(model.masters), "objects": _fn(model.objects),
+                      "count": _fn(model.count), "keys": _fn(model.keys),
+                      "replicas": _fn(model.replicas)}
+    cfg = cfg_text(model, INVARIANTS)
+    result = run_module("Failover", "FailoverTrace", text, cfg, keep=keep, on_output=on_output)
+    common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
+                  machine="failover")
+    if result.verdict == "ok":
+        return Verdict(True, message=f"all {n} fence, index and recovery steps of "
+                                     f"{len(files)} segment(s) and {len(model.masters)} term(s) "
+                                     "are steps of spec/Failover.tla", **common)
+    if result.verdict in ("deadlock", "safety") and result.trace:
+        pos = result.trace[-1].state["pos"]
+        i = pos if result.verdict == "deadlock" else pos - 1
+        path, recorded, line, step = model.origins[i - 1]
+        what = "is not a step of spec/Failover.tla from the state the steps before it reached" \
+            if result.verdict == "deadlock" else \
+            f"leads to a state the spec forbids ({result.violated})"
+        if path is None:        # a master's step placed between the nodes' steps
+            return Verdict(False, **common, message=f"{step} {what}")
+        return Verdict(False, failed_step=recorded, line=line, **common,
+                       message=f"{path.name} step {recorded} (line {line}) {what}: "
+                               f"{describe(step)}")
+    raise failure(result)
+
+
+def describe(step: dict) -> str:
+    """A recorded node step in one line: ``Fence(term=2) -> FenceAck``."""
+    ev = step["event"]
+    args = ", ".join(f"{k}={v!r}" for k, v in ev.items() if k not in ("type", "node"))
+    return f"{ev['type']}({args}) -> {outcome(step['effects'])}"
+
+
+# --- command line ----------------------------------------------------------------
+
+
+def add_arguments(sub) -> None:
+    """``kvproto trace failover`` on the ``trace`` command's subparsers."""
+    parser = sub.add_parser(
+        "failover", help="check the storage nodes' fence and index steps of a run with "
+                         "takeovers with TLC",
+        description="Merge the storage nodes' traces (ordered by their term fences) into one "
+                    "run and check with TLC that their fence, index and purge steps, with the "
+                    "masters' takeovers between them, are a behaviour of spec/Failover.tla, or "
+                    "name the first step that is not.")
+    parser.add_argument("nodes", type=Path, nargs="+", metavar="NODE_FILE",
+                        help="the storage nodes' trace files")
+    parser.add_argument("--master", type=Path, action="append", default=[], metavar="FILE",
+                        help="a master's trace file: what it recovered must be what the fenced "
+                             "nodes held (repeat for each master)")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="write the generated module and cfg to DIR")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        verdict = check(args.nodes, args.master, keep=args.keep)
+    except (TraceError, FileNotFoundError) as e:
+        print(f"kvproto trace: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    states = "?" if verdict.distinct_states is None else f"{verdict.distinct_states:,}"
+    print(f"failover: {verdict.message} ({states} distinct states, {verdict.seconds:.1f}s)")
+    return 0 if verdict.ok else 1
