@@ -16,6 +16,10 @@ runs cells on it one after another. A cell run:
    whatever still differs is a leak;
 5. reads back every key of the cell and judges the journals against it
    (:func:`~kvproto.checking.chaos.verdict.judge`), then removes the cell's keys.
+
+With tracing on (:func:`run_traced`, ``kvproto chaos --trace``) each cell
+runs on a cluster of its own whose servers record their steps, and TLC checks
+them after the cell (:mod:`kvproto.checking.chaos.tracecheck`).
 """
 
 from __future__ import annotations
@@ -562,7 +566,8 @@ def add_arguments(parser) -> None:
         "chosen protocol phase. Every read is checked against what was acknowledged; after "
         "each cell the store must settle with nothing leaked. Prints a row per cell run and "
         "a table per cell at the end; exits 1 if any cell found wrong bytes, lost an "
-        "acknowledged operation or leaked.\n\n"
+        "acknowledged operation, leaked or (with --trace) recorded a step its spec does "
+        "not allow.\n\n"
         "Cells: " + ", ".join(f"{c.name} ({c.about})" for c in CELLS.values()) + ".")
 
     def cells(text: str) -> list[str]:

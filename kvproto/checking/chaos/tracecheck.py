@@ -217,7 +217,7 @@ def _merged_check(master: Path, nodes: list[Path], max_steps: int) -> Check:
                              f"{min(traces.LIMITS['steps'], max_steps)} are checked")
         return len(m.records)
 
-    k, why = longest_fit(len(steps), model)
+    k, why = longest_fit(min(len(steps), max_steps), model)   # each master step is a record
     if k == 0:
         return Check("merged", recorded, why=why or "no step recorded")
     verdict = mergetrace.check_steps(header, steps[:k], caused_within(steps[:k], node_steps),

@@ -21,7 +21,10 @@ What counts against the store:
 * **unexplained objects**: a generation no writer had started to put when it
   was read, or a key no writer wrote;
 * **client exceptions**: a client call that raised anything but a typed
-  kvproto error.
+  kvproto error;
+* **trace failures** (``kvproto chaos --trace``): a recorded step of a
+  master or storage node that its spec does not allow
+  (:mod:`kvproto.checking.chaos.tracecheck`).
 
 Leaks: after the cell, the master and the storage nodes must agree region by
 region (see :mod:`kvproto.checking.chaos.matrix`), and a loader's buffer pool
