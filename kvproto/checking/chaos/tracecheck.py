@@ -9,7 +9,9 @@ After the cell quiesced and its cluster stopped, :func:`check_cell` runs the
 checkers that apply:
 
 * **publish** and **lease**, each master's file alone (``kvproto trace
-  check``: ``spec/Publish.tla``, ``spec/Lease.tla``). A master that took over
+  check``: ``spec/Publish.tla``, ``spec/Lease.tla``), each run in it apart
+  (a master paused past its term steps down, and may take over again later,
+  opening a second run in its file). A master that took over
   opens a recovered directory, which the publish checker does not start from:
   its publish steps are left to the failover check; its lease table, opened
   with what it inherited, is checked.
@@ -127,31 +129,36 @@ def _fit_and_check(name: str, steps: list, max_steps: int, fits: Callable[[int],
     return Check(name, len(steps), verdict.steps if verdict.ok else k, verdict, why)
 
 
+def runs(lines: list) -> list[list]:
+    """A machine's lines split where the master opened it anew: a master that
+    stepped down (paused past its term) and later took over again records a
+    second run in the same file."""
+    out: list[list] = []
+    for number, obj in lines:
+        if "opened" in obj or not out:
+            out.append([])
+        out[-1].append((number, obj))
+    return out
+
+
 def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
     out = []
     lines = traces.read(path)
-    if lines["publish"]:
-        try:
-            header, steps = traces.publish_run(lines["publish"])
-        except TraceError as e:
-            out.append(Check(f"{name} publish", len(lines["publish"]) - 1,
-                             why=" ".join(str(e).split())))
-        else:
+    for machine, read, to_model, check_run in (
+            ("publish", traces.publish_run, traces.to_model, traces.check_run),
+            ("lease", leasetrace.lease_run, leasetrace.to_model, leasetrace.check_run)):
+        split = runs(lines[machine])
+        for i, run in enumerate(split, 1):
+            label = f"{name} {machine}" + (f" run {i}" if len(split) > 1 else "")
+            try:
+                header, steps = read(run)
+            except TraceError as e:
+                out.append(Check(label, len(run) - 1, why=" ".join(str(e).split())))
+                continue
             out.append(_fit_and_check(
-                f"{name} publish", steps, max_steps,
-                lambda k: traces.to_model(header, steps[:k]),
-                lambda k: traces.check_run(header, steps[:k])))
-    if lines["lease"]:
-        try:
-            header, steps = leasetrace.lease_run(lines["lease"])
-        except TraceError as e:
-            out.append(Check(f"{name} lease", len(lines["lease"]) - 1,
-                             why=" ".join(str(e).split())))
-        else:
-            out.append(_fit_and_check(
-                f"{name} lease", steps, max_steps,
-                lambda k: leasetrace.to_model(header, steps[:k]),
-                lambda k: leasetrace.check_run(header, steps[:k])))
+                label, steps, max_steps,
+                lambda k, h=header, s=steps, m=to_model: m(h, s[:k]),
+                lambda k, h=header, s=steps, c=check_run: c(h, s[:k])))
     return out
 
 
@@ -199,7 +206,7 @@ def caused_within(master: list, nodes: list[list]) -> list[list]:
 
 
 def _merged_check(master: Path, nodes: list[Path], max_steps: int) -> Check:
-    header, steps = traces.publish_run(traces.read(master)["publish"])
+    header, steps = traces.publish_run(runs(traces.read(master)["publish"])[0])
     term = header.get("term", 1)
     segments, node_steps = set(), []
     for path in nodes:
