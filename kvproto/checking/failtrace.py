@@ -82,14 +82,13 @@ step TLC cannot take, named by its node file and recorded number.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 from kvproto.checking.tla import Fn, ModelValue, format_value
-from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure, outcome,
-                                       run_module)
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
+                                       failure, json_lines, machine_lines, outcome, run_module)
 
 __all__ = ["check", "read_master", "read_node"]
 
@@ -109,27 +108,11 @@ MAX_STEPS = 5000
 NONE = ModelValue("None")
 
 
-def _lines(path: Path) -> list[tuple[int, dict]]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            obj = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
-        if isinstance(obj, dict):
-            out.append((number, obj))
-    return out
-
-
 def read_node(path: "str | Path") -> list[tuple[dict, list[tuple[int, dict]]]]:
     """A node file's segments: each one's ``opened`` header and its fence and
     index steps (each with its line). A node that starts over opens a new
     segment in the same file."""
-    lines = [(n, o) for n, o in _lines(path) if o.get("machine") == "storage"]
+    lines = machine_lines(path, "storage")
     if not lines or "opened" not in lines[0][1]:
         raise TraceError(f"{path} does not start where a storage node opened its segment")
     segments: list = []
@@ -153,7 +136,9 @@ def read_master(path: "str | Path") -> list[dict]:
     recovered replica where the opening lists them; ``keys`` the recovered
     objects' keys, from there or from its lease table's list; else None)."""
     openings: list[dict] = []
-    for number, obj in _lines(path):
+    for number, obj in json_lines(path):
+        if not isinstance(obj, dict):
+            continue
         if obj.get("machine") == "publish" and "opened" in obj:
             header = obj["opened"]
             if "term" not in header:
@@ -176,12 +161,8 @@ def read_master(path: "str | Path") -> list[dict]:
     return openings
 
 
-def _accepted(step: dict) -> bool:
-    return not (step["effects"] and step["effects"][0].get("type") == "Refused")
-
-
 def _error(step: dict) -> str:
-    return "" if _accepted(step) else step["effects"][0]["error"]["type"]
+    return "" if accepted(step) else step["effects"][0]["error"]["type"]
 
 
 def _term(ev: dict) -> int:
@@ -198,7 +179,7 @@ def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
         held = rank.get(opened.get("term", 0), 0)
         for i, (_, step) in enumerate(steps):
             ev = step["event"]
-            raised = rank[ev["term"]] if _accepted(step) and ev["type"] in ("Fence",) + KEYED \
+            raised = rank[ev["term"]] if accepted(step) and ev["type"] in ("Fence",) + KEYED \
                 else 0
             at = raised - 1 if ev["type"] == "Fence" and raised > held else held
             keyed.append(((at, n, i), (n, i)))
@@ -292,15 +273,15 @@ class FailoverModel:
                 open_(t, why)
             k = key(n, ev["key"]) if ev["type"] in KEYED else NONE
             purged = frozenset(key(n, name) for name in step["effects"][0]["keys"]) \
-                if ev["type"] == "PurgeUnpublished" and _accepted(step) else frozenset()
+                if ev["type"] == "PurgeUnpublished" and accepted(step) else frozenset()
             self.records.append(Fn.of({**_BLANK, "src": "node", "act": ev["type"],
                                        "n": node_names[n], "t": t, "k": k,
-                                       "ok": _accepted(step), "err": _error(step),
+                                       "ok": accepted(step), "err": _error(step),
                                        "keys": purged, "client": ev["type"] == "StaleRequest"
                                        and ev.get("op") not in MASTER_OPS}))
             self.origins.append((files[n], step.get("n"), line, step))
             placed[n] += 1
-            if ev["type"] == "Fence" and _accepted(step):
+            if ev["type"] == "Fence" and accepted(step):
                 fenced[n].add(t)
         for o in sorted(masters, key=lambda o: o["term"]):
             open_(rank[o["term"]], "its file says it opened")

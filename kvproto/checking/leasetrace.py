@@ -70,8 +70,8 @@ from typing import Callable, Optional
 import attrs
 
 from kvproto.checking.tla import Fn, ModelValue
-from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
-                                       module_text, outcome, run_module)
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
+                                       failure, module_text, outcome, run_module)
 
 NONE = ModelValue("None")
 
@@ -113,11 +113,6 @@ def lease_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict
     return header, steps
 
 
-def _accepted(step: dict) -> bool:
-    effects = step["effects"]
-    return not (effects and effects[0].get("type") == "Refused")
-
-
 def first_outside(header: dict, steps: list[tuple[int, dict]]) -> Optional[tuple[int, str]]:
     """The index of the first step that leaves the world ``spec/Lease.tla``
     models, and why (:func:`outside`), or None. After a takeover, that is also
@@ -128,13 +123,13 @@ def first_outside(header: dict, steps: list[tuple[int, dict]]) -> Optional[tuple
     now, until = header["now"], header.get("quiet_until", 0)
     for i, (_, step) in enumerate(steps):
         ev = step["event"]
-        if ev["type"] == "Tick" and _accepted(step):
+        if ev["type"] == "Tick" and accepted(step):
             now = ev["now"]
-        elif ev["type"] == "Disown" and _accepted(step) and _key(ev["key"]) in quiet \
+        elif ev["type"] == "Disown" and accepted(step) and _key(ev["key"]) in quiet \
                 and now < until:
             return i, ("an inherited object stopped counting as leased before one TTL after "
                        "the takeover (an operator's forced remove, or its segment lost)")
-        for e in step["effects"] if _accepted(step) else ():
+        for e in step["effects"] if accepted(step) else ():
             if e["type"] == "Reclaimed":
                 quiet.discard(_key(e["key"]))
         why = outside(step)
@@ -147,7 +142,7 @@ def outside(step: dict) -> Optional[str]:
     """Why ``step`` leaves the world ``spec/Lease.tla`` models, or None: the
     master ended an unexpired lease on its own for a reason the spec does not
     model (an operator's forced remove, or its object lost with its segment)."""
-    if step["event"].get("type") != "Release" or not _accepted(step):
+    if step["event"].get("type") != "Release" or not accepted(step):
         return None
     by, during = step.get("by"), step.get("during") or {}
     if by == "forced":
@@ -254,9 +249,9 @@ def _times(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, dict]:
         ev = step["event"]
         if ev["type"] == "Tick":
             points.append(ev["now"])
-            if _accepted(step):
+            if accepted(step):
                 now = ev["now"]
-        elif ev["type"] in ("Grant", "Renew") and _accepted(step):
+        elif ev["type"] in ("Grant", "Renew") and accepted(step):
             links.append((now, now + ttl))
             points.append(step["effects"][0]["expires"])
     return abstract_times(header["now"], points, links)
@@ -381,7 +376,7 @@ class _Mapping:
     def record(self, step: dict) -> Fn:
         """One step as the trace module's record (every record has every field)."""
         ev, effects = step["event"], step["effects"]
-        ok = _accepted(step)
+        ok = accepted(step)
         act, by = ev["type"], step.get("by") or ""
         fields = {"act": act, "ok": ok, "err": "" if ok else effects[0]["error"]["type"],
                   "by": by, "k": NONE, "h": NONE, "s": NONE, "t": 0, "exp": 0,

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -73,8 +72,8 @@ from typing import Callable, Optional
 
 from kvproto.checking import traces
 from kvproto.checking.tla import Fn, format_value
-from kvproto.checking.tracerun import (TraceError, Verdict, cfg_text, failure, module_text,
-                                       run_module)
+from kvproto.checking.tracerun import (TraceError, Verdict, accepted, cfg_text, failure,
+                                       machine_lines, module_text, run_module)
 
 __all__ = ["check", "merge", "node_files", "read_node"]
 
@@ -93,18 +92,7 @@ def node_files(master: "str | Path") -> list[Path]:
 
 def read_node(path: "str | Path") -> tuple[set, list[tuple[int, dict]]]:
     """A node file's segments and its region-table steps (each with its line)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
-    lines = []
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            obj = json.loads(line) if line.strip() else {}
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
-        if isinstance(obj, dict) and obj.get("machine") == "storage":
-            lines.append((number, obj))
+    lines = machine_lines(path, "storage")
     if not lines or "opened" not in lines[0][1]:
         raise TraceError(f"{path} does not start where a storage node opened its segment")
     segments = {obj["opened"]["segment"] for _, obj in lines if "opened" in obj}
@@ -125,10 +113,6 @@ def read_node(path: "str | Path") -> tuple[set, list[tuple[int, dict]]]:
     return segments, steps
 
 
-def _accepted(step: dict) -> bool:
-    return not (step["effects"] and step["effects"][0].get("type") == "Refused")
-
-
 def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -> list[tuple]:
     """The master's steps and the nodes' region steps in one causal order:
     ``(source, index, (line, step))`` each, ``source`` ``-1`` for the master
@@ -136,7 +120,7 @@ def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -
     issued: dict[tuple, list[int]] = defaultdict(list)   # command -> master positions
     granted: dict[int, int] = {}                         # token -> its PutStart
     for pos, (_, step) in enumerate(master, 1):
-        for e in step["effects"] if _accepted(step) else ():
+        for e in step["effects"] if accepted(step) else ():
             kind = e["type"]
             if kind in COMMANDS:
                 issued[(e["segment"], kind, e["offset"], e["token"])].append(pos)
@@ -165,7 +149,7 @@ def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -
 def _commands(m, step: dict) -> Fn:
     """A master step's commands to the nodes, per segment, in the order sent."""
     queued: dict = defaultdict(list)
-    for e in step["effects"] if _accepted(step) else ():
+    for e in step["effects"] if accepted(step) else ():
         if e["type"] in COMMANDS:
             segment, slot = m.slot(e["segment"], e["offset"])
             queued[segment].append((COMMANDS[e["type"]], slot, m.token(e["token"])))
@@ -178,7 +162,7 @@ def _node_record(m, step: dict) -> Fn:
     ev = step["event"]
     segment, slot = m.slot(ev["segment"], ev["offset"])
     asked = step.get("asked", ev.get("token"))
-    return Fn.of({"src": "node", "act": ev["type"], "ok": _accepted(step), "s": segment,
+    return Fn.of({"src": "node", "act": ev["type"], "ok": accepted(step), "s": segment,
                   "x": slot, "t": m.token(ev.get("token")), "a": m.token(asked),
                   "w": m.writer(asked)})
 

@@ -1,9 +1,12 @@
-"""What the trace checkers of each machine share (:mod:`kvproto.checking.traces`,
-:mod:`kvproto.checking.leasetrace`): their errors and verdicts, runtime names
-numbered as model values, and running TLC on a generated trace module."""
+"""What the trace checkers share (:mod:`kvproto.checking.traces`,
+:mod:`kvproto.checking.leasetrace`, :mod:`kvproto.checking.mergetrace`,
+:mod:`kvproto.checking.failtrace`): reading a trace file, their errors and
+verdicts, runtime names numbered as model values, and running TLC on a
+generated trace module."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +21,36 @@ from kvproto.checking.tla import ModelValue, format_value
 class TraceError(ValueError):
     """A trace file that cannot be checked (unreadable, or outside what the
     checker maps onto the spec's constants)."""
+
+
+def json_lines(path: "str | Path") -> list[tuple[int, object]]:
+    """The JSON values of a trace file's non-blank lines, each with its line
+    number; an unreadable file or a line that is not JSON is a ``TraceError``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append((number, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+    return out
+
+
+def machine_lines(path: "str | Path", machine: str) -> list[tuple[int, dict]]:
+    """The lines of ``path`` recorded by ``machine`` (``"storage"``, ...)."""
+    return [(n, obj) for n, obj in json_lines(path)
+            if isinstance(obj, dict) and obj.get("machine") == machine]
+
+
+def accepted(step: dict) -> bool:
+    """Whether a recorded step was accepted (a refusal is one ``Refused`` effect)."""
+    effects = step["effects"]
+    return not (effects and effects[0].get("type") == "Refused")
 
 
 @attrs.frozen

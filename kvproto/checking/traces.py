@@ -53,7 +53,6 @@ bounded (:data:`LIMITS`) so that TLC checks it in seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -63,7 +62,7 @@ import attrs
 from kvproto.checking import leasetrace
 from kvproto.checking.tla import Fn, ModelValue
 from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
-                                       module_text, outcome, run_module)
+                                       json_lines, module_text, outcome, run_module)
 
 __all__ = ["TraceError", "Verdict", "check", "check_each", "check_run", "read", "publish_run", "describe"]
 
@@ -88,18 +87,8 @@ MACHINES = ("publish", "lease")
 
 def read(path: "str | Path") -> dict[str, list[tuple[int, dict]]]:
     """The lines of a trace file by machine, each with its line number."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     lines: dict[str, list[tuple[int, dict]]] = {m: [] for m in MACHINES}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{path}:{number}: not a JSON line ({e.msg})") from None
+    for number, obj in json_lines(path):
         if not isinstance(obj, dict) or "machine" not in obj:
             raise TraceError(f"{path}:{number}: not a trace line (no 'machine')")
         if obj["machine"] in lines:
