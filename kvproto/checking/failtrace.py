@@ -57,7 +57,10 @@ from ``Init`` and only ``NodeLost`` leaves), are placed before each
 fence (a node joins by one), holds nothing and is fenced by ``m`` there
 (``FenceUnstarted``: the spec's ``Fence`` of an empty node); a
 segment that ``m`` did not fence and that has no step left (killed, or
-started over) is the spec's ``NodeLost``. A segment that ``m`` did not fence
+started over) is the spec's ``NodeLost``, and so is one that took ``m``'s
+fence but that ``m`` recovered without (its answer came after the fence
+timeout: ``m``'s file does not list the segment) and that has no step left
+(the node started over, as a node left out of a recovery does). A segment that ``m`` did not fence
 but that still takes steps stays live, and ``Recover(m)`` cannot be taken.
 
 Order. No clock orders the files; the fence does. Each node's steps keep
@@ -144,7 +147,9 @@ def read_master(path: "str | Path") -> list[dict]:
             listed = header.get("recovered")
             replicas = frozenset((k, seg) for k, segs in listed for seg in segs) \
                 if isinstance(listed, list) else None
+            segments = header.get("segments")
             openings.append({"term": header["term"], "objects": header["objects"],
+                             "segments": frozenset(segments) if isinstance(segments, dict) else None,
                              "keys": frozenset() if header["objects"] == 0 else
                              None if replicas is None else frozenset(k for k, _ in replicas),
                              "replicas": frozenset() if header["objects"] == 0 else replicas})
@@ -229,6 +234,7 @@ class FailoverModel:
         placed = [0] * len(nodes)          # per node: its steps placed so far
         fenced = [set() for _ in nodes]    # per node: the terms whose fence it took
         lost: set = set()
+        listed = {rank[o["term"]]: o["segments"] for o in masters if o.get("segments") is not None}
 
         def open_(t: int, why: str) -> None:
             if t in opened_terms:
@@ -236,7 +242,17 @@ class FailoverModel:
             obtain(t, why)
             opened_terms.add(t)
             for n, (_, steps) in enumerate(nodes):
-                if n in lost or t in fenced[n]:
+                if n in lost:
+                    continue
+                if t in fenced[n]:
+                    # the node took the fence but its answer came after the
+                    # fence timeout: the master recovered without the segment
+                    # (its file does not list it), which has no step left (the
+                    # node started over): lost after its fence
+                    if placed[n] == len(steps) and t in listed \
+                            and nodes[n][0].get("segment") not in listed[t]:
+                        master("NodeLost", t, why, n)
+                        lost.add(n)
                     continue
                 if placed[n] == 0 and (not steps or steps[0][1]["event"]["type"] == "Fence"):
                     # not started yet (it joins by a fence): it holds nothing

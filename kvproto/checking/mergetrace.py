@@ -295,6 +295,15 @@ def check(master: "str | Path", nodes: Optional[list] = None, *, keep: Optional[
         segs, recorded = read_node(path)
         segments |= segs
         node_steps.append(recorded)
+    return check_steps(header, steps, node_steps, files, segments, keep=keep, on_output=on_output)
+
+
+def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[list[tuple[int, dict]]],
+                files: list[Path], segments: set, *, keep: Optional[Path] = None,
+                on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """:func:`check` of a master's run (:func:`traces.publish_run`) and its
+    nodes' region steps (:func:`read_node`, one list per file of ``files[1:]``;
+    ``files[0]`` the master's) on the ``segments`` the node files cover."""
     try:
         model = MergedModel(header, steps, node_steps, files)
     except (KeyError, TypeError, AttributeError) as e:

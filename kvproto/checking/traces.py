@@ -73,7 +73,7 @@ NOBODY = ModelValue("wr0")
 #: keys, segments and slots in every state
 LIMITS = {"steps": 3000, "keys": 32, "segments": 6, "slots": 64, "tokens": 512}
 
-INVARIANTS = ("TypeOK", "OnlyPublishedReadable", "PublishedHasAllReplicasComplete",
+INVARIANTS = ("TraceTypeOK", "OnlyPublishedReadable", "PublishedHasAllReplicasComplete",
               "NoOverlappingAllocation", "SpaceAccounted", "OneAttemptPublishes",
               "PublishedBytesAreTheAttempts", "NeverAboveRequested")
 
@@ -281,6 +281,32 @@ VARIABLE pos   \* the next record to match
 Trace == %(trace)s
 
 R == Trace[pos]
+
+\* The spec's TypeOK as TLC checks it on a run's constants: an object's
+\* replicas and repairs and an attempt's placement (functions of some
+\* segments: a UNION of function sets, which TLC enumerates in full to test
+\* membership) are checked domain and range apart; the other sets are the spec's.
+PartialOK(f, T) == DOMAIN f \subseteq Segments /\ \A s \in DOMAIN f : f[s] \in T
+ObjectOK(o) ==
+    /\ DOMAIN o = {"status", "token", "replicas", "requested", "repairs", "reads"}
+    /\ o.status \in {"pending", "published"} /\ o.token \in Tokens
+    /\ PartialOK(o.replicas, Slots) /\ o.requested \in 1..ReplicaCount
+    /\ PartialOK(o.repairs, RepairRegion) /\ o.reads \in 0..MaxReads
+AttemptOK(a) ==
+    /\ DOMAIN a = {"key", "token", "replicas", "written"}
+    /\ a.key \in Keys /\ a.token \in Tokens /\ a.written \subseteq Segments
+    /\ PartialOK(a.replicas, Slots) /\ Cardinality(DOMAIN a.replicas) = ReplicaCount
+TraceTypeOK ==
+    /\ \A k \in Keys : dir[k] = None \/ ObjectOK(dir[k])
+    /\ DOMAIN dir = Keys
+    /\ free \in [Segments -> 0..SlotsPerSegment]
+    /\ live \subseteq Segments
+    /\ nextToken \in 1..(MaxToken + 1)
+    /\ store \in [Segments -> [Slots -> {None} \cup Region]]
+    /\ DOMAIN writer = Writers /\ \A w \in Writers : writer[w] = None \/ AttemptOK(writer[w])
+    /\ publishedToken \in [Keys -> 0..MaxToken]
+    /\ content \in [Segments -> [Slots -> 0..MaxToken]]
+    /\ handed \in [Keys -> [Tokens -> 0..MaxReads]]
 
 \* The writer of the recorded attempt holds it.
 Holds(r) == writer[r.w] # None /\ writer[r.w].key = r.k /\ writer[r.w].token = r.t

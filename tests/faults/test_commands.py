@@ -27,6 +27,7 @@ def kvproto_cli(*args: str) -> subprocess.CompletedProcess:
     (["chaos", "--cells", "master-kill,bogus"], "unknown cell(s) 'bogus'"),
     (["chaos", "--minutes", "0"], "--minutes"),
     (["chaos", "--coordinator", "file:///tmp/x"], "etcd://"),
+    (["chaos", "--trace", "--trace-steps", "0"], "--trace-steps"),
     (["fuzz", "--frames", "0"], "--frames"),
     (["fuzz", "--target", "client"], "--target"),
 ])

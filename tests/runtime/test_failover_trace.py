@@ -307,6 +307,33 @@ def test_a_node_lost_at_a_takeover_is_left_out_and_may_start_over(tmp_path, caps
         assert verdict.message.startswith("Recover of the master of term 2 "), verdict.message
 
 
+@needs_java
+@pytest.mark.parametrize("listed", [["b"], ["a1", "b"]])
+def test_a_node_whose_fence_answer_came_late_is_lost_after_its_fence(tmp_path, listed):
+    """Node A holds ``x`` and takes the fence of term 2, but its answer
+    comes after the fence timeout: the new master recovers from B alone (its
+    file lists only B's segment) and A starts over under a new segment. The
+    same run where the master's file lists A's segment among those it
+    recovered from, and recovers nothing of it, is rejected at the recovery."""
+    a, b, m = tmp_path / "a.trace", tmp_path / "b.trace", tmp_path / "m2.trace"
+    a.write_text(_lines({"opened": {"segment": "a1", "term": 0}}, _fence(1, 1),
+                        _alloc(2, "x", 1), _publish(3, "x", 1), _fence(4, 2),
+                        {"opened": {"segment": "a2", "term": 2}}, _fence(5, 2),
+                        _alloc(6, "y", 2)))
+    b.write_text(_lines({"opened": {"segment": "b", "term": 0}}, _fence(1, 1), _fence(2, 2),
+                        _step(3, {"type": "PurgeUnpublished", "below": 2},
+                              [{"type": "Purged", "keys": [], "freed": 0}]),
+                        _alloc(4, "z", 2)))
+    m.write_text(json.dumps({"machine": "publish", "opened": {
+        "next_token": 5, "objects": 0, "segments": {s: 1 << 20 for s in listed}, "term": 2}}) + "\n")
+    verdict = failtrace.check([a, b], [m])
+    if listed == ["b"]:
+        assert verdict.ok, verdict.message
+    else:
+        assert not verdict.ok
+        assert verdict.message.startswith("Recover of the master of term 2 "), verdict.message
+
+
 def test_a_node_file_that_is_not_a_trace_is_a_one_line_error(tmp_path, capsys):
     f = tmp_path / "node.trace"
     f.write_text('{"machine":"publish","opened":{"next_token":1}}\n')

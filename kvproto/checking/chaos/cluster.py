@@ -130,6 +130,9 @@ class Settings:
         #: the masters' coordinator: None for an embedded ``file://`` one in
         #: the work folder, or an ``etcd://host:port/prefix`` URL
         self.coordinator: Optional[str] = None
+        #: whether every master and storage node records its steps to its own
+        #: file in the work folder's ``traces/`` (``--trace``)
+        self.trace = False
         for name, v in overrides.items():
             if not hasattr(self, name):
                 raise ValueError(f"unknown setting {name!r}")
@@ -151,6 +154,9 @@ class Cluster:
         self.settings = settings
         self.seed = seed
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        self.traces = self.workdir / "traces"
+        if settings.trace:
+            self.traces.mkdir(exist_ok=True)
         self.coordinator = settings.coordinator or f"file://{self.workdir / 'coordinator'}"
         self.ctx = zmq.Context()
         self.masters: list[Proc] = []
@@ -195,6 +201,8 @@ class Cluster:
                           fence_timeout=s.fence_timeout, lease_ttl=s.lease_ttl)
         else:
             config.update(size=s.segment_size)
+        if s.trace:
+            config["trace"] = str(self.traces / f"{name}.trace")
         return config
 
     def _spawn(self, role: str) -> Proc:

@@ -5,6 +5,9 @@
 coordinator; it prints its shared-memory names first, so the harness can
 unlink them after a ``kill -9`` (a killed node cannot).
 
+With ``"trace": FILE`` in the config, the server records its steps to FILE
+(:mod:`kvproto.runtime.tracing`).
+
 Both print ``kvproto ROLE listening on ENDPOINT`` once they serve and stop on
 SIGTERM; the endpoint is the advertised one (the fault proxy's front end).
 """
@@ -24,7 +27,7 @@ def master(config: dict) -> None:
                coordinator=connect(config["coordinator"], ttl=config["ttl"]),
                writer_timeout=config["writer_timeout"], storage_timeout=config["storage_timeout"],
                fence_timeout=config["fence_timeout"], lease_ttl=config["lease_ttl"],
-               log_level=config.get("log_level", "INFO"))
+               log_level=config.get("log_level", "INFO"), trace=config.get("trace"))
 
 
 def storage(config: dict) -> None:
@@ -32,7 +35,8 @@ def storage(config: dict) -> None:
     logging.basicConfig(level=config.get("log_level", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = StorageServer(config["coordinator"], config["size"], listen=config["listen"],
-                           advertise=config["advertise"], page_size=config.get("page_size", 4096))
+                           advertise=config["advertise"], page_size=config.get("page_size", 4096),
+                           trace=config.get("trace"))
     print(f"kvproto storage shm {server.memory.name} {server.memory.gen_name}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())

@@ -16,6 +16,10 @@ runs cells on it one after another. A cell run:
    whatever still differs is a leak;
 5. reads back every key of the cell and judges the journals against it
    (:func:`~kvproto.checking.chaos.verdict.judge`), then removes the cell's keys.
+
+With tracing on (:func:`run_traced`, ``kvproto chaos --trace``) each cell
+runs on a cluster of its own whose servers record their steps, and TLC checks
+them after the cell (:mod:`kvproto.checking.chaos.tracecheck`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ class Matrix:
     #: 0 and reader 0 use this host's shared memory (direct writes, local
     #: reads), the others the network
     WORKERS = (("writer", 2), ("reader", 2), ("loader", 1))
+    #: with tracing on, a lighter workload over fewer keys, so that more of a
+    #: cell's run fits the trace checkers' bounds (keys, tokens, steps):
+    #: writers keep few objects and mostly put removed keys again, readers
+    #: ask for few never-written keys, everyone pauses between operations
+    TRACED = {"writer": dict(live=3, reput=0.8, pause=0.02),
+              "reader": dict(never=2, pause=0.05), "loader": dict(never=2, pause=0.05)}
 
     def __init__(self, workdir: Optional[Path] = None, seed: int = 0,
                  settings: Optional[Settings] = None, log: Optional[TextIO] = None,
@@ -114,6 +124,8 @@ class Matrix:
         else:
             config.update(batch=8)
             config["client"]["local_reads"] = role == "reader" and index % 2 == 0   # one over shared memory
+        if s.trace:
+            config.update(self.TRACED[role])
         proc = Proc(role, f"{role}{index}", [sys.executable, "-m", "kvproto.checking.chaos.workers",
                                              json.dumps(config)],
                     self.workdir / "logs" / f"{role}{index}.log")
@@ -190,6 +202,34 @@ class Matrix:
             for report in self.run_all(names, seconds, until=end):
                 totals.setdefault(report.cell, Report(report.cell)).add(report)
         return totals
+
+
+def run_traced(workdir: Path, cells: "Iterable[Cell | str]", seconds: float, seed: int = 0,
+               log: Optional[TextIO] = None, until: Optional[float] = None, first: int = 0,
+               max_steps: int = 1000, **settings) -> list[Report]:
+    """Run ``cells`` with tracing on, each on a cluster of its own (in
+    ``workdir/run-N-CELL``, ``N`` counting from ``first``), so that each
+    master's trace is one run from an empty directory or from its takeover;
+    then check its traces (:func:`kvproto.checking.chaos.tracecheck.check_cell`,
+    each checker at most ``max_steps`` steps). None is started after the
+    monotonic time ``until``."""
+    from kvproto.checking.chaos import tracecheck
+    reports = []
+    for i, cell in enumerate(cells, first):
+        if until is not None and reports and time.monotonic() >= until:
+            break
+        cell = CELLS[cell] if isinstance(cell, str) else cell
+        folder = Path(workdir) / f"run-{i}-{cell.name}"
+        matrix = Matrix(folder, seed=seed + i, settings=Settings(trace=True, **settings), log=log)
+        with matrix:
+            report = matrix.run(cell, seconds)
+        began = time.monotonic()
+        tracecheck.judge(report, tracecheck.check_cell(matrix.cluster.traces, cell.name, max_steps))
+        report.phases["trace check"] = round(time.monotonic() - began, 2)
+        for line in report.traces:
+            matrix.say(f"  {cell.name}: trace: {line}")
+        reports.append(report)
+    return reports
 
 
 class _CellRun:
@@ -478,8 +518,8 @@ COLUMNS = [("cell", "cell", "<"), ("s", "seconds", ">"), ("ops", "operations", "
            ("faults", "faults", ">"), ("verified", "verified", ">"), ("wrong", "wrong_bytes", ">"),
            ("acked lost", "acked_lost", ">"), ("with nodes", "lost_with_nodes", ">"),
            ("unexpl.", "unexplained", ">"), ("exc.", "exceptions", ">"), ("leaked", "leaked", ">"),
-           ("written off", "buffers_written_off", ">"),
-           ("result", None, "<")]
+           ("written off", "buffers_written_off", ">"), ("trace steps", "trace_steps", ">"),
+           ("trace fail", "trace_failures", ">"), ("result", None, "<")]
 
 
 def _cells(report: Report) -> list[str]:
@@ -526,7 +566,8 @@ def add_arguments(parser) -> None:
         "chosen protocol phase. Every read is checked against what was acknowledged; after "
         "each cell the store must settle with nothing leaked. Prints a row per cell run and "
         "a table per cell at the end; exits 1 if any cell found wrong bytes, lost an "
-        "acknowledged operation or leaked.\n\n"
+        "acknowledged operation, leaked or (with --trace) recorded a step its spec does "
+        "not allow.\n\n"
         "Cells: " + ", ".join(f"{c.name} ({c.about})" for c in CELLS.values()) + ".")
 
     def cells(text: str) -> list[str]:
@@ -553,8 +594,33 @@ def add_arguments(parser) -> None:
                         help="folder for journals and logs (default: a temporary one, removed "
                              "unless --keep or a cell fails)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--trace", action="store_true",
+                        help="record every master's and storage node's steps (each cell run on "
+                             "a cluster of its own) and check them with TLC after the cell: "
+                             "publish and lease per master, the first master merged with its "
+                             "nodes where commands stay in order, failover on the nodes; a "
+                             "trace the specs do not allow fails the cell")
+    steps = _checked(lambda text: _number(text, int))
+    steps.__name__ = "steps"
+    parser.add_argument("--trace-steps", type=steps, default=1000, metavar="N",
+                        help="with --trace: at most N steps per check (a longer run is checked "
+                             "up to a prefix; default 1000)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write every figure per cell as JSON to PATH (default: none)")
+
+
+def soak_traced(workdir: Path, minutes: float, cells: list[str], seconds: float, seed: int,
+                log: Optional[TextIO], max_steps: int, **settings) -> dict[str, Report]:
+    """:meth:`Matrix.soak` with tracing on (:func:`run_traced`)."""
+    totals: dict[str, Report] = {}
+    end = time.monotonic() + minutes * 60
+    runs = 0
+    while time.monotonic() < end:
+        for report in run_traced(workdir, cells, seconds, seed, log, until=end, first=runs,
+                                 max_steps=max_steps, **settings):
+            totals.setdefault(report.cell, Report(report.cell)).add(report)
+            runs += 1
+    return totals
 
 
 def _interrupted(signum, frame):
@@ -579,8 +645,12 @@ def main(args) -> int:
     print("  ".join(h for h, _, _ in COLUMNS), file=out, flush=True)
     failed = False
     try:
-        with matrix:
-            totals = matrix.soak(args.minutes, args.cells, args.seconds)
+        if args.trace:
+            totals = soak_traced(matrix.workdir, args.minutes, args.cells, args.seconds, args.seed,
+                                 out, args.trace_steps, coordinator=args.coordinator)
+        else:
+            with matrix:
+                totals = matrix.soak(args.minutes, args.cells, args.seconds)
         reports = list(totals.values())
         failed = any(r.failed for r in reports)
         print(file=out)
@@ -588,8 +658,9 @@ def main(args) -> int:
         for r in reports:
             for example in r.examples:
                 print(f"  {r.cell}: {example}", file=out)
-        print(f"{time.monotonic() - started:.0f} s; workers replaced {matrix.worker_deaths}, "
-              f"servers replaced {matrix.cluster.replaced}", file=out)
+        print(f"{time.monotonic() - started:.0f} s" + ("; a cluster per cell run (--trace)" if args.trace
+              else f"; workers replaced {matrix.worker_deaths}, servers replaced "
+                   f"{matrix.cluster.replaced}"), file=out)
         if args.json is not None:
             args.json.write_text(json.dumps({r.cell: r.as_dict() for r in reports}, indent=1))
     finally:

@@ -21,7 +21,10 @@ What counts against the store:
 * **unexplained objects**: a generation no writer had started to put when it
   was read, or a key no writer wrote;
 * **client exceptions**: a client call that raised anything but a typed
-  kvproto error.
+  kvproto error;
+* **trace failures** (``kvproto chaos --trace``): a recorded step of a
+  master or storage node that its spec does not allow
+  (:mod:`kvproto.checking.chaos.tracecheck`).
 
 Leaks: after the cell, the master and the storage nodes must agree region by
 region (see :mod:`kvproto.checking.chaos.matrix`), and a loader's buffer pool
@@ -76,7 +79,7 @@ class Report:
     FIGURES = ("operations", "puts_acked", "removes_acked", "gets", "verified", "misses",
                "wrong_bytes", "acked_lost", "stale_reads", "lost_puts", "lost_removes",
                "lost_with_nodes", "unexplained", "exceptions", "faults", "leaked",
-               "buffers_written_off")
+               "buffers_written_off", "trace_steps", "trace_failures")
 
     def __init__(self, cell: str) -> None:
         self.cell = cell
@@ -90,6 +93,9 @@ class Report:
         self.settled = True
         #: seconds spent in each phase of the run (start, traffic, stop, quiesce, read back)
         self.phases: dict[str, float] = {}
+        #: with tracing on: a line per trace check of the run
+        #: (:mod:`kvproto.checking.chaos.tracecheck`)
+        self.traces: list[str] = []
 
     def note(self, text: str) -> None:
         if len(self.examples) < 20:
@@ -98,13 +104,14 @@ class Report:
     @property
     def failed(self) -> bool:
         return bool(self.wrong_bytes or self.acked_lost or self.unexplained or self.exceptions
-                    or self.leaked or not self.settled)
+                    or self.leaked or self.trace_failures or not self.settled)
 
     def as_dict(self) -> dict:
         d = {name: getattr(self, name) for name in self.FIGURES}
         d.update(cell=self.cell, seconds=round(self.seconds, 1), errors=dict(self.errors),
                  faults_by=dict(self.faults_by), leaks=self.leaks, examples=self.examples,
-                 settled=self.settled, failed=self.failed, phases=self.phases)
+                 settled=self.settled, failed=self.failed, phases=self.phases,
+                 traces=self.traces)
         return d
 
     def add(self, other: "Report") -> None:
@@ -117,6 +124,7 @@ class Report:
         for k, v in other.leaks.items():
             self.leaks[k] = self.leaks.get(k, 0) + v
         self.settled = self.settled and other.settled
+        self.traces += other.traces
         for e in other.examples:
             self.note(e)
 

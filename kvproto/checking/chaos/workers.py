@@ -161,9 +161,12 @@ class Worker:
                                    t=time.monotonic())
                 try:
                     if self._wait_for(os.path.join(self.folder, "go")):
+                        pause = self.config.get("pause", 0.0)
                         while not self.stopped():
                             if not self.step():
                                 time.sleep(0.02)   # a failed call: do not spin while the master is away
+                            elif pause:
+                                time.sleep(pause)
                 finally:
                     self.end_cell()
                     self.journal.write(op="end", t=time.monotonic())
@@ -280,7 +283,8 @@ class Reader(Worker):
                 keys.append(self.rng.choice(list(self.gone)) if len(self.gone) < 4096
                             else next(iter(self.gone)))
             else:
-                keys.append(f"{self.cell['tag']}/{self.name}/never/{self.rng.randrange(1 << 30)}")
+                keys.append(f"{self.cell['tag']}/{self.name}/never/"
+                            f"{self.rng.randrange(self.config.get('never', 1 << 30))}")
         return keys
 
     def step(self) -> bool:

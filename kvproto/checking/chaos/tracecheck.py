@@ -1,0 +1,273 @@
+"""Trace validation of one matrix cell run (``kvproto chaos --trace``).
+
+With tracing on, every master and storage node of a cell's cluster records its
+steps to its own file (:mod:`kvproto.runtime.tracing`): ``master-N.trace``,
+``storage-N.trace`` in the run's ``traces/`` folder. A traced cell runs on a
+cluster of its own, so each master's file holds one run from an empty
+directory (or, a standby's, from the takeover it made), as the checkers need.
+After the cell quiesced and its cluster stopped, :func:`check_cell` runs the
+checkers that apply:
+
+* **publish** and **lease**, each master's file alone (``kvproto trace
+  check``: ``spec/Publish.tla``, ``spec/Lease.tla``), each run in it apart
+  (a master paused past its term steps down, and may take over again later,
+  opening a second run in its file). A master that took over
+  opens a recovered directory, which the publish checker does not start from:
+  its publish steps are left to the failover check; its lease table, opened
+  with what it inherited, is checked.
+* **merged**: the first master's run merged with its nodes' region steps
+  (``kvproto trace merge``), in cells whose faults keep the master's commands
+  to its nodes in order on their connection. Not where the proxy drops,
+  delays, reorders or partitions frames (``net-drop``, ``net-delay``,
+  ``net-reorder``, ``net-partition``): a command dropped or overtaken there
+  is not a step of the spec's queue of commands in flight, so the merge
+  would fail on what the proxy did, not on what the runtime did. Each node's
+  steps are taken up to its first fence of a later term (a standby took
+  over: the commands after it are the new master's, which the merge does not
+  cover).
+* **failover**: every node's fence, index and purge steps with what each
+  master says it recovered (``kvproto trace failover``), in every cell (with
+  one master it checks the term fence and the object index of that term).
+
+A killed process leaves its file cut at its last line: the recorded prefix
+is checked (a partial last line is left out). The checkers map a run onto a
+bounded model (their ``LIMITS``: steps, keys, tokens, slots): a run past them
+is checked up to the longest prefix that fits and ``max_steps`` (a prefix of
+a behaviour of the spec is one too), and the result says how many of the
+recorded steps that was. A check that finds a step the spec does not allow
+fails the cell, as wrong bytes do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+from kvproto.checking import failtrace, leasetrace, mergetrace, traces
+from kvproto.checking.tracerun import TraceError, Verdict
+
+#: cells whose proxy faults drop, delay or reorder the master's commands to its nodes
+UNORDERED = ("net-drop", "net-delay", "net-reorder", "net-partition")
+
+
+class Check:
+    """One checker's result on one cell run."""
+
+    def __init__(self, name: str, recorded: int, checked: int = 0,
+                 verdict: Optional[Verdict] = None, why: str = "") -> None:
+        self.name = name            # "master-0 publish", "merged", "failover"
+        self.recorded = recorded    # steps recorded
+        self.checked = checked      # steps TLC walked
+        self.verdict = verdict
+        self.why = why              # why not checked, or why only a prefix
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict is not None and not self.verdict.ok
+
+    def line(self) -> str:
+        if self.verdict is None:
+            return f"{self.name}: not checked ({self.why})"
+        if self.failed:
+            return f"{self.name}: FAIL: {self.verdict.message}"
+        if self.checked < self.recorded:
+            return f"{self.name}: {self.checked} steps pass of {self.recorded} recorded " \
+                   f"(a prefix: {self.why})"
+        return f"{self.name}: {self.checked} steps pass" + (f" ({self.why})" if self.why else "")
+
+
+def whole_lines(path: Path) -> Path:
+    """``path``, or a copy of it without a partial last line (its process was
+    killed while writing it) beside it."""
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return path
+    cut = path.with_name(path.name + ".whole")
+    cut.write_bytes(data[:data.rfind(b"\n") + 1])
+    return cut
+
+
+def longest_fit(n: int, fits: Callable[[int], None]) -> tuple[int, str]:
+    """The largest ``k <= n`` for which ``fits(k)`` raises no :class:`TraceError`
+    (fits is monotone: a prefix of a run that fits fits), and the error of
+    ``k + 1`` ("" when ``k == n``)."""
+    try:
+        fits(n)
+        return n, ""
+    except TraceError as e:
+        why = " ".join(str(e).split())
+    lo, hi = 0, n - 1          # fits(lo) is taken to hold for lo == 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            fits(mid)
+            lo = mid
+        except TraceError as e:
+            hi, why = mid - 1, " ".join(str(e).split())
+    return lo, why
+
+
+def _capped(n: int, max_steps: int) -> tuple[int, str]:
+    return (n, "") if n <= max_steps else (max_steps, f"at most {max_steps} steps per check")
+
+
+def _fit_and_check(name: str, steps: list, max_steps: int, fits: Callable[[int], None],
+                   run: Callable[[int], Verdict]) -> Check:
+    n, why = _capped(len(steps), max_steps)
+    k, limit = longest_fit(n, fits)
+    why = limit or why
+    if k == 0:
+        return Check(name, len(steps), why=why or "no step recorded")
+    try:
+        verdict = run(k)
+    except TraceError as e:
+        return Check(name, len(steps), why=" ".join(str(e).split()))
+    if verdict.ok and verdict.steps < k:     # the checker stopped where the spec's world ends
+        why = verdict.message
+    return Check(name, len(steps), verdict.steps if verdict.ok else k, verdict, why)
+
+
+def runs(lines: list) -> list[list]:
+    """A machine's lines split where the master opened it anew: a master that
+    stepped down (paused past its term) and later took over again records a
+    second run in the same file."""
+    out: list[list] = []
+    for number, obj in lines:
+        if "opened" in obj or not out:
+            out.append([])
+        out[-1].append((number, obj))
+    return out
+
+
+def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
+    out = []
+    lines = traces.read(path)
+    for machine, read, to_model, check_run in (
+            ("publish", traces.publish_run, traces.to_model, traces.check_run),
+            ("lease", leasetrace.lease_run, leasetrace.to_model, leasetrace.check_run)):
+        split = runs(lines[machine])
+        for i, run in enumerate(split, 1):
+            label = f"{name} {machine}" + (f" run {i}" if len(split) > 1 else "")
+            try:
+                header, steps = read(run)
+            except TraceError as e:
+                out.append(Check(label, len(run) - 1, why=" ".join(str(e).split())))
+                continue
+            out.append(_fit_and_check(
+                label, steps, max_steps,
+                lambda k, h=header, s=steps, m=to_model: m(h, s[:k]),
+                lambda k, h=header, s=steps, c=check_run: c(h, s[:k])))
+    return out
+
+
+def _fenced_at(path: Path, term: int) -> int:
+    """The line of the node's first accepted fence above ``term`` (or past its end)."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        row = json.loads(line)
+        ev = row.get("event") or {}
+        if ev.get("type") == "Fence" and ev.get("term", 0) > term \
+                and row["effects"] and row["effects"][0].get("type") != "Refused":
+            return number
+    return 1 << 60
+
+
+def caused_within(master: list, nodes: list[list]) -> list[list]:
+    """Each node's region steps up to the first whose cause (the command, or
+    the grant of its token) is not among ``master``'s steps: the nodes' part
+    of a master prefix."""
+    issued, granted = {}, set()
+    for _, step in master:
+        if step["effects"] and step["effects"][0].get("type") == "Refused":
+            continue
+        for e in step["effects"]:
+            if e["type"] in mergetrace.COMMANDS:
+                c = (e["segment"], e["type"], e["offset"], e["token"])
+                issued[c] = issued.get(c, 0) + 1
+            elif e["type"] == "PutGranted":
+                granted.add(e["token"])
+    out = []
+    for steps in nodes:
+        seen: dict = {}
+        kept = []
+        for number, step in steps:
+            ev = step["event"]
+            if ev["type"] in mergetrace.COMMANDS:
+                c = (ev["segment"], ev["type"], ev["offset"], ev.get("token"))
+                seen[c] = seen.get(c, 0) + 1
+                if seen[c] > issued.get(c, 0):
+                    break
+            elif not {ev.get("token"), step.get("asked", ev.get("token"))} <= granted:
+                break
+            kept.append((number, step))
+        out.append(kept)
+    return out
+
+
+def _merged_check(master: Path, nodes: list[Path], max_steps: int) -> Check:
+    header, steps = traces.publish_run(runs(traces.read(master)["publish"])[0])
+    term = header.get("term", 1)
+    segments, node_steps = set(), []
+    for path in nodes:
+        segs, recorded = mergetrace.read_node(path)
+        cut = _fenced_at(path, term)
+        segments |= segs
+        node_steps.append([(n, s) for n, s in recorded if n < cut])
+    files = [master] + nodes
+    recorded = len(steps) + sum(map(len, node_steps))
+
+    def model(k: int) -> int:
+        m = mergetrace.MergedModel(header, steps[:k], caused_within(steps[:k], node_steps), files)
+        if len(m.records) > min(traces.LIMITS["steps"], max_steps):
+            raise TraceError(f"the merged run would have {len(m.records)} steps; at most "
+                             f"{min(traces.LIMITS['steps'], max_steps)} are checked")
+        return len(m.records)
+
+    k, why = longest_fit(min(len(steps), max_steps), model)   # each master step is a record
+    if k == 0:
+        return Check("merged", recorded, why=why or "no step recorded")
+    verdict = mergetrace.check_steps(header, steps[:k], caused_within(steps[:k], node_steps),
+                                     files, segments)
+    return Check("merged", recorded, verdict.steps, verdict, why)
+
+
+def judge(report, checks: list[Check]) -> None:
+    """Add the checks of a cell run to its :class:`~kvproto.checking.chaos.verdict.Report`."""
+    report.traces = [c.line() for c in checks]
+    for c in checks:
+        if c.failed:
+            report.trace_failures += 1
+            report.note(f"trace {c.line()}")
+        elif c.verdict is not None:
+            report.trace_steps += c.checked
+
+
+def check_cell(folder: Path, cell: str, max_steps: int = 1000) -> list[Check]:
+    """Run the checkers that apply to a cell run whose processes recorded to
+    ``folder`` (see the module docstring); each checker at most ``max_steps``."""
+    folder = Path(folder)
+    masters = sorted((p for p in folder.glob("master-*.trace") if p.stat().st_size),
+                     key=lambda p: int(p.stem.split("-")[1]))
+    nodes = sorted((p for p in folder.glob("storage-*.trace") if p.stat().st_size),
+                   key=lambda p: int(p.stem.split("-")[1]))
+    masters = [whole_lines(p) for p in masters]
+    nodes = [whole_lines(p) for p in nodes]
+    checks: list[Check] = []
+    for path in masters:
+        checks += _master_checks(path.name.split(".")[0], path, max_steps)
+    first = masters[0] if masters else None
+    if first is not None and nodes and cell not in UNORDERED:
+        try:
+            checks.append(_merged_check(first, nodes, max_steps))
+        except TraceError as e:
+            checks.append(Check("merged", 0, why=" ".join(str(e).split())))
+    if nodes:
+        try:
+            verdict = failtrace.check(nodes, masters)
+            terms = re.search(r"\d+ term\(s\)", verdict.message)
+            checks.append(Check("failover", verdict.steps, verdict.steps, verdict,
+                                terms.group(0) if terms and verdict.ok else ""))
+        except TraceError as e:
+            checks.append(Check("failover", 0, why=" ".join(str(e).split())))
+    return checks

@@ -1,0 +1,98 @@
+"""Trace validation on the fault matrix (``kvproto chaos --trace``): a seeded
+short run of a cell that kills the active master, every master and storage
+node recording its steps, checked by TLC after the cell: each master's
+publish and lease steps, the first master merged with its nodes up to the
+takeover, the nodes' fence and index steps across the takeover. A step
+changed by hand fails the cell; a file cut mid-line is checked up to its
+last whole line."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvproto.checking.chaos import tracecheck
+from kvproto.checking.chaos.matrix import run_traced
+from kvproto.checking.chaos.verdict import Report
+from kvproto.checking.tracerun import TraceError
+
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
+pytestmark = [pytest.mark.faults, pytest.mark.runtime, pytest.mark.tlc]
+
+SEED = 16
+SECONDS = 1.5
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> tuple[Report, Path]:
+    workdir = tmp_path_factory.mktemp("traced")
+    (report,) = run_traced(workdir, ["master-kill"], SECONDS, seed=SEED)
+    return report, workdir / "run-0-master-kill" / "traces"
+
+
+@needs_java
+def test_a_traced_cell_with_a_takeover_passes_every_check(traced):
+    report, folder = traced
+    detail = f"{report.as_dict()}"
+    assert report.faults > 0 and report.verified > 0, detail
+    assert not report.failed and report.trace_failures == 0, detail
+    assert report.trace_steps > 0, detail
+    names = {line.split(":")[0] for line in report.traces if " pass" in line}
+    # the killed master's publish and lease steps, its successor's lease table
+    # (opened with what it inherited), the merge up to the takeover, the nodes
+    # across it
+    assert {"master-0 publish", "master-0 lease", "merged", "failover"} <= names, report.traces
+    assert any(n.endswith(" lease") and not n.startswith("master-0 ") for n in names), \
+        report.traces      # whichever standby won the election
+    failover = next(l for l in report.traces if l.startswith("failover"))
+    assert int(re.search(r"(\d+) term\(s\)", failover).group(1)) >= 2, failover
+    assert sorted(p.name for p in folder.glob("storage-*.trace")) == \
+        [f"storage-{i}.trace" for i in range(3)]
+
+
+def _refused_put_end(row: dict) -> bool:
+    """A PutEnd the master accepted, recorded as refused: the spec allowed it."""
+    if row.get("event", {}).get("type") != "PutEnd" or row["effects"][0]["type"] == "Refused":
+        return False
+    row["effects"] = [{"type": "Refused", "error": {"type": "StaleToken", "message": "changed"}}]
+    return True
+
+
+@needs_java
+def test_a_step_changed_by_hand_fails_the_cell(traced, tmp_path):
+    _, folder = traced
+    bad = tmp_path / "traces"
+    shutil.copytree(folder, bad)
+    master = bad / "master-0.trace"
+    rows = [json.loads(line) for line in master.read_text().splitlines()]
+    changed = next(r["n"] for r in rows if r.get("machine") == "publish" and _refused_put_end(r))
+    master.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checks = tracecheck.check_cell(bad, "master-kill")
+    failed = [c for c in checks if c.failed]
+    assert failed and failed[0].name == "master-0 publish", [c.line() for c in checks]
+    assert failed[0].verdict.failed_step == changed
+    report = Report("master-kill")
+    tracecheck.judge(report, checks)
+    assert report.failed and report.trace_failures >= 1
+    assert any("FAIL" in e for e in report.examples), report.examples
+
+
+def test_a_file_cut_mid_line_is_read_up_to_its_last_whole_line(tmp_path):
+    path = tmp_path / "master-0.trace"
+    path.write_bytes(b'{"machine":"publish"}\n{"machine":"pub')
+    whole = tracecheck.whole_lines(path)
+    assert whole != path and whole.read_bytes() == b'{"machine":"publish"}\n'
+    path.write_bytes(b'{"machine":"publish"}\n')
+    assert tracecheck.whole_lines(path) == path
+
+
+def test_the_longest_prefix_that_fits():
+    def fits(k):
+        if k > 37:
+            raise TraceError(f"{k} is too many")
+    assert tracecheck.longest_fit(100, fits) == (37, "38 is too many")
+    assert tracecheck.longest_fit(30, fits) == (30, "")
