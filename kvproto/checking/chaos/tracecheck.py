@@ -40,13 +40,12 @@ fails the cell, as wrong bytes do.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable, Optional
 
 from kvproto.checking import failtrace, leasetrace, mergetrace, traces
-from kvproto.checking.tracerun import TraceError, Verdict
+from kvproto.checking.tracerun import TraceError, Verdict, accepted, machine_lines
 
 #: cells whose proxy faults drop, delay or reorder the master's commands to its nodes
 UNORDERED = ("net-drop", "net-delay", "net-reorder", "net-partition")
@@ -164,11 +163,9 @@ def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
 
 def _fenced_at(path: Path, term: int) -> int:
     """The line of the node's first accepted fence above ``term`` (or past its end)."""
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        row = json.loads(line)
+    for number, row in machine_lines(path, "storage"):
         ev = row.get("event") or {}
-        if ev.get("type") == "Fence" and ev.get("term", 0) > term \
-                and row["effects"] and row["effects"][0].get("type") != "Refused":
+        if ev.get("type") == "Fence" and ev.get("term", 0) > term and accepted(row):
             return number
     return 1 << 60
 
@@ -179,7 +176,7 @@ def caused_within(master: list, nodes: list[list]) -> list[list]:
     of a master prefix."""
     issued, granted = {}, set()
     for _, step in master:
-        if step["effects"] and step["effects"][0].get("type") == "Refused":
+        if not accepted(step):
             continue
         for e in step["effects"]:
             if e["type"] in mergetrace.COMMANDS:
