@@ -88,7 +88,8 @@ from typing import Callable, Optional
 
 from kvproto.checking.tla import Fn, ModelValue, format_value
 from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
-                                       failure, json_lines, machine_lines, outcome, run_module)
+                                       failure, first_unmatched, json_lines, machine_lines,
+                                       outcome, run_module)
 
 __all__ = ["check", "read_master", "read_node"]
 
@@ -477,13 +478,10 @@ def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] =
         return Verdict(True, message=f"all {n} fence, index and recovery steps of "
                                      f"{len(files)} segment(s) and {len(model.masters)} term(s) "
                                      "are steps of spec/Failover.tla", **common)
-    if result.verdict in ("deadlock", "safety") and result.trace:
-        pos = result.trace[-1].state["pos"]
-        i = pos if result.verdict == "deadlock" else pos - 1
-        path, recorded, line, step = model.origins[i - 1]
-        what = "is not a step of spec/Failover.tla from the state the steps before it reached" \
-            if result.verdict == "deadlock" else \
-            f"leads to a state the spec forbids ({result.violated})"
+    unmatched = first_unmatched(result, "Failover")
+    if unmatched is not None:
+        i, what = unmatched
+        path, recorded, line, step = model.origins[i]
         if path is None:        # a master's step placed between the nodes' steps
             return Verdict(False, **common, message=f"{step} {what}")
         return Verdict(False, failed_step=recorded, line=line, **common,

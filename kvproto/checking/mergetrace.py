@@ -73,7 +73,7 @@ from typing import Callable, Optional
 from kvproto.checking import traces
 from kvproto.checking.tla import Fn, format_value
 from kvproto.checking.tracerun import (TraceError, Verdict, accepted, cfg_text, failure,
-                                       machine_lines, module_text, run_module)
+                                       first_unmatched, machine_lines, module_text, run_module)
 
 __all__ = ["check", "merge", "node_files", "read_node"]
 
@@ -325,13 +325,10 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     if result.verdict == "ok":
         return Verdict(True, message=f"all {n} steps of the master and {len(files) - 1} "
                                      "node(s) are steps of spec/Publish.tla", **common)
-    if result.verdict in ("deadlock", "safety") and result.trace:
-        pos = result.trace[-1].state["pos"]
-        i = pos if result.verdict == "deadlock" else pos - 1
-        path, recorded, line, step = model.origins[i - 1]
-        what = "is not a step of spec/Publish.tla from the state the steps before it reached" \
-            if result.verdict == "deadlock" else \
-            f"leads to a state the spec forbids ({result.violated})"
+    unmatched = first_unmatched(result, "Publish")
+    if unmatched is not None:
+        i, what = unmatched
+        path, recorded, line, step = model.origins[i]
         return Verdict(False, failed_step=recorded, line=line, **common,
                        message=f"{path.name} step {recorded} (line {line}) {what}: "
                                f"{traces.describe(step)}")

@@ -110,6 +110,19 @@ def run_module(spec: str, name: str, module: str, cfg: str, *, keep: Optional[Pa
         return tlc.run(tlc.Model.from_cfg(where / f"{name}.cfg"), on_output=on_output)
 
 
+def first_unmatched(result: tlc.TlcResult, spec: str) -> Optional[tuple[int, str]]:
+    """Where TLC left a trace module whose ``pos`` counts the steps taken:
+    the index of the recorded step it could not take (deadlock) or that led
+    to a state the spec forbids (safety), and what went wrong; ``None`` for
+    any other verdict."""
+    if result.verdict not in ("deadlock", "safety") or not result.trace:
+        return None
+    pos = result.trace[-1].state["pos"]
+    if result.verdict == "deadlock":
+        return pos - 1, f"is not a step of spec/{spec}.tla from the state the steps before it reached"
+    return pos - 2, f"leads to a state the spec forbids ({result.violated})"
+
+
 def failure(result: tlc.TlcResult) -> TraceError:
     """The error for a TLC run that neither passed nor found the trace wanting."""
     lines = [l for l in result.output.splitlines() if l.strip()]
