@@ -124,7 +124,7 @@ def test_a_run_records_every_kind_of_step(recorded):
     assert {s["event"]["type"] for s in refused} >= {"PutEnd", "ReadBegin"}
     first = lines(recorded)[0]
     assert first == {"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {},
-                                                      "term": 1}}
+                                                      "free": {}, "term": 1, "directory": {}}}
     put = steps_of(recorded, "PutStart")[0]
     assert put["event"]["key"] == "a" and put["effects"][0]["type"] == "PutGranted"
 
