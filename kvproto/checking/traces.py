@@ -254,7 +254,7 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
                          "checked (record a shorter run)")
     m = mapping if mapping is not None else run_mapping(header, steps)
     joined = set(header.get("segments", {}))
-    for s in joined:
+    for s in header.get("segments", {}):
         m.segments(s)
     try:
         objects = {m.keys(k): m.record(rec) for k, rec in opened_objects(header).items()}
