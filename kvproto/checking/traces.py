@@ -37,17 +37,30 @@ where the next record matches no step of the spec is where the run left the
 spec, and its step number is reported. A run that matches every step also
 keeps the spec's invariants (checked in every state).
 
+The run starts from the directory the master opened with (``TraceInit``,
+built from the ``opened`` line's ``directory``, :func:`opened_objects`): its
+objects' records, their regions complete on their nodes (a published
+object's, holding its attempt's bytes), the rest of each segment free, no
+writer busy. For an empty directory (a master's first run) that is the
+spec's ``Init``; for a master that took over, the directory it recovered.
+The spec's invariants, and ``TokensIssued`` (every token held is below
+``nextToken``), are checked in that state as in every other.
+
 Mapping onto model values: keys, segments, and each segment's offsets are
-numbered by first appearance (``key1``, ``seg1``, slot 1, ...); a token ``t`` is
-``t - first + 1`` (``first`` the token the run's directory opened with; 0 for a
-token never issued), and each attempt has its own writer (``wr<token>``). The
+numbered by first appearance (``key1``, ``seg1``, slot 1, ...; the opened
+directory's first); the ``R`` tokens and repair ids the opened directory
+holds are ``1..R`` in their order, a token ``t`` the run issues is
+``t - first + 1 + R`` (``first`` the token the run's directory opened with),
+any other token 0 (never issued in the run), and each attempt has its own
+writer (``wr<token>``). The
 spec counts space in slots: an offset is a slot, so the byte accounting (free
 bytes, overlapping extents of different lengths) is not checked here (the
 differential test holds the core to the reference for that). Segments are all
 in the spec's ``Init``: a segment joins with ``AddSegment``, and the trace
-requires a placement to use joined segments only. Checked runs start from an
-empty directory (one run per file); the constants are derived from the run and
-bounded (:data:`LIMITS`) so that TLC checks it in seconds.
+requires a placement to use joined segments only (those the directory
+opened with, and those joined since). One run per file; the constants are
+derived from the run and bounded (:data:`LIMITS`) so that TLC checks it in
+seconds.
 """
 
 from __future__ import annotations
@@ -122,7 +135,7 @@ def opened_objects(header: dict) -> dict:
     listed = header.get("directory", {} if n == 0 else None)
     if not isinstance(listed, dict) or len(listed) != n:
         raise TraceError(f"the run starts from a recovered directory of {n} object(s) that its "
-                         "'opened' line does not list (more than 1000 objects, or recorded by "
+                         "'opened' line does not list (more than 1,000 objects, or recorded by "
                          "an older master)")
     return listed
 
@@ -501,8 +514,8 @@ def check_each(path: "str | Path", *, keep: Optional[Path] = None,
                on_output: Optional[Callable[[str], None]] = None
                ) -> "dict[str, Verdict | TraceError]":
     """:func:`check`, with the error of a machine that cannot be checked (a
-    master that took over: its publish run starts from a recovered directory)
-    in place of its verdict, so that the other machines are still checked.
+    run over the limits, a recovered directory its ``opened`` line does not
+    list) in place of its verdict, so that the other machines are still checked.
     Raises :class:`TraceError` only for a file that cannot be read."""
     lines = read(path)
     if not any(lines.values()):

@@ -93,8 +93,8 @@ from kvproto import errors
 #: the environment variable that turns recording on (a file path)
 ENV = "KVPROTO_TRACE"
 
-#: a lease table that opens with at most this many objects (a takeover's)
-#: lists them, ``[key, region]`` each, in its ``opened`` line
+#: a directory or a lease table that opens with at most this many objects (a
+#: takeover's) lists them in its ``opened`` line (``directory``, ``inherited``)
 INHERITED_LISTED = 1000
 
 
