@@ -499,6 +499,9 @@ def test_times_map_onto_ticks_keeping_order_and_the_ttl():
     ('{"machine": "publish", "n": 1}\n', "no 'opened' line first"),
     ('{"machine": "publish", "opened": {"next_token": 4, "objects": 2, "segments": {}}}\n',
      "recovered directory of 2 object(s) that its 'opened' line does not list"),
+    ('{"machine": "publish", "opened": {"next_token": 4, "objects": 1, "segments": {}, '
+     '"directory": {"a": {"status": "published"}}}}\n',
+     "an object of the opened directory the checker cannot read"),
     ('{"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {}}}\n' * 2,
      "holds 2 runs"),
     ('{"machine": "lease", "n": 1, "event": {"type": "Tick", "now": 1.0}, "effects": []}\n',

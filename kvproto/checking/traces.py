@@ -251,8 +251,12 @@ def run_mapping(header: dict, steps: list[tuple[int, dict]]) -> _Mapping:
     """The run's mapping: its tokens from :func:`token_range`, after the tokens
     (and repair ids) of the directory it opened with, which were issued before it."""
     first, last = token_range(header, steps)
-    held = {t for rec in opened_objects(header).values()
-            for t in [rec["token"]] + [p["id"] for p in rec.get("repairs", ())]}
+    try:
+        held = {t for rec in opened_objects(header).values()
+                for t in [rec["token"]] + [p["id"] for p in rec.get("repairs", ())]}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
+            from None
     return _Mapping(first, last, tuple(t for t in held if isinstance(t, int) and t < first))
 
 
