@@ -73,7 +73,7 @@ from typing import Callable, Optional
 from kvproto.checking import traces
 from kvproto.checking.tla import Fn, format_value
 from kvproto.checking.tracerun import (TraceError, Verdict, accepted, cfg_text, failure,
-                                       first_unmatched, machine_lines, module_text, run_module)
+                                       first_unmatched, machine_lines, run_module)
 
 __all__ = ["check", "merge", "node_files", "read_node"]
 
@@ -168,18 +168,22 @@ def _node_record(m, step: dict) -> Fn:
 
 
 class MergedModel:
-    """The merged behaviour on model values: what :func:`module_text` and
+    """The merged behaviour on model values: what :func:`traces.module` and
     :func:`cfg_text` take, and where each record came from."""
 
     def __init__(self, header, master, nodes, files) -> None:
-        first, last = traces.token_range(header, master)
-        m = traces._Mapping(first, last)
+        if header.get("objects"):
+            raise TraceError(f"the master's run starts from a recovered directory of "
+                             f"{header['objects']} object(s); the merge covers a run from an "
+                             "empty directory")
+        m = traces.run_mapping(header, master)
         merged = merge(master, nodes)
         for source, _, (_, step) in merged:      # the nodes' names first, then the master's
             if source >= 0:
                 m.slot(step["event"]["segment"], step["event"]["offset"])
         base = traces.to_model(header, master, mapping=m)
-        self.constants, self.model_values = base.constants, base.model_values
+        self.constants, self.model_values, self.opened = \
+            base.constants, base.model_values, base.opened
         records, self.origins = [], []
         for source, index, (line, step) in merged:
             if source < 0:
@@ -314,7 +318,7 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     if n > traces.LIMITS["steps"]:
         raise TraceError(f"the merged run has {n} steps; at most {traces.LIMITS['steps']} "
                          "are checked (record a shorter run)")
-    publish = module_text(traces._MODULE, model)
+    publish = traces.module(model)
     text = _MODULE % {"traced": format_value(traced)}
     cfg = cfg_text(model, traces.INVARIANTS).replace("INIT TraceInit", "INIT MergedInit") \
         .replace("NEXT TraceNext", "NEXT MergedNext")

@@ -11,10 +11,11 @@ checkers that apply:
 * **publish** and **lease**, each master's file alone (``kvproto trace
   check``: ``spec/Publish.tla``, ``spec/Lease.tla``), each run in it apart
   (a master paused past its term steps down, and may take over again later,
-  opening a second run in its file). A master that took over
-  opens a recovered directory, which the publish checker does not start from:
-  its publish steps are left to the failover check; its lease table, opened
-  with what it inherited, is checked.
+  opening a second run in its file). Every master's runs are checked: one
+  that took over starts from the directory it recovered (its ``opened``
+  line lists it: the publish checker's initial state) and from the lease
+  table it inherited, so its puts, gets, removes, evictions and repairs
+  under the later term are checked as the first master's are.
 * **merged**: the first master's run merged with its nodes' region steps
   (``kvproto trace merge``), in cells whose faults keep the master's commands
   to its nodes in order on their connection. Not where the proxy drops,
