@@ -224,6 +224,9 @@ class MasterCore:
     #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
     COMMAND_MAX_REGIONS = 1024
     COMMAND_MAX_BYTES = 256 << 10
+    #: keys of objects forgotten in bulk (a lost segment's) taken out of the
+    #: row index per tick (``Rows.sweep``): a bounded slice of the loop's time
+    SWEEP_ROWS = 1 << 16
     #: a lease id is ``term << LEASE_ID_BITS | n``
     LEASE_ID_BITS = 32
     #: on top of one lease TTL, how long a new master keeps what it recovered
@@ -402,6 +405,33 @@ class MasterCore:
         RepairStarted: _repair_started, ReplicaListed: _replica_listed,
         RepairCancelled: _repair_cancelled, Removed: _removed,
     }
+
+    def _lose(self, event: SegmentLost) -> Optional[errors.KvError]:
+        """Step the directory with ``event`` and carry out its effects, as
+        :meth:`_step` does; the published objects forgotten whole (``Removed``,
+        nothing else: :meth:`DirectoryCore.lose`) are carried out in bulk
+        (:meth:`_removed_many`). With ``trace``: one by one, each step recorded."""
+        if self.trace is not None:
+            return self._step(event)[0]
+        loss = self.directory.lose(event)
+        if loss.refused:
+            self.counters["refused"] += 1
+            return loss.refused[0].error
+        for _, run in loss.runs:
+            self._carry_out(run)
+        self._removed_many(loss.keys, loss.rows)
+        return None
+
+    def _removed_many(self, keys, rows) -> None:
+        """:meth:`_removed` of each of ``keys`` (their rows ``rows``), in bulk."""
+        if not len(keys):
+            return
+        self.counters["evictions" if self._evicting else "removes"] += len(keys)
+        self._ltick()
+        self.leases.drop_many(keys, rows, evicted=self._evicting)
+        if self.tenants is not None:
+            for key in keys.tolist():
+                self.tenants.removed(key)
 
     def _forget_pending(self, token: int) -> None:
         client = self._owner.pop(token, None)
@@ -1406,7 +1436,7 @@ class MasterCore:
     # ------------------------------------------------------------------ time
 
     def segment_lost(self, segment: str, why: str = "silent") -> None:
-        err, _ = self._step(SegmentLost(segment))
+        err = self._lose(SegmentLost(segment))
         if err is None:
             self.counters["segments_lost"] += 1
             log.log(logging.INFO if why == "deregistered" else logging.WARNING,
@@ -1435,6 +1465,7 @@ class MasterCore:
         if now < self._next_tick:
             return
         self._next_tick = now + min(self.writer_timeout, self.storage_timeout) / 8
+        self.directory.rows.sweep(self.SWEEP_ROWS)
         for client, session in list(self.sessions.items()):
             lapsed = [(token, key) for token, (key, seen) in session.tokens.items()
                       if now - seen > self.writer_timeout]
