@@ -461,8 +461,7 @@ class DirectoryCore:
             nrep[row] = len(placed)
         for row, held in self._repairs.items():
             nrep[row] += len(held)
-        keys = self.rows.keys
-        return [keys[row] for row in np.flatnonzero((st == PUBLISHED) & (nrep < req)).tolist()]
+        return self.rows.keys[np.flatnonzero((st == PUBLISHED) & (nrep < req))].tolist()
 
     # ------------------------------------------------------------------ rows
 

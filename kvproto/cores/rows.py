@@ -21,6 +21,7 @@ close a reference cycle (the protocol's are bytes and strings).
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from typing import Callable, Hashable, Iterable, Optional
 
 import numpy as np
@@ -114,16 +115,19 @@ class Rows:
     def sweep(self, limit: int) -> int:
         """Free up to ``limit`` of the rows :meth:`release_many` left for it
         (a row held again since stays held); returns how many are left."""
-        stale, owners, keys = self.stale, self.owners, self.keys
-        todo = stale[len(stale) - limit:] if 0 <= limit < len(stale) else stale
-        for row in reversed(todo):
-            key = keys[row]
-            if not owners[row] and key is not None:
-                del self.index[key]
-                keys[row] = None
-                self.free.append(row)
-        del stale[len(stale) - len(todo):]
-        return len(stale)
+        stale = self.stale
+        cut = max(0, len(stale) - limit)
+        if cut == len(stale):
+            return cut
+        todo = np.unique(np.frombuffer(stale, np.int64)[cut:])
+        del stale[cut:]
+        held = np.frombuffer(self.owners, np.uint8, len(self.owners))[todo] != 0
+        named = self.keys[todo]
+        done = todo[~held & (named != None)]   # noqa: E711 (elementwise)
+        deque(map(self.index.__delitem__, self.keys[done].tolist()), 0)
+        self.keys[done] = None
+        self.free.frombytes(done[::-1].tobytes())
+        return cut
 
     def row(self, key: Hashable) -> Optional[int]:
         return self.index.get(key)

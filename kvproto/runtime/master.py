@@ -226,7 +226,7 @@ class MasterCore:
     COMMAND_MAX_BYTES = 256 << 10
     #: keys of objects forgotten in bulk (a lost segment's) taken out of the
     #: row index per tick (``Rows.sweep``): a bounded slice of the loop's time
-    SWEEP_ROWS = 1 << 16
+    SWEEP_ROWS = 1 << 15
     #: a lease id is ``term << LEASE_ID_BITS | n``
     LEASE_ID_BITS = 32
     #: on top of one lease TTL, how long a new master keeps what it recovered
