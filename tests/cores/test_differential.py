@@ -430,7 +430,8 @@ class LeaseDiff(Differential):
         lease, ``Disown`` while inherited, then ``Remove`` (or ``Evict``)."""
         leased = sorted(self.ref.by_key)
         others = sorted((set(self.ref.objects) | set(LKEYS[:40])) - set(leased))
-        keys = c.some(leased, 0, 8) + c.some(others, 0, 30)
+        keys = c.some(leased, 0, 8) if leased else []
+        keys += c.some(others, 0, 30) if others else []
         evicted = c.rare(3)
         self.ref, expected = drop_reference(self.ref, self.core, keys, evicted)
         rows = [self.core.rows.index.get(k, -1) for k in keys] if c.rare(2) else None
