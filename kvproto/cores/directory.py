@@ -25,8 +25,10 @@ returning their effects in columns (:meth:`DirectoryCore.lose`).
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Optional
 
 import immutables
@@ -91,18 +93,9 @@ class Loss:
     def effects(self) -> tuple:
         if self.refused:
             return self.refused
-        out: list = []
-        bulk = zip(self.rows.tolist(), self.keys.tolist(), self.tokens.tolist())
-        nxt = next(bulk, None)
-        for row, run in self.runs:
-            while nxt is not None and nxt[0] < row:
-                out.append(Removed(nxt[1], nxt[2]))
-                nxt = next(bulk, None)
-            out.extend(run)
-        while nxt is not None:
-            out.append(Removed(nxt[1], nxt[2]))
-            nxt = next(bulk, None)
-        return tuple(out)
+        bulk = ((row, (Removed(key, token),)) for row, key, token in
+                zip(self.rows.tolist(), self.keys.tolist(), self.tokens.tolist()))
+        return tuple(e for _, run in heapq.merge(bulk, self.runs, key=itemgetter(0)) for e in run)
 
 
 class DirectoryCore:

@@ -406,33 +406,6 @@ class MasterCore:
         RepairCancelled: _repair_cancelled, Removed: _removed,
     }
 
-    def _lose(self, event: SegmentLost) -> Optional[errors.KvError]:
-        """Step the directory with ``event`` and carry out its effects, as
-        :meth:`_step` does; the published objects forgotten whole (``Removed``,
-        nothing else: :meth:`DirectoryCore.lose`) are carried out in bulk
-        (:meth:`_removed_many`). With ``trace``: one by one, each step recorded."""
-        if self.trace is not None:
-            return self._step(event)[0]
-        loss = self.directory.lose(event)
-        if loss.refused:
-            self.counters["refused"] += 1
-            return loss.refused[0].error
-        for _, run in loss.runs:
-            self._carry_out(run)
-        self._removed_many(loss.keys, loss.rows)
-        return None
-
-    def _removed_many(self, keys, rows) -> None:
-        """:meth:`_removed` of each of ``keys`` (their rows ``rows``), in bulk."""
-        if not len(keys):
-            return
-        self.counters["evictions" if self._evicting else "removes"] += len(keys)
-        self._ltick()
-        self.leases.drop_many(keys, rows, evicted=self._evicting)
-        if self.tenants is not None:
-            for key in keys.tolist():
-                self.tenants.removed(key)
-
     def _forget_pending(self, token: int) -> None:
         client = self._owner.pop(token, None)
         if client is None:
@@ -1455,6 +1428,33 @@ class MasterCore:
                 self._settle(cmd)
         self.outbox = [c for c in self.outbox if c[0] != segment]
         self._flush()
+
+    def _lose(self, event: SegmentLost) -> Optional[errors.KvError]:
+        """Step the directory with ``event`` and carry out its effects, as
+        :meth:`_step` does; the published objects forgotten whole (``Removed``,
+        nothing else: :meth:`DirectoryCore.lose`) are carried out in bulk
+        (:meth:`_removed_many`). With ``trace``: one by one, each step recorded."""
+        if self.trace is not None:
+            return self._step(event)[0]
+        loss = self.directory.lose(event)
+        if loss.refused:
+            self.counters["refused"] += 1
+            return loss.refused[0].error
+        for _, run in loss.runs:
+            self._carry_out(run)
+        self._removed_many(loss.keys, loss.rows)
+        return None
+
+    def _removed_many(self, keys, rows) -> None:
+        """:meth:`_removed` of each of ``keys`` (their rows ``rows``), in bulk."""
+        if not len(keys):
+            return
+        self.counters["evictions" if self._evicting else "removes"] += len(keys)
+        self._ltick()
+        self.leases.drop_many(keys, rows, evicted=self._evicting)
+        if self.tenants is not None:
+            for key in keys.tolist():
+                self.tenants.removed(key)
 
     def tick(self) -> None:
         """Expire silent clients and storage nodes (cheap when nothing is due)."""
