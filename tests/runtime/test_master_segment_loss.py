@@ -180,3 +180,34 @@ def test_the_lost_keys_leave_the_index_a_slice_per_tick_and_can_be_put_again(tmp
     assert all(rows.keys[row] == key for key, row in rows.index.items())
     assert set(core.leases.objects) == {k for k, r in objects.items()
                                         if r.status is Status.PUBLISHED}
+
+
+def test_the_tenants_accounting_of_a_large_loss_is_carried_out_a_slice_per_turn(tmp_path):
+    """Past ``TENANT_SLICE`` objects, the tenancy machine's steps for a lost
+    segment's objects are taken a slice per turn of the loop (``tick``); a put
+    of one of those keys takes its step first; once done, the master is where
+    the one-by-one path left it."""
+    bulk = loaded_master(tmp_path / "bulk", traced=False)
+    one = loaded_master(tmp_path / "one", traced=True)
+    bulk.TENANT_SLICE = 40
+    for core in (bulk, one):
+        core.segment_lost("seg-1", "deregistered")
+    owed = len(bulk._tenant_drops)
+    assert owed > 100 and bulk.tenants.registry.state != one.tenants.registry.state
+    again = next(k for k in (b"obj-%06d" % i for i in range(OBJECTS))
+                 if bulk._tenant_drops[-1].endswith(k))
+    for core in (bulk, one):
+        status, body = call(core, "put_start", {"client": "w", "replicas": 1,
+                                                "items": [[again, 100]]})
+        (grant,) = items(body)
+        status, body = call(core, "put_end", {"client": "w", "items": [[again, grant["token"]]]})
+        assert status == 0 and len(items(body)) == 1
+    turns = 0
+    while bulk._tenant_drops:
+        left = len(bulk._tenant_drops)
+        bulk.tick()
+        turns += 1
+        assert left - bulk.TENANT_SLICE <= len(bulk._tenant_drops) < left
+    assert turns >= owed // bulk.TENANT_SLICE and not bulk._tenant_dropping
+    one.tick()
+    assert state(bulk) == state(one)
