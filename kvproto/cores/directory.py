@@ -306,8 +306,10 @@ class DirectoryCore:
                 f"segment {ev.segment!r} is not live")))
         ledger.free, ledger.live = 0, False
         sid, size = ledger.id, self.rows.size
-        special = {row for row, held in self._repairs.items() if any(s == sid for s, _, _ in held)}
-        special.update(row for row, placed in self._extra.items() if any(s == sid for s, _ in placed))
+        special = {row for row, held in self._repairs.items()
+                   if any(s == sid for s, _, _ in held)}
+        special.update(row for row, placed in self._extra.items()
+                       if any(s == sid for s, _ in placed))
         gone = np.empty(0, np.int64)
         if size and sid < SEGMENT_ID_LIMIT:
             st = np.frombuffer(self._st, np.int8, size)
