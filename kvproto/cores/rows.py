@@ -75,8 +75,8 @@ class Rows:
         if row is not None:
             self.owners[row] |= bit
             return row
-        if self.stale:
-            self.sweep(2)                  # amortised: a few for each new key
+        if self.stale:                     # amortised: one for each new key
+            self._sweep_one()
         if self.free:
             row = self.free.pop()
         else:
@@ -128,6 +128,14 @@ class Rows:
         self.keys[done] = None
         self.free.frombytes(done[::-1].tobytes())
         return cut
+
+    def _sweep_one(self) -> None:
+        row = self.stale.pop()
+        key = self.keys[row]
+        if not self.owners[row] and key is not None:
+            del self.index[key]
+            self.keys[row] = None
+            self.free.append(row)
 
     def row(self, key: Hashable) -> Optional[int]:
         return self.index.get(key)
