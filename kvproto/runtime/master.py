@@ -70,7 +70,7 @@ import os
 import re
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -224,6 +224,13 @@ class MasterCore:
     #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
     COMMAND_MAX_REGIONS = 1024
     COMMAND_MAX_BYTES = 256 << 10
+    #: keys of objects forgotten in bulk (a lost segment's) taken out of the
+    #: row index per tick (``Rows.sweep``): a bounded slice of the loop's time
+    SWEEP_ROWS = 1 << 15
+    #: tenants' accounting of a lost segment's objects (``Tenants.removed``,
+    #: a step of the tenancy machine each) per turn of the loop, when more
+    #: objects went at once
+    TENANT_SLICE = 2048
     #: a lease id is ``term << LEASE_ID_BITS | n``
     LEASE_ID_BITS = 32
     #: on top of one lease TTL, how long a new master keeps what it recovered
@@ -297,6 +304,11 @@ class MasterCore:
                                        timeout=3 * self.storage_timeout)
         #: (segment, offset, token) of the publish marks sent for repaired replicas
         self._repair_marks: set[tuple[str, int, int]] = set()
+        #: keys of lost objects whose tenants' accounting is still to be
+        #: carried out, in order, and the same as a set (a put of one of them
+        #: carries it out first)
+        self._tenant_drops: deque = deque()
+        self._tenant_dropping: set = set()
         self._round: Optional[FenceRound] = None
         self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
@@ -747,6 +759,9 @@ class MasterCore:
         for i, (key, length) in enumerate(body["items"]):
             write = None
             if tenants is not None:
+                if key in self._tenant_dropping:    # lost: its accounting first
+                    self._tenant_dropping.discard(key)
+                    tenants.removed(key)
                 # the quotas are checked before the allocation (spec WriteStart;
                 # Tenancy_Weak_QuotaAfterAllocation); committed with PutStart
                 try:
@@ -1361,6 +1376,7 @@ class MasterCore:
                                         quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
                                         + self.INHERIT_MARGIN_S)
         if self.tenants is not None:   # each tenant's objects, named by their keys
+            self._tenant_drop(len(self._tenant_drops))
             self.tenants.recovered(self.directory.objects.items())
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
@@ -1406,7 +1422,7 @@ class MasterCore:
     # ------------------------------------------------------------------ time
 
     def segment_lost(self, segment: str, why: str = "silent") -> None:
-        err, _ = self._step(SegmentLost(segment))
+        err = self._lose(SegmentLost(segment))
         if err is None:
             self.counters["segments_lost"] += 1
             log.log(logging.INFO if why == "deregistered" else logging.WARNING,
@@ -1426,8 +1442,52 @@ class MasterCore:
         self.outbox = [c for c in self.outbox if c[0] != segment]
         self._flush()
 
+    def _lose(self, event: SegmentLost) -> Optional[errors.KvError]:
+        """Step the directory with ``event`` and carry out its effects, as
+        :meth:`_step` does; the published objects forgotten whole (``Removed``,
+        nothing else: :meth:`DirectoryCore.lose`) are carried out in bulk
+        (:meth:`_removed_many`). With ``trace``: one by one, each step recorded."""
+        if self.trace is not None:
+            return self._step(event)[0]
+        loss = self.directory.lose(event)
+        if loss.refused:
+            self.counters["refused"] += 1
+            return loss.refused[0].error
+        for _, run in loss.runs:
+            self._carry_out(run)
+        self._removed_many(loss.keys, loss.rows)
+        return None
+
+    def _removed_many(self, keys, rows) -> None:
+        """:meth:`_removed` of each of ``keys`` (their rows ``rows``), in bulk."""
+        if not len(keys):
+            return
+        self.counters["evictions" if self._evicting else "removes"] += len(keys)
+        self._ltick()
+        self.leases.drop_many(keys, rows, evicted=self._evicting)
+        if self.tenants is not None:
+            keys = keys.tolist()
+            if len(keys) <= self.TENANT_SLICE and not self._tenant_drops:
+                for key in keys:
+                    self.tenants.removed(key)
+            else:     # a slice a turn (tick): the loop keeps serving meanwhile
+                self._tenant_drops.extend(keys)
+                self._tenant_dropping.update(keys)
+
+    def _tenant_drop(self, limit: int) -> None:
+        """Carry out the tenants' accounting of up to ``limit`` lost objects."""
+        drops, dropping, removed = self._tenant_drops, self._tenant_dropping, self.tenants.removed
+        for _ in range(min(limit, len(drops))):
+            key = drops.popleft()
+            if key in dropping:
+                dropping.discard(key)
+                removed(key)
+
     def tick(self) -> None:
-        """Expire silent clients and storage nodes (cheap when nothing is due)."""
+        """Expire silent clients and storage nodes (cheap when nothing is due);
+        carry out a slice of the tenants' accounting of lost objects (each turn)."""
+        if self._tenant_drops:
+            self._tenant_drop(self.TENANT_SLICE)
         if self.failover.phase is not fm.Phase.OPEN:
             self._maybe_recover()
             return
@@ -1435,6 +1495,7 @@ class MasterCore:
         if now < self._next_tick:
             return
         self._next_tick = now + min(self.writer_timeout, self.storage_timeout) / 8
+        self.directory.rows.sweep(self.SWEEP_ROWS)
         for client, session in list(self.sessions.items()):
             lapsed = [(token, key) for token, (key, seen) in session.tokens.items()
                       if now - seen > self.writer_timeout]
