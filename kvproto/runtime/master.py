@@ -1323,19 +1323,20 @@ class MasterCore:
         self.directory = rnd.rebuild.directory({s: rnd.infos[s]["capacity"] for s in live},
                                                next_token, mismatches=mismatches)
         rnd.rebuild = None
+        # a replica whose index records another checksum than the one listed
+        # is not listed: its region is freed at its node (after the purge,
+        # before any assign of this term: one connection)
+        frees = [(node, offset, self.directory.objects[key].token,
+                  self.directory.objects[key].length) for key, node, offset in mismatches]
         if self.trace is not None:
-            self.trace.opened(self.directory, term)
+            self.trace.opened(self.directory, term, frees)
         if mismatches:
-            # a replica whose index records another checksum than the one
-            # listed is not listed: its region is freed at its node (after
-            # the purge, before any assign of this term: one connection)
             self.counters["checksum_mismatches"] += len(mismatches)
             log.warning("term %d: %d replica(s) left out, their checksum differs from the "
                         "replica listed: %s", term, len(mismatches),
                         ", ".join(f"{key!r} on {node}" for key, node, _ in mismatches[:10]))
-            for key, node, offset in mismatches:
-                record = self.directory.objects[key]
-                self._queue.append((node, "free", [offset, record.token, record.length]))
+            for node, offset, token, length in frees:
+                self._queue.append((node, "free", [offset, token, length]))
         used = self.directory.regions()
         # regions still draining for a direct writer of an older term are not free
         self.draining = defaultdict(dict)
