@@ -109,6 +109,18 @@ def read(path: "str | Path") -> dict[str, list[tuple[int, dict]]]:
     return lines
 
 
+def runs(lines: list) -> list[list]:
+    """A machine's lines split where the master opened it anew: a master that
+    stepped down (paused past its term) and later took over again records a
+    second run in the same file."""
+    out: list[list] = []
+    for number, obj in lines:
+        if "opened" in obj or not out:
+            out.append([])
+        out[-1].append((number, obj))
+    return out
+
+
 def publish_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict]]]:
     """The one run in ``lines``: its ``opened`` header and its steps."""
     opened = [i for i, (_, obj) in enumerate(lines) if "opened" in obj]
@@ -247,17 +259,23 @@ def token_range(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, int]:
     return first, max([first] + [s["after"]["next_token"] for _, s in steps])
 
 
-def run_mapping(header: dict, steps: list[tuple[int, dict]]) -> _Mapping:
+def run_mapping(header: dict, steps: list[tuple[int, dict]], held: frozenset = frozenset()
+                ) -> _Mapping:
     """The run's mapping: its tokens from :func:`token_range`, after the tokens
-    (and repair ids) of the directory it opened with, which were issued before it."""
+    (and repair ids) of the directory it opened with, which were issued before
+    it. ``held``: more tokens the run starts with (its nodes' regions, for
+    :mod:`kvproto.checking.mergetrace`); one at or above the run's first token
+    is mapped as one the run issues."""
     first, last = token_range(header, steps)
     try:
         held = {t for rec in opened_objects(header).values()
-                for t in [rec["token"]] + [p["id"] for p in rec.get("repairs", ())]}
+                for t in [rec["token"]] + [p["id"] for p in rec.get("repairs", ())]} | set(held)
     except (KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
             from None
-    return _Mapping(first, last, tuple(t for t in held if isinstance(t, int) and t < first))
+    held = {t for t in held if isinstance(t, int) and t > 0}
+    last = max([last] + [t + 1 for t in held])
+    return _Mapping(first, last, tuple(t for t in held if t < first))
 
 
 def to_model(header: dict, steps: list[tuple[int, dict]],

@@ -1263,6 +1263,23 @@ class MasterCore:
             self.outbox.append((segment, "fence", cmd_id, {"segment": segment, "term": term}))
         self._maybe_recover()
 
+    def _drained_by_purge(self, segment: str, draining) -> None:
+        """The purge's answer lists the regions draining at its node after it:
+        those the fence answer listed as draining, or as about to drain in the
+        purge, that it no longer lists are free again (drained, or freed
+        outright: their writer had written or died)."""
+        if type(draining) is not list or not all(
+                type(d) is list and len(d) == 2 and type(d[0]) is int for d in draining):
+            log.error("segment %s: purge reply: draining regions are not [offset, length] "
+                      "pairs", segment)
+            return
+        still = {d[0] for d in draining}
+        held = self.draining.get(segment, {})
+        for offset in [o for o in held if o not in still]:
+            length = held.pop(offset)
+            if segment in self.segments:
+                self.placer.release([Replica(segment, offset, length)])
+
     def _fence_or_purge_reply(self, cmd: Command, reply: wire.Reply) -> None:
         segment = cmd.segment
         if cmd.op == "purge":
@@ -1270,6 +1287,8 @@ class MasterCore:
                 self.last_failover["purged"] = self.last_failover.get("purged", 0) + reply.body.get("purged", 0)
                 self.last_failover["bytes_purged"] = (self.last_failover.get("bytes_purged", 0)
                                                       + reply.body.get("freed", 0))
+                if "draining" in reply.body:
+                    self._drained_by_purge(segment, reply.body["draining"])
             else:
                 log.error("segment %s refused the purge: %s", segment, reply.error())
             return
@@ -1338,19 +1357,20 @@ class MasterCore:
         self.directory = rnd.rebuild.directory({s: rnd.infos[s]["capacity"] for s in live},
                                                next_token, mismatches=mismatches)
         rnd.rebuild = None
+        # a replica whose index records another checksum than the one listed
+        # is not listed: its region is freed at its node (after the purge,
+        # before any assign of this term: one connection)
+        frees = [(node, offset, self.directory.objects[key].token,
+                  self.directory.objects[key].length) for key, node, offset in mismatches]
         if self.trace is not None:
-            self.trace.opened(self.directory, term)
+            self.trace.opened(self.directory, term, frees)
         if mismatches:
-            # a replica whose index records another checksum than the one
-            # listed is not listed: its region is freed at its node (after
-            # the purge, before any assign of this term: one connection)
             self.counters["checksum_mismatches"] += len(mismatches)
             log.warning("term %d: %d replica(s) left out, their checksum differs from the "
                         "replica listed: %s", term, len(mismatches),
                         ", ".join(f"{key!r} on {node}" for key, node, _ in mismatches[:10]))
-            for key, node, offset in mismatches:
-                record = self.directory.objects[key]
-                self._queue.append((node, "free", [offset, record.token, record.length]))
+            for node, offset, token, length in frees:
+                self._queue.append((node, "free", [offset, token, length]))
         used = self.directory.regions()
         # regions still draining for a direct writer of an older term are not free
         self.draining = defaultdict(dict)

@@ -30,7 +30,10 @@ are lists; an enum is its value; an error is ``{"type": its class name,
   object's record as a step's ``"after"`` has it (status, token, replicas,
   length, checksum, requested, reads, repairs); a recovered directory's
   objects are also listed in ``"recovered"``: ``[key, [segment of each
-  replica]]`` each;
+  replica]]`` each; ``"frees"``: the regions the recovery frees itself (a
+  replica left out, its node's index recording another checksum), each
+  ``{"segment", "offset", "token", "length"}``, sent before any command of
+  the run;
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
   a step the master took on a repair copier's report (``repair_done``:
@@ -74,8 +77,9 @@ the nodes of one process). Lines:
   request carries, which the checker holds the step to.
 
 ``kvproto trace merge FILE [NODE_FILE ...]`` (:mod:`kvproto.checking.mergetrace`)
-merges a master's file and its nodes' files into one behaviour of
-``spec/Publish.tla``.
+merges a master's run and its nodes' steps under its term into one behaviour
+of ``spec/Publish.tla``: a node's steps before its fence of that term give
+the region table it starts from (so a node records from its opening).
 """
 
 from __future__ import annotations
@@ -152,9 +156,10 @@ class Recorder(_Lines):
         self._ln = 0
         self._table = None       # the lease table last stepped
 
-    def opened(self, directory, term=None) -> None:
+    def opened(self, directory, term=None, frees=()) -> None:
         """The master opened ``directory`` (empty, or recovered at a takeover)
-        under ``term``."""
+        under ``term``; ``frees``: the regions its recovery frees itself,
+        ``(segment, offset, token, length)`` each, in the order sent."""
         ledgers = directory.segments
         opened = {"next_token": directory.next_token, "objects": len(directory.objects),
                   "segments": {name: ledger.capacity for name, ledger in ledgers.items()},
@@ -164,6 +169,9 @@ class Recorder(_Lines):
             opened["lost"] = lost
         if term is not None:
             opened["term"] = term
+        if frees:
+            opened["frees"] = [{"segment": s, "offset": o, "token": t, "length": n}
+                               for s, o, t, n in frees]
         if len(directory.objects) <= INHERITED_LISTED:
             items = directory.objects.items()
             opened["directory"] = {encode(key): encode(record) for key, record in items}

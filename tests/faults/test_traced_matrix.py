@@ -2,7 +2,7 @@
 short run of a cell that kills the active master, every master and storage
 node recording its steps, checked by TLC after the cell: each master's
 publish and lease steps (the successor's from the directory it recovered),
-the first master merged with its nodes up to the takeover, the nodes' fence
+each master merged with its nodes' steps under its term, the nodes' fence
 and index steps across the takeover. A step changed by hand fails the cell,
 in the first master's trace and in its successor's (an accepted put_end
 recorded as refused, a step on a key the recovered directory did not list);
@@ -46,10 +46,13 @@ def test_a_traced_cell_with_a_takeover_passes_every_check(traced):
     names = {line.split(":")[0] for line in report.traces if " pass" in line}
     # the killed master's publish and lease steps, its successor's publish
     # steps (from the directory it recovered) and lease table (opened with what
-    # it inherited), the merge up to the takeover, the nodes across it
-    assert {"master-0 publish", "master-0 lease", "merged", "failover"} <= names, report.traces
+    # it inherited), each merged with its nodes' steps under its term, the
+    # nodes across the takeover
+    assert {"master-0 publish", "master-0 lease", "master-0 merged", "failover"} <= names, \
+        report.traces
     successor = successor_of(folder).stem      # whichever standby won the election
-    assert {f"{successor} publish", f"{successor} lease"} <= names, report.traces
+    assert {f"{successor} publish", f"{successor} lease", f"{successor} merged"} <= names, \
+        report.traces
     failover = next(l for l in report.traces if l.startswith("failover"))
     assert int(re.search(r"(\d+) term\(s\)", failover).group(1)) >= 2, failover
     assert sorted(p.name for p in folder.glob("storage-*.trace")) == \

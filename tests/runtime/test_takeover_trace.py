@@ -10,7 +10,11 @@ behaviour of ``spec/Publish.tla`` from the directory it recovered, which its
 ``opened`` line lists; a step changed by hand (an accepted ``PutEnd``
 recorded as refused) is rejected at that step, a read of a key the recovered
 directory did not list at the read, and a recovered directory holding a
-token the master had not issued from the start."""
+token the master had not issued from the start. Merged with its nodes'
+steps under its term (``kvproto trace merge``, from the region tables they
+held at its fence), the successor's run is a behaviour of ``spec/Publish.tla``
+too; a node's write under a token the successor never granted, and a purge
+freeing a listed region, are rejected at that step."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import pytest
 
 import kvproto
 from kvproto import cli, errors
-from kvproto.checking import traces
+from kvproto.checking import mergetrace, traces
 from kvproto.runtime import tracing
 
 import test_master_failover as failover
@@ -95,9 +99,11 @@ def publish_steps(path: Path, kind: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def successor(tmp_path_factory) -> Path:
     """The trace of a master that took over from one killed after puts of
-    ``a``, ``b``, ``c`` (two replicas each, on two nodes) and a remove of
-    ``b``: it reads ``a``, puts ``d``, is refused a put of ``c`` (it exists),
-    removes ``c`` once the old master's leases may have run out, reads ``d``."""
+    ``a``, ``b``, ``c`` (two replicas each, on two nodes), a remove of ``b``
+    and a put of ``p`` left unpublished: it reads ``a``, puts ``d``, is
+    refused a put of ``c`` (it exists), removes ``c`` once the old master's
+    leases may have run out, reads ``d``. Its nodes record beside it from
+    their start (``p``'s regions go in their purge)."""
     out = tmp_path_factory.mktemp("successor")
     url, path = f"file://{out}/coordinator", out / "second.trace"
     started: list[Child] = []
@@ -115,16 +121,24 @@ def successor(tmp_path_factory) -> Path:
     try:
         a, a_addr = failover.start_master(children, url, LEASE_TTL)
         wait_for(lambda: failover.open_at(url, a_addr, raw), what="the first master open")
-        with pytest.MonkeyPatch.context() as mp:          # only the second master records
-            mp.setenv(tracing.ENV, str(path))
+        with pytest.MonkeyPatch.context() as mp:   # the second master records, and the
+            mp.setenv(tracing.ENV, str(path))       # nodes (their files beside its file)
             _, b_addr = failover.start_master(children, url, LEASE_TTL)
-        for _ in range(2):
-            failover.start_storage(children, url)
+            for _ in range(2):
+                failover.start_storage(children, url)
         wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 2,
                  what="the storage nodes registered")
         for key in (b"a", b"b", b"c"):
             client.put(key, failover.value(key), replicas=2)
         client.remove(b"b")
+        # an attempt left unpublished: the successor's nodes purge its regions
+        status, _ = raw(a_addr).call("put_start", {"client": "w", "replicas": 2,
+                                                   "items": [[b"p", 4096]]}).body["items"][0]
+        assert status == 0
+        wait_for(lambda: all(any(r.get("event", {}).get("type") == "AssignRegion"
+                                 and r["event"]["key"] == "p" for r in rows(f))
+                             for f in mergetrace.node_files(path)),
+                 what="the unpublished attempt's regions assigned at both nodes")
         a.stop(signal.SIGKILL)
         wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20, what="the standby open")
         assert bytes(client.get(b"a")) == failover.value(b"a")
@@ -238,3 +252,113 @@ def test_a_recovered_token_the_master_would_issue_again_is_rejected(successor, t
     verdict = traces.check_each(path)["publish"]
     assert not verdict.ok and verdict.failed_step is None, verdict.message
     assert "TokensIssued" in verdict.message and "opened with" in verdict.message
+
+
+# --- the successor merged with its nodes (kvproto trace merge) ------------------
+
+
+def copied(path: Path, out: Path, change) -> tuple[Path, Path, object]:
+    """``path`` and its node files copied to ``out`` (and ``out.storage-*``),
+    the first node file's lines edited in place by ``change`` (a line it marks
+    ``drop`` left out): the copies of the master's and that node's file, and
+    what ``change`` returned."""
+    shutil.copy(path, out)
+    node, hit = None, None
+    for f in mergetrace.node_files(path):
+        lines = rows(f)
+        target = Path(f"{out}.storage-{f.name.split('storage-')[1]}")
+        if node is None:
+            node, hit = target, change(lines)
+        target.write_text("".join(json.dumps(r) + "\n" for r in lines if not r.get("drop")))
+    return out, node, hit
+
+
+def node_event(lines: list, kind: str, **fields) -> dict:
+    """The first step of ``kind`` whose event has ``fields``."""
+    return next(r for r in lines if r.get("event", {}).get("type") == kind
+                and all(r["event"].get(k) == v for k, v in fields.items()))
+
+
+@needs_java
+def test_the_successor_merged_with_its_nodes_is_a_behaviour_of_the_spec(successor, capsys):
+    """Each node's steps under the successor's term (its purge of ``p``'s
+    region, ``d``'s assign and write, ``c``'s free) from the region table it
+    held at its fence: ``a``'s and ``c``'s regions written, ``p``'s not."""
+    header = rows(successor)[0]["opened"]
+    for f in mergetrace.node_files(successor):
+        node = mergetrace.read_node(f, header["term"])
+        p = node_event(rows(f), "StampedAllocate", key="p")["event"]["token"]
+        (table,) = node.table.values()
+        assert sorted(table.values()) == sorted(
+            [(header["directory"][k]["token"], True) for k in ("a", "c")] + [(p, False)])
+        (purge,) = [s for _, s in node.steps if s.get("purge")]
+        assert purge["event"]["token"] == p
+        assert {s["event"]["type"] for _, s in node.steps} >= {"AssignRegion", "WriteReplica",
+                                                               "FreeRegion"}
+    assert cli.main(["trace", "merge", "--run", "1", str(successor)]) == 0
+    assert "of the master and 2 node(s) are steps of spec/Publish.tla" in capsys.readouterr().out
+    assert cli.main(["trace", "merge", "--run", "2", str(successor)]) == 2
+    assert "holds 1 run(s); there is no run 2" in capsys.readouterr().err
+
+
+def _write_under_the_purged_token(lines: list) -> int:
+    """The node accepts ``d``'s write under ``p``'s token: an attempt the old
+    master granted and the successor never did."""
+    p = node_event(lines, "StampedAllocate", key="p")["event"]["token"]
+    d = node_event(lines, "StampedAllocate", key="d")["event"]["token"]
+    write = node_event(lines, "WriteReplica", token=d)
+    write["event"]["token"] = write["effects"][0]["token"] = p
+    return write["n"]
+
+
+def _purge_a_listed_region(lines: list) -> int:
+    """The node's index held ``p`` at ``a``'s region: its purge frees that
+    region, which the recovered directory lists."""
+    a = node_event(lines, "StampedAllocate", key="a")["event"]
+    p = node_event(lines, "StampedAllocate", key="p")["event"]
+    free = node_event(lines, "FreeRegion", token=p["token"])
+    for ev in (p, free["event"]):
+        ev["offset"], ev["token"] = a["offset"], a["token"]
+    return free["n"]
+
+
+@needs_java
+@pytest.mark.parametrize("change", [_write_under_the_purged_token, _purge_a_listed_region])
+def test_a_successors_node_step_changed_by_hand_is_rejected_at_that_step(successor, tmp_path,
+                                                                         change):
+    path, node, n = copied(successor, tmp_path / "t.trace", change)
+    verdict = mergetrace.check(path)
+    assert not verdict.ok and verdict.failed_step == n, verdict.message
+    assert f"{node.name} step {n} " in verdict.message
+
+
+@needs_java
+def test_a_free_the_recovery_sent_itself_is_a_command_in_flight(successor, tmp_path):
+    """A node's free of ``p``'s region recorded as the recovery's own (the
+    ``opened`` line's ``frees``, as for a replica left out for its checksum;
+    the node's purge line left out): the head of its segment's commands."""
+    def unpurged(lines: list) -> dict:
+        purge = node_event(lines, "PurgeUnpublished")
+        purge["drop"] = True
+        ev = lines[lines.index(purge) + 1]["event"]
+        return {k: ev[k] for k in ("segment", "offset", "token", "length")}
+
+    path, _, free = copied(successor, tmp_path / "t.trace", unpurged)
+    lines = rows(path)
+    lines[0]["opened"]["frees"] = [free]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    verdict = mergetrace.check(path)
+    assert verdict.ok, verdict.message
+
+
+@needs_java
+def test_a_listed_replica_its_node_never_wrote_is_rejected_where_the_run_starts(successor,
+                                                                              tmp_path):
+    def unwritten(lines: list) -> None:
+        a = node_event(lines, "StampedAllocate", key="a")["event"]
+        node_event(lines, "WriteReplica", token=a["token"])["drop"] = True
+
+    path, _, _ = copied(successor, tmp_path / "t.trace", unwritten)
+    verdict = mergetrace.check(path)
+    assert not verdict.ok and verdict.failed_step is None, verdict.message
+    assert "invariant OpenedOnNodes is violated where the run starts" in verdict.message
