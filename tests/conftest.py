@@ -1,6 +1,7 @@
 """Hypothesis profiles and the ``--soak`` option.
 
-* ``ci`` (the default): 250 examples per stateful test, up to 100 steps each.
+* ``ci`` (the default): 250 examples per Hypothesis test without settings of
+  its own; a stateful test's examples take up to 100 steps each.
 * ``soak``: 5,000 examples of up to 400 steps, for long local runs.
 * ``mutate``: 500 examples of up to 100 steps, and a failure is reported as
   found, not shrunk (``kvproto mutate`` only needs to know that a mutant was
