@@ -1,9 +1,11 @@
 """Hypothesis profiles and the ``--soak`` option.
 
-* ``ci`` (the default): 500 examples per stateful test, up to 100 steps each.
+* ``ci`` (the default): 250 examples per Hypothesis test without settings of
+  its own; a stateful test's examples take up to 100 steps each.
 * ``soak``: 5,000 examples of up to 400 steps, for long local runs.
-* ``mutate``: as ``ci``, but a failure is reported as found, not shrunk
-  (``kvproto mutate`` only needs to know that a mutant was caught).
+* ``mutate``: 500 examples of up to 100 steps, and a failure is reported as
+  found, not shrunk (``kvproto mutate`` only needs to know that a mutant was
+  caught).
 
 ``pytest --soak`` selects the ``soak`` profile (unless ``HYPOTHESIS_PROFILE``
 names another) and also runs the tests marked ``soak``: the conformance
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
-    "ci", max_examples=500, stateful_step_count=100, deadline=None,
+    "ci", max_examples=250, stateful_step_count=100, deadline=None,
     suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile(
     "mutate", max_examples=500, stateful_step_count=100, deadline=None,
@@ -39,9 +41,86 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _slow_first(config, items)
     if config.getoption("soak"):
         return
     skip = pytest.mark.skip(reason="soak: long, runs with --soak")
     for item in items:
         if item.get_closest_marker("soak"):
             item.add_marker(skip)
+
+
+#: the tests that take tens of seconds, with their share of a CI run (seconds
+#: on a loaded 2-core machine; only their ratios matter). A name ending in
+#: ``.py`` is a module whose module-scoped fixture serves all its tests (one
+#: TLC graph per model, one cluster for every fault cell): its tests run
+#: together, on one worker.
+SLOW = {
+    "tests/test_conformance.py": 520,
+    "tests/faults/test_traced_matrix.py": 90,
+    "tests/faults/test_matrix.py": 70,
+    "tests/stateful/test_timeout.py::TestTimeoutSystem": 110,
+    "tests/stateful/test_publish.py::TestPublishSystem": 90,
+    "tests/stateful/test_publish.py::TestPublishWithRepairs": 70,
+    "tests/stateful/test_publish.py::test_the_stateful_test_catches_storage_without_the_token_check": 65,
+    "tests/stateful/test_lease.py::TestLeaseSystem": 80,
+    "tests/stateful/test_tenancy.py::TestTenancySystem": 60,
+    "tests/runtime/test_failover_cores.py::TestFailoverCores": 60,
+    "tests/stateful/test_failover.py::TestFailoverSystem": 50,
+    "tests/stateful/test_repair.py::TestRepairSystem": 45,
+    "tests/stateful/test_directwrite.py::TestDirectWriteSystem": 40,
+    "tests/test_models.py::test_model_gives_expected_verdict[Publish]": 90,
+    "tests/test_models.py::test_model_gives_expected_verdict[Timeout_Liveness]": 75,
+    "tests/test_models.py::test_model_gives_expected_verdict[Tenancy]": 50,
+    "tests/test_models.py::test_model_gives_expected_verdict[Repair]": 30,
+    "tests/test_models.py::test_model_gives_expected_verdict[Lease]": 25,
+    "tests/test_models.py::test_model_gives_expected_verdict[Failover_ThreeTerms]": 25,
+    "tests/test_runtime_mutants.py::test_quick_mutants_are_killed": 30,
+    "tests/runtime/test_repair_runtime.py": 55,
+}
+
+
+def _slow_name(nodeid: str):
+    """The entry of SLOW that ``nodeid`` belongs to, if any."""
+    for name in SLOW:
+        if nodeid == name or nodeid.startswith(name + "::"):
+            return name
+    return None
+
+
+def _shares(count: int, workers: int) -> list[int]:
+    """How many tests pytest-xdist's ``worksteal`` hands each worker at the
+    start: contiguous shares of the collection, in order."""
+    out = []
+    for i in range(workers):
+        out.append(count // (workers - i))
+        count -= out[-1]
+    return out
+
+
+def _slow_first(config, items):
+    """Reorder ``items`` so that each worker's share starts with slow tests,
+    the slow ones spread so the shares are about even (largest first, each to
+    the lightest share). Worksteal steals from the ends of shares, so the slow
+    tests stay where they are put and none is left running alone at the end;
+    the rest keep their order."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    groups: dict[str, list] = {}
+    rest = []
+    for item in items:
+        name = _slow_name(item.nodeid)
+        (groups.setdefault(name, []) if name else rest).append(item)
+    shares = _shares(len(items), workers)
+    heads: list[list] = [[] for _ in shares]
+    load = [0] * len(shares)
+    for name in sorted(groups, key=lambda n: -SLOW[n]):
+        i = min(range(len(shares)), key=lambda j: (load[j], len(heads[j])))
+        heads[i] += groups[name]
+        load[i] += SLOW[name]
+    if any(len(h) > s for h, s in zip(heads, shares)):
+        heads, shares = [sum(heads, [])], [len(items)]
+    ordered, start = [], 0
+    for head, share in zip(heads, shares):
+        ordered += head + rest[start:start + share - len(head)]
+        start += share - len(head)
+    items[:] = ordered + rest[start:]

@@ -8,7 +8,7 @@ from collections import deque
 
 import attrs
 import pytest
-from hypothesis import HealthCheck, Phase, event, settings, strategies as st
+from hypothesis import HealthCheck, Phase, event, seed, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
@@ -331,12 +331,18 @@ def test_the_stateful_test_catches_storage_without_the_token_check(monkeypatch):
     """The same twin, found by the Hypothesis state machine above: a writer
     whose allocation was reclaimed writes into the next attempt's region."""
     monkeypatch.setattr(P, "storage_step", _accepts_any_write(P.storage_step))
-    # random seeds need from a handful to about 1,000 examples to find it
-    found = settings(max_examples=3000, stateful_step_count=100, derandomize=True, database=None,
+
+    # random seeds need from a handful to about 1,000 examples to find it; this
+    # one finds it within a hundred (another Hypothesis version or a change to
+    # the rules may need more: up to 3,000 are allowed)
+    @seed(4)
+    class Seeded(PublishSystem):
+        pass
+    found = settings(max_examples=3000, stateful_step_count=100, database=None,
                      phases=[Phase.generate], deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
     with pytest.raises(AssertionError, match="PublishedBytesAreTheAttempts"):
-        run_state_machine_as_test(PublishSystem, settings=found)
+        run_state_machine_as_test(Seeded, settings=found)
 
 
 def test_remove_that_ignores_pins_breaks_only_published_readable(monkeypatch):
