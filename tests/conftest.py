@@ -77,6 +77,7 @@ SLOW = {
     "tests/test_models.py::test_model_gives_expected_verdict[Failover_ThreeTerms]": 25,
     "tests/test_runtime_mutants.py::test_quick_mutants_are_killed": 30,
     "tests/runtime/test_repair_runtime.py": 55,
+    "tests/runtime/test_takeover_trace.py": 45,
 }
 
 
