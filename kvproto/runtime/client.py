@@ -1013,7 +1013,6 @@ class Client:
         queued = max(started - sent, 0.0)
         reads, transferring, verifying = 0, 0.0, 0.0
         last = None
-        max_skew, accept = self.max_skew, lm.accept_transfer
         for i, (lease_id, ttl) in lease_of.items():
             if results[i] is None:
                 continue
@@ -1023,7 +1022,7 @@ class Client:
             transferring += max(done - started, 0.0)
             verifying += max(verified - done, 0.0)
             last = (done, verified)
-            if accept(sent, done, ttl, max_skew):
+            if lm.accept_transfer(sent, done, ttl, self.max_skew):
                 c["lease_accepted"] += 1
                 continue
             results[i] = None              # never hand out bytes read past the lease
@@ -1033,7 +1032,7 @@ class Client:
             c[f"rejected_{reason.value}"] += 1
             first = first or errors.LeaseExpired(
                 f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
-                f"lease ({ttl:.3f}s - skew {max_skew:.3f}s): {reason.value}")
+                f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
         if last is not None:
             done, verified = last
             self.last_read = lm.ReadPhases(queued, max(done - started, 0.0),

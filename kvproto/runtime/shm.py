@@ -293,9 +293,9 @@ class LocalSegment:
         return mm
 
     def _seqlocked(self, offset: int, length: int, token: int, nonce: int, copy) -> bool:
-        """The seqlock of every read: ``copy(src)`` (``src`` the region's bytes)
-        runs only if the region is complete, and the result counts only if it
-        still is afterwards (same generation word, same segment nonce)."""
+        """The seqlock of every read: ``copy(src)`` (``src`` a byte view of the
+        region) runs only if the region is complete, and the result counts
+        only if it still is afterwards (same generation word, same segment nonce)."""
         if offset < 0 or offset % self.page_size or offset + length > self.capacity:
             return False
         words = self._words
@@ -303,14 +303,14 @@ class LocalSegment:
         want = gen_word(token, True)
         if words[1] != nonce or words[idx] != want:
             return False
-        copy(self._data[offset:offset + length])
+        copy(self._bytes[offset:offset + length])
         return words[idx] == want and words[1] == nonce
 
     def read(self, offset: int, length: int, token: int, nonce: int) -> Optional[memoryview]:
         """Copy the region out (one memcpy) if it is complete and stays so during
         the copy; else ``None``."""
         out = []
-        if not self._seqlocked(offset, length, token, nonce, lambda src: out.append(src.copy())):
+        if not self._seqlocked(offset, length, token, nonce, lambda src: out.append(np.array(src))):
             return None
         return memoryview(out[0])
 
@@ -360,18 +360,12 @@ class LocalSegment:
         """:meth:`read` into ``dest`` (the caller's memory, at least ``length``
         bytes): True if the region was complete and stayed so during the copy;
         on False ``dest``'s first ``length`` bytes are undefined."""
-        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
-            return False
-        words = self._words
-        idx = HEADER_WORDS + offset // self.page_size
-        want = gen_word(token, True)
-        if words[1] != nonce or words[idx] != want:
-            return False
-        # the seqlock of _seqlocked, the copy one memcpy between byte views
         if type(dest) is not memoryview or dest.format != "B" or dest.ndim != 1:
             dest = np.frombuffer(dest, dtype=np.uint8, count=length).data
-        dest[:length] = self._bytes[offset:offset + length]
-        return words[idx] == want and words[1] == nonce
+
+        def copy(src: memoryview) -> None:
+            dest[:length] = src         # one memcpy between byte views
+        return self._seqlocked(offset, length, token, nonce, copy)
 
     def close(self) -> None:
         self._data = None

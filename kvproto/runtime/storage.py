@@ -387,9 +387,8 @@ class StorageCore:
             set_word(offset, gen_word(token, False))
             if offset in direct:
                 counters["direct_granted"] += 1
-            if token > self.tokens_seen:
-                self.tokens_seen = token
-            counters["assigned"] += 1
+            self.tokens_seen = max(self.tokens_seen, token)
+            self.counters["assigned"] += 1
             results.append([0, None])
         return {"results": results}, []
 
