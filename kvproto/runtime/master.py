@@ -84,8 +84,8 @@ from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, Rebuild
 from kvproto.statemachines.publish import (
-    AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd, PutGranted,
-    PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
+    AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd,
+    PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReclaimAbandoned,
     Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairStart, RepairStarted,
     Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
@@ -1173,10 +1173,10 @@ class MasterCore:
             results = reply.body.get("results") if reply.status == 0 else None
             if type(results) is not list or len(results) != len(cmd.regions):
                 results = [[reply.status or errors.MalformedFrame.code, "bad reply"]] * len(cmd.regions)
-            marks, op, item_result = self._repair_marks, cmd.op, wire.item_result
+            op, item_result = cmd.op, wire.item_result
             # an accepted assign or publish, while no repaired replica's mark is
             # out, needs nothing but counting
-            plain = not marks and op in ("assign", "publish")
+            plain = not self._repair_marks and op in ("assign", "publish")
             for region, result in zip(cmd.regions, results):
                 err, value = item_result(result)
                 if plain and err is None:
@@ -1190,10 +1190,9 @@ class MasterCore:
                         self.draining[segment][region[0]] = region[2]
                     else:
                         self.placer.release([Replica(segment, region[0], region[2])])
-                repaired = False
-                if marks:
-                    repaired = cmd.op == "publish" and (segment, region[0], region[2]) in marks
-                    marks.discard((segment, region[0], region[2]))
+                marks = self._repair_marks
+                repaired = cmd.op == "publish" and (segment, region[0], region[2]) in marks
+                marks.discard((segment, region[0], region[2]))
                 if err is None:
                     if cmd.op == "publish":
                         self.counters["publish_marks"] += 1
