@@ -325,7 +325,8 @@ class MasterCore:
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
-        self._carry_out(effects)
+        if effects:
+            self._carry_out(effects)
         return None, effects
 
     def _carry_out(self, effects: tuple) -> None:
@@ -892,7 +893,8 @@ class MasterCore:
                 continue
             grant = effects[0]
             counters["reads"] += 1
-            touch(key)
+            if not leased:
+                touch(key)      # a leased read's Grant marks it used itself
             replicas = grant.replicas
             item = {"token": grant.token, "length": grant.length,
                     "replicas": [[r.segment, r.offset, r.length] for r in replicas]}
@@ -905,6 +907,7 @@ class MasterCore:
                 lease_id = self._next_lease
                 lerr, leffects = self._lstep(lm.Grant((client, lease_id), key), tick=False)
                 if lerr is not None:   # the tables disagree: a bug; answer it typed
+                    touch(key)
                     log.error("lease grant of %r refused: %s", key, lerr)
                     items.append(wire.error_item(lerr))
                     continue
