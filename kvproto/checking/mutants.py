@@ -80,7 +80,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "same-host-read-no-recheck",
         "a same-host read keeps its copy without checking the generation word "
         "and nonce again after the copy",
-        _one(SHM, "        return int(gens[idx]) == want and int(gens[1]) == nonce\n",
+        _one(SHM, "        return words[idx] == want and words[1] == nonce\n",
              "        return True\n"),
         (f"{SAME_HOST}::test_a_region_rewritten_during_the_copy_is_not_kept",
          f"{SAME_HOST}::test_a_same_host_read_torn_by_a_rewrite_falls_back_to_the_network")),
@@ -88,10 +88,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "same-host-read-ignores-nonce",
         "a same-host read trusts a descriptor whose segment started over "
         "(a new nonce: the same token may name other bytes)",
-        (Edit(SHM, "        if int(gens[1]) != nonce or int(gens[idx]) != want:\n",
-              "        if int(gens[idx]) != want:\n"),
-         Edit(SHM, "        return int(gens[idx]) == want and int(gens[1]) == nonce\n",
-              "        return int(gens[idx]) == want\n")),
+        (Edit(SHM, "        if words[1] != nonce or words[idx] != want:\n",
+              "        if words[idx] != want:\n"),
+         Edit(SHM, "        return words[idx] == want and words[1] == nonce\n",
+              "        return words[idx] == want\n")),
         (f"{SAME_HOST}::test_a_descriptor_of_a_segment_that_started_over_is_not_read",)),
     Mutant(
         "lease-deadline-from-reply",

@@ -143,6 +143,13 @@ class DirectCore:
         row = self._held(offset, token)
         return row is not None and not self._wrote[row]
 
+    def held(self, offset, token: int) -> Optional[tuple[RegionState, bool]]:
+        """``(state, reported)`` of the region at ``offset`` if ``token``
+        holds it, else None: the :class:`DirectRegion` view's fields without
+        building it."""
+        row = self._held(offset, token)
+        return None if row is None else (_STATE[self._st[row]], bool(self._wrote[row]))
+
     def _region(self, row: int) -> DirectRegion:
         return DirectRegion(self._tok[row], self._writers[self._wid[row]],
                             _STATE[self._st[row]], bool(self._wrote[row]))

@@ -564,6 +564,15 @@ class DirectoryCore:
                             tuple(RepairRegion(names[s], o, rid)
                                   for s, o, rid in self._repairs.get(row, ())))
 
+    def placed(self, key) -> tuple[int, int, int, list[tuple[str, int]]]:
+        """``(length, checksum, requested, [(segment, offset), ...])`` of the
+        object ``key`` (which must be held): what a publish mark carries,
+        without building its :class:`ObjectRecord`."""
+        row = self.rows.index[key]
+        names = self._names
+        return (self._len[row], self._sum[row], self._req[row],
+                [(names[s], o) for s, o in self._placed(row)])
+
     def published(self, key) -> bool:
         """Whether ``key`` names a published object (spec ``Readable(k)``)."""
         row = self.rows.index.get(key)

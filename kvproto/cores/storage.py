@@ -141,6 +141,20 @@ class StorageNodeCore:
             return _refused(errors.RegionMismatch(f"{self.segment}@{ev.offset} is incomplete"))
         return (Accepted(self.segment, ev.offset, ev.token),)
 
+    def owner(self, offset: int) -> Optional[tuple]:
+        """``(key, token, written)`` of the region at ``offset``, or None: the
+        :class:`Region` view's fields without building it."""
+        row = self._reg.index.get(offset)
+        if row is None:
+            return None
+        return self._r_key[row], self._r_tok[row], self._r_done[row]
+
+    def open_allocation(self, key) -> bool:
+        """Whether ``key`` has an index entry not yet published (what
+        ``StampedPublish`` needs, the term apart)."""
+        row = self._idx.index.get(key)
+        return row is not None and not self._i_pub[row]
+
     def region(self, offset: int) -> Optional[Region]:
         row = self._reg.index.get(offset)
         if row is None:

@@ -1010,28 +1010,37 @@ class Client:
         a late transfer's bytes are dropped, its rejection classified and counted."""
         c = self.lease_counters
         first: Optional[errors.KvError] = None
+        queued = max(started - sent, 0.0)
+        reads, transferring, verifying = 0, 0.0, 0.0
+        last = None
         for i, (lease_id, ttl) in lease_of.items():
             if results[i] is None:
                 continue
             done = done_at.get(i, time.monotonic())
             verified = time.monotonic()     # nothing reads the store after the transfer
-            phases = lm.ReadPhases(max(started - sent, 0.0), max(done - started, 0.0),
-                                   max(verified - done, 0.0))
-            self.last_read = phases
-            c["lease_reads"] += 1
-            c["queued_s"] += phases.queued
-            c["transferring_s"] += phases.transferring
-            c["verifying_s"] += phases.verifying
+            reads += 1
+            transferring += max(done - started, 0.0)
+            verifying += max(verified - done, 0.0)
+            last = (done, verified)
             if lm.accept_transfer(sent, done, ttl, self.max_skew):
                 c["lease_accepted"] += 1
                 continue
             results[i] = None              # never hand out bytes read past the lease
+            phases = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
             reason = lm.classify_rejection(phases, self._budget(ttl))
             c["lease_rejected"] += 1
             c[f"rejected_{reason.value}"] += 1
             first = first or errors.LeaseExpired(
                 f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
                 f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
+        if last is not None:
+            done, verified = last
+            self.last_read = lm.ReadPhases(queued, max(done - started, 0.0),
+                                           max(verified - done, 0.0))
+            c["lease_reads"] += reads
+            c["queued_s"] += queued * reads
+            c["transferring_s"] += transferring
+            c["verifying_s"] += verifying
         return first
 
     # ------------------------------------------------------------------ transfer engine

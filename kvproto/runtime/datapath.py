@@ -272,8 +272,8 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
             elif dest is not None:
                 got = length if seg.read_into(r[1], length, token, nonce, dest) else None
             else:   # a plain get: into a buffer of the client's that is idle
-                buf = client.read_buffers.take(length)
-                got = memoryview(buf) if seg.read_into(r[1], length, token, nonce, buf) else None
+                buf = memoryview(client.read_buffers.take(length))
+                got = buf if seg.read_into(r[1], length, token, nonce, buf) else None
                 del buf
             if got is not None:
                 done = time.monotonic()
@@ -366,18 +366,18 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
         spins += 1
         if spins > 64:
             time.sleep(0.0002)
-    dst = seg.region(offset, view.nbytes)
-    if dst is None:
-        return False
     if isinstance(view, Fill):
+        dst = seg.region(offset, view.nbytes)
+        if dst is None:
+            return False
         try:
             view.fill(memoryview(dst))
         except errors.KvError:
             if view.on_late is not None:
                 view.on_late(lambda: seg.report_written(offset, token))
             raise
-    else:
-        dst[:] = np.frombuffer(view, dtype=np.uint8)
+    elif not seg.write(offset, view):
+        return False
     seg.report_written(offset, token)
     return True
 

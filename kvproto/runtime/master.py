@@ -84,8 +84,8 @@ from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, Rebuild
 from kvproto.statemachines.publish import (
-    AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd, PutGranted,
-    PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReadGranted, ReclaimAbandoned,
+    AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd,
+    PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReclaimAbandoned,
     Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairStart, RepairStarted,
     Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
@@ -337,7 +337,8 @@ class MasterCore:
         if effects and isinstance(effects[0], Refused):
             self.counters["refused"] += 1
             return effects[0].error, effects
-        self._carry_out(effects)
+        if effects:
+            self._carry_out(effects)
         return None, effects
 
     def _carry_out(self, effects: tuple) -> None:
@@ -369,15 +370,14 @@ class MasterCore:
         self.counters["puts_published"] += 1
         if self.tenants is not None:
             self.tenants.published(e.key)
-        record = self.directory.objects[e.key]
-        self._lease_put(e.key, e.token, record)
+        length, checksum, requested, placed = self.directory.placed(e.key)
+        self._lease_put(e.key, e.token, length * max(len(placed), 1))
         # the storage nodes' index learns the publish (StampedPublish),
         # with the object's checksum and requested replica count, so a
         # new master recovers them
         queue = self._queue
-        for r in record.replicas:
-            queue.append((r.segment, "publish", [r.offset, e.key, e.token,
-                                                 record.checksum, record.requested]))
+        for segment, offset in placed:
+            queue.append((segment, "publish", [offset, e.key, e.token, checksum, requested]))
 
     def _revoked(self, e: Revoked) -> None:
         self._forget_pending(e.token)
@@ -499,10 +499,10 @@ class MasterCore:
             for ended in effects:
                 self.tenants.release(ended.holder)
 
-    def _lease_put(self, key: bytes, token: int, record) -> None:
-        """``Put`` the just published ``record`` of ``key`` into the lease table."""
-        size = record.length * max(len(record.replicas), 1)
-        err, _ = self._lstep(lm.Put(key, (key, token), size))
+    def _lease_put(self, key: bytes, token: int, size: int) -> None:
+        """``Put`` the just published object ``key`` (``size`` bytes over its
+        replicas) into the lease table, at the time of the request's tick."""
+        err, _ = self._lstep(lm.Put(key, (key, token), size), tick=False)
         if err is not None:  # cannot happen while the tables agree
             log.error("lease table refused Put(%r): %s", key, err)
 
@@ -756,6 +756,8 @@ class MasterCore:
 
     def _put_start_items(self, body, client, replicas, items, session) -> None:
         tenants, now, direct_of = self.tenants, self.clock(), self._direct.get
+        place, step, owner, tokens = self.placer.place, self._step, self._owner, session.tokens
+        counters = self.counters
         for i, (key, length) in enumerate(body["items"]):
             write = None
             if tenants is not None:
@@ -769,7 +771,7 @@ class MasterCore:
                 except errors.KvError as err:
                     items[i] = wire.error_item(err)
                     continue
-            placement = self.placer.place(length, replicas)
+            placement = place(length, replicas)
             if placement is None:
                 # The allocator refuses before the machine sees anything; name the
                 # error the machine would have given for a taken key.
@@ -785,36 +787,34 @@ class MasterCore:
                     err = errors.NoSpace(f"no {replicas} live segment(s) can hold {length} bytes")
                 items[i] = wire.error_item(err)
                 continue
-            err, effects = self._step(PutStart(key, length, placement))
+            err, effects = step(PutStart(key, length, placement))
             if err is not None:
                 self.placer.release(placement)
                 items[i] = wire.error_item(err)
                 continue
             grant = effects[0]
-            assert isinstance(grant, PutGranted)
             if write is not None:
                 tenants.commit(write)
-            self.counters["puts_started"] += 1
+            counters["puts_started"] += 1
             token = grant.token
-            session.tokens[token] = [key, now]
-            self._owner[token] = client
-            item = {"token": token,
-                    "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
-            direct = [r.segment for r in grant.replicas if direct_of((r.segment, r.offset)) == token]
+            tokens[token] = [key, now]
+            owner[token] = client
+            granted = grant.replicas
+            item = {"token": token, "replicas": [[r.segment, r.offset, r.length] for r in granted]}
+            direct = [r.segment for r in granted if direct_of((r.segment, r.offset)) == token]
             if direct:
                 item["direct"] = direct
-            items[i] = wire.ok_item(item)
+            items[i] = [0, item]
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
         if parked.op != "put_start":
             return 0, {"items": parked.items}
+        named = {seg for item in parked.items if item[0] == 0 for seg, _, _ in item[1]["replicas"]}
         segments: dict[str, list] = {}
-        for item in parked.items:
-            if item[0] == 0:
-                for seg, _, _ in item[1]["replicas"]:
-                    info = self.segments.get(seg)
-                    if info is not None:
-                        segments[seg] = info.wire()
+        for seg in named:
+            info = self.segments.get(seg)
+            if info is not None:
+                segments[seg] = info.wire()
         return 0, {"items": parked.items, "segments": segments,
                    "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
 
@@ -824,6 +824,7 @@ class MasterCore:
         session = self._session(body["client"])
         if session is not None:
             self._refresh(session, [item[1] for item in body["items"]])
+        self._ltick()     # once: a publish's lease Put is at the request's time
         items = []
         for key, token, *checksum in body["items"]:
             err, _ = self._step(event_type(key, token, *checksum))
@@ -882,8 +883,12 @@ class MasterCore:
             self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
         session = self._session(client, create=True)
         items, segments = [], {}
+        # one tick for the request: each grant expires at its time plus the
+        # TTL, which is after the reader sent it (what the reader's check
+        # counts from), so no later than a tick per key would make it
         self._ltick()
-        tenants = self.tenants
+        tenants, step, counters, touch = self.tenants, self._step, self.counters, self.leases.touch
+        infos, ok_item = self.segments, wire.ok_item
         for key in body["keys"]:
             read = None
             if tenants is not None:
@@ -896,31 +901,33 @@ class MasterCore:
                     self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
                     items.append(wire.error_item(err))
                     continue
-            err, effects = self._step(ReadBegin(key))
+            err, effects = step(ReadBegin(key))
             if err is not None:
-                self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
+                counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
                 items.append(wire.error_item(err))
                 continue
             grant = effects[0]
-            assert isinstance(grant, ReadGranted)
-            self.counters["reads"] += 1
-            self.leases.touch(key)
+            counters["reads"] += 1
+            if not leased:
+                touch(key)      # a leased read's Grant marks it used itself
+            replicas = grant.replicas
             item = {"token": grant.token, "length": grant.length,
-                    "replicas": [[r.segment, r.offset, r.length] for r in grant.replicas]}
+                    "replicas": [[r.segment, r.offset, r.length] for r in replicas]}
             if grant.checksum:
                 item["checksum"] = grant.checksum
             if tenants is not None:   # one per replica, for the nodes (NodeAdmits)
                 item["tickets"] = tenants.read_tickets(body["tenant"], grant.token, grant.replicas)
             if leased:
-                self._step(ReadEnd(key, grant.token))
+                step(ReadEnd(key, grant.token))
                 lease_id = self._next_lease
-                lerr, leffects = self._lstep(lm.Grant((client, lease_id), key))
+                lerr, leffects = self._lstep(lm.Grant((client, lease_id), key), tick=False)
                 if lerr is not None:   # the tables disagree: a bug; answer it typed
+                    touch(key)
                     log.error("lease grant of %r refused: %s", key, lerr)
                     items.append(wire.error_item(lerr))
                     continue
                 self._next_lease += 1
-                self.counters["lease_grants"] += 1
+                counters["lease_grants"] += 1
                 if read is not None:
                     tenants.commit(read)
                 item["lease"] = lease_id
@@ -928,12 +935,12 @@ class MasterCore:
             else:
                 pin = (key, grant.token)
                 session.pins[pin] = session.pins.get(pin, 0) + 1
-            for r in grant.replicas:
+            for r in replicas:
                 if r.segment not in segments:
-                    info = self.segments.get(r.segment)
+                    info = infos.get(r.segment)
                     if info is not None:
                         segments[r.segment] = info.wire()
-            items.append(wire.ok_item(item))
+            items.append(ok_item(item))
         if session.empty():
             del self.sessions[client]
         return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4,
@@ -964,6 +971,7 @@ class MasterCore:
 
     def _op_renew(self, body, reply_to, request_id):
         client, items = body["client"], []
+        self._ltick()     # once: every renewal runs from the request's time
         for lease_id in body["leases"]:
             renewal = None
             if self.tenants is not None:
@@ -974,7 +982,7 @@ class MasterCore:
                     self.counters["lease_renewals_refused"] += 1
                     items.append(wire.error_item(err))
                     continue
-            err, effects = self._lstep(lm.Renew((client, lease_id)))
+            err, effects = self._lstep(lm.Renew((client, lease_id)), tick=False)
             renewed = {"ttl": self.leases.ttl}
             if err is None and renewal is not None:
                 self.tenants.commit(renewal)
@@ -990,8 +998,9 @@ class MasterCore:
 
     def _op_release(self, body, reply_to, request_id):
         client, items = body["client"], []
+        self._ltick()     # once: the releases are at the request's time
         for lease_id in body["leases"]:
-            err, _ = self._lstep(lm.Release((client, lease_id)))
+            err, _ = self._lstep(lm.Release((client, lease_id)), tick=False)
             if err is None:
                 self.counters["lease_releases"] += 1
                 if self.tenants is not None:
@@ -1182,8 +1191,16 @@ class MasterCore:
             results = reply.body.get("results") if reply.status == 0 else None
             if type(results) is not list or len(results) != len(cmd.regions):
                 results = [[reply.status or errors.MalformedFrame.code, "bad reply"]] * len(cmd.regions)
+            op, item_result = cmd.op, wire.item_result
+            # an accepted assign or publish, while no repaired replica's mark is
+            # out, needs nothing but counting
+            plain = not self._repair_marks and op in ("assign", "publish")
             for region, result in zip(cmd.regions, results):
-                err, value = wire.item_result(result)
+                err, value = item_result(result)
+                if plain and err is None:
+                    if op == "publish":
+                        self.counters["publish_marks"] += 1
+                    continue
                 if cmd.op == "free" and self._direct.get((segment, region[0])) == region[1]:
                     # a direct writer's region: free, or draining until it reports
                     del self._direct[(segment, region[0])]
@@ -1191,8 +1208,9 @@ class MasterCore:
                         self.draining[segment][region[0]] = region[2]
                     else:
                         self.placer.release([Replica(segment, region[0], region[2])])
-                repaired = cmd.op == "publish" and (segment, region[0], region[2]) in self._repair_marks
-                self._repair_marks.discard((segment, region[0], region[2]))
+                marks = self._repair_marks
+                repaired = cmd.op == "publish" and (segment, region[0], region[2]) in marks
+                marks.discard((segment, region[0], region[2]))
                 if err is None:
                     if cmd.op == "publish":
                         self.counters["publish_marks"] += 1

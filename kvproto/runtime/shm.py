@@ -162,6 +162,8 @@ class SegmentMemory:
         self.gens[0] = MAGIC
         self.gens[2] = page_size
         self.gens[3] = self.pages
+        #: the same words as a plain view: one read or write is a Python int
+        self._words = self._gen_shm.buf.cast("Q")
         self.nonce = 0
         self.reset()
         self._closed = False
@@ -182,10 +184,10 @@ class SegmentMemory:
         return self.nonce
 
     def set_word(self, offset: int, value: int) -> None:
-        self.gens[HEADER_WORDS + offset // self.page_size] = value
+        self._words[HEADER_WORDS + offset // self.page_size] = value
 
     def word(self, offset: int) -> int:
-        return int(self.gens[HEADER_WORDS + offset // self.page_size])
+        return self._words[HEADER_WORDS + offset // self.page_size]
 
     def view(self, offset: int, length: int) -> memoryview:
         return self.data[offset:offset + length]
@@ -197,6 +199,11 @@ class SegmentMemory:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._words.release()
+        except BufferError:
+            pass
+        self._words = None
         self.gens = None  # type: ignore[assignment]
         self.data = None  # type: ignore[assignment]
         for shm in (self._shm, self._gen_shm):
@@ -250,6 +257,7 @@ class LocalSegment:
         self.writable = writable
         pages = capacity // page_size
         self._maps: list[mmap.mmap] = []
+        self._bytes = self._words = None
         try:
             data = self._map(shm, capacity)
             gens = self._map(gen_shm, 8 * (HEADER_WORDS + pages))
@@ -258,6 +266,10 @@ class LocalSegment:
             raise
         self._data = np.frombuffer(data, dtype=np.uint8)
         self._gens = np.frombuffer(gens, dtype=np.uint64)
+        # the same memory as plain views: a word read is a Python int and a
+        # small copy one memcpy, without a NumPy object per read
+        self._bytes = memoryview(data)
+        self._words = memoryview(gens).cast("Q")
         if (int(self._gens[0]) != MAGIC or int(self._gens[2]) != page_size
                 or int(self._gens[3]) != pages):
             self.close()
@@ -281,24 +293,24 @@ class LocalSegment:
         return mm
 
     def _seqlocked(self, offset: int, length: int, token: int, nonce: int, copy) -> bool:
-        """The seqlock of every read: ``copy(src)`` (``src`` the region's bytes)
-        runs only if the region is complete, and the result counts only if it
-        still is afterwards (same generation word, same segment nonce)."""
+        """The seqlock of every read: ``copy(src)`` (``src`` a byte view of the
+        region) runs only if the region is complete, and the result counts
+        only if it still is afterwards (same generation word, same segment nonce)."""
         if offset < 0 or offset % self.page_size or offset + length > self.capacity:
             return False
-        gens = self._gens
+        words = self._words
         idx = HEADER_WORDS + offset // self.page_size
         want = gen_word(token, True)
-        if int(gens[1]) != nonce or int(gens[idx]) != want:
+        if words[1] != nonce or words[idx] != want:
             return False
-        copy(self._data[offset:offset + length])
-        return int(gens[idx]) == want and int(gens[1]) == nonce
+        copy(self._bytes[offset:offset + length])
+        return words[idx] == want and words[1] == nonce
 
     def read(self, offset: int, length: int, token: int, nonce: int) -> Optional[memoryview]:
         """Copy the region out (one memcpy) if it is complete and stays so during
         the copy; else ``None``."""
         out = []
-        if not self._seqlocked(offset, length, token, nonce, lambda src: out.append(src.copy())):
+        if not self._seqlocked(offset, length, token, nonce, lambda src: out.append(np.array(src))):
             return None
         return memoryview(out[0])
 
@@ -318,12 +330,25 @@ class LocalSegment:
     def assigned(self, offset: int, token: int, nonce: int) -> bool:
         """Whether the node has applied the region's assign to ``token`` (and
         nobody reported a write yet): a direct writer may write it."""
-        idx = HEADER_WORDS + offset // self.page_size
-        return int(self._gens[1]) == nonce and int(self._gens[idx]) == gen_word(token, False)
+        words = self._words
+        return words[1] == nonce and words[HEADER_WORDS + offset // self.page_size] \
+            == gen_word(token, False)
+
+    def write(self, offset: int, view: memoryview) -> bool:
+        """Copy ``view`` (a flat byte view) into the region at ``offset`` (one
+        memcpy): a direct writer's copy; False for a read-only mapping or a
+        region outside the segment."""
+        if type(view) is not memoryview or view.format != "B" or view.ndim != 1:
+            view = memoryview(view).cast("B")
+        if not self.writable or offset < 0 or offset % self.page_size \
+                or offset + view.nbytes > self.capacity:
+            return False
+        self._bytes[offset:offset + view.nbytes] = view
+        return True
 
     def report_written(self, offset: int, token: int) -> None:
         """A direct writer's report: its copy into the region is complete."""
-        self._gens[HEADER_WORDS + offset // self.page_size] = gen_word(token, True)
+        self._words[HEADER_WORDS + offset // self.page_size] = gen_word(token, True)
 
     def consume(self, offset: int, length: int, token: int, nonce: int, consume) -> bool:
         """Let ``consume(src)`` copy the region out itself (a DMA), ``src`` a
@@ -335,12 +360,23 @@ class LocalSegment:
         """:meth:`read` into ``dest`` (the caller's memory, at least ``length``
         bytes): True if the region was complete and stayed so during the copy;
         on False ``dest``'s first ``length`` bytes are undefined."""
-        return self._seqlocked(offset, length, token, nonce,
-                               lambda src: np.copyto(np.frombuffer(dest, dtype=np.uint8, count=length), src))
+        if type(dest) is not memoryview or dest.format != "B" or dest.ndim != 1:
+            dest = np.frombuffer(dest, dtype=np.uint8, count=length).data
+
+        def copy(src: memoryview) -> None:
+            dest[:length] = src         # one memcpy between byte views
+        return self._seqlocked(offset, length, token, nonce, copy)
 
     def close(self) -> None:
         self._data = None
         self._gens = None
+        for view in (self._bytes, self._words):
+            if view is not None:
+                try:
+                    view.release()
+                except BufferError:
+                    pass
+        self._bytes = self._words = None
         for mm in self._maps:
             try:
                 mm.close()

@@ -356,36 +356,40 @@ class StorageCore:
         writer is refused."""
         mem, term = self.memory, body["term"]
         direct = dict(body.get("direct", ()))
+        node, segment, counters, commit = self.node, self.segment, self.counters, self._commit
+        page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
+        index, regions, granted = node.index, node.regions, self.direct.regions
         results = []
         for offset, length, key, token in body["regions"]:
-            if offset % mem.page_size or offset + length > mem.capacity:
+            if offset % page or offset + length > capacity:
                 results.append(wire.error_item(errors.InvalidArgument(
                     f"region {offset}+{length} is not a page-aligned part of the segment")))
                 continue
-            allocate = fm.StampedAllocate(self.segment, key, term, offset, length, token)
-            assign = AssignRegion(self.segment, offset, length, key, token)
-            node, err = self.node, None
+            allocate = fm.StampedAllocate(segment, key, term, offset, length, token)
+            assign = AssignRegion(segment, offset, length, key, token)
+            err = None
             # asked of the core, stepped only if every step is accepted: a
             # refused one is stepped alone, for its error (it changes nothing)
-            if key in node.index or term < node.term:      # held here, or a stale term
+            if key in index or term < node.term:           # held here, or a stale term
                 err = self._refusal(allocate)
-            elif offset in node.regions:                   # already owned
+            elif offset in regions:                        # already owned
                 err = self._refusal(assign)
             elif offset in direct:
                 # the last check: once accepted, the two steps below are too
                 _, err = self._dstep(dw.GrantDirect(offset, token, direct[offset]))
-            elif offset in self.direct.regions:
+            elif offset in granted:
                 err = errors.RegionMismatch(f"region {offset} is still draining for a direct writer")
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
-            self._commit(allocate)
-            self._commit(assign)
-            mem.set_word(offset, gen_word(token, False))
-            self.counters["direct_granted"] += offset in direct
+            commit(allocate)
+            commit(assign)
+            set_word(offset, gen_word(token, False))
+            if offset in direct:
+                counters["direct_granted"] += 1
             self.tokens_seen = max(self.tokens_seen, token)
             self.counters["assigned"] += 1
-            results.append(wire.ok_item())
+            results.append([0, None])
         return {"results": results}, []
 
     def _free_region(self, offset: int, token: int, length: int,
@@ -467,44 +471,45 @@ class StorageCore:
         object's checksum and requested replica count with the publish (when
         the master sends them)."""
         node, term, results = self.node, body["term"], []
+        segment, counters, direct = self.segment, self.counters, self.direct
+        owner_of, held_by, commit = node.owner, direct.held, self._commit
         for offset, key, token, *recorded in body["regions"]:
-            region = node.region(offset)
-            direct = self.direct.regions.get(offset)
+            owner = owner_of(offset)
+            ours = owner is not None and owner[1] == token and owner[0] == key
+            held = held_by(offset, token)
             write = False
-            if direct is not None and direct.token == token and region is not None \
-                    and region.token == token and region.key == key:
+            if held is not None and ours:
                 # a direct write: published only once its writer reported it
-                self._observe(offset, token)
-                direct = self.direct.regions[offset]
-                if direct.state is not dw.RegionState.GRANTED or not direct.wrote:
+                if not held[1]:
+                    self._observe(offset, token)
+                    held = held_by(offset, token)
+                if held[0] is not dw.RegionState.GRANTED or not held[1]:
                     # refused: stepped alone, for its error
-                    self.counters["refused"] += 1
+                    counters["refused"] += 1
                     results.append(wire.error_item(self._dstep(dw.PublishDirect(offset, token))[1]))
                     continue
                 # WriteReplica by the token that owns the unwritten region: accepted
-                write = not region.done
-            if region is None or region.token != token or region.key != key \
-                    or not (region.done or write):
-                self.counters["refused"] += 1
+                write = not owner[2]
+            if not ours or not (owner[2] or write):
+                counters["refused"] += 1
                 results.append(wire.error_item(errors.StaleToken(
                     f"region {offset} does not hold a written {key!r} with token {token}")))
                 continue
-            publish = fm.StampedPublish(self.segment, key, term, *recorded)
-            entry = node.entry(key)
-            if entry is None or entry.published or term < node.term:
+            publish = fm.StampedPublish(segment, key, term, *recorded)
+            if not node.open_allocation(key) or term < node.term:
                 # not an open allocation here, or a stale term
                 results.append(wire.error_item(self._refusal(publish)))
                 continue
             if write:
-                self._commit(WriteReplica(self.segment, offset, token))
-            self._commit(publish)
-            if direct is not None and direct.token == token:
+                commit(WriteReplica(segment, offset, token))
+            commit(publish)
+            if held is not None:
                 _, err = self._dstep(dw.PublishDirect(offset, token))
                 if err is not None:
                     raise errors.InternalError(f"PublishDirect was refused where accepted: {err}")
-            self.counters["published"] += 1
-            self.counters["direct_published"] += direct is not None and direct.token == token
-            results.append(wire.ok_item())
+            counters["published"] += 1
+            counters["direct_published"] += held is not None
+            results.append([0, None])
         return {"results": results}, []
 
     def _op_repair(self, body, payloads):

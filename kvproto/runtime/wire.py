@@ -164,7 +164,7 @@ def list_of(item: Check, max_items: int = MAX_BATCH, min_items: int = 0) -> Chec
     item_norm = item.norm
 
     @_with(_loop(item, min_items, max_items),
-           None if item_norm is None else (lambda v: [item_norm(x) for x in v]))
+           None if item_norm is None else (lambda v: list(map(item_norm, v))))
     def check(v, path):
         if type(v) is not list:
             raise _malformed(path, f"expected array, got {type(v).__name__}")

@@ -228,6 +228,11 @@ class DirectoryDiff(Differential):
         got = self.core.step(event)
         assert_same(expected, got, "objects" if isinstance(event, P.SegmentLost) else "exact")
         assert self.core.reference() == self.ref
+        record = self.ref.objects.get(getattr(event, "key", None))
+        if record is not None:   # the publish marks' fields, read without a record
+            assert self.core.placed(event.key) == (
+                record.length, record.checksum, record.requested,
+                [(r.segment, r.offset) for r in record.replicas])
         assert set(self.core.below()) == {k for k, r in self.ref.objects.items()
                                           if r.status is P.Status.PUBLISHED and r.below()}
         if isinstance(event, (P.RepairStart, P.ListReplica, P.RepairCancel)):
@@ -663,6 +668,15 @@ class StorageDiff(Differential):
         got = self.core.step(event)
         assert_same(expected, got)
         assert self.core.reference() == (self.table, self.node)
+        offset = getattr(event, "offset", None)
+        if offset is not None:   # the region's fields, read without a Region
+            region = self.table.regions.get(offset)
+            assert self.core.owner(offset) == (None if region is None else (
+                region.key, region.token, region.done))
+        key = getattr(event, "key", None)
+        if key is not None:
+            entry = self.node.index.get(key)
+            assert self.core.open_allocation(key) == (entry is not None and not entry.published)
 
     def region(self, c: Choose):
         """An offset, mostly one with a region, and mostly its token."""
@@ -753,6 +767,11 @@ class DirectDiff(Differential):
         got = self.core.step(event)
         assert_same(expected, got)
         assert self.core.reference() == self.table
+        region = self.table.regions.get(event.offset)   # read without a DirectRegion
+        for token in {getattr(event, "token", 0), region.token if region else 0}:
+            assert self.core.held(event.offset, token) == (
+                (region.state, region.wrote) if region is not None and region.token == token
+                else None)
 
     def region(self, c: Choose):
         """An offset, mostly one with a region, and mostly its token."""
