@@ -465,7 +465,8 @@ class StorageCore:
         """``StampedPublish``: the master published the object; its region must
         hold that allocation, completely written. The index records the
         object's checksum and requested replica count with the publish (when
-        the master sends them)."""
+        the master sends them), and for a repaired replica the object's
+        publishing term (spec Failover ``Repair``)."""
         node, term, results = self.node, body["term"], []
         for offset, key, token, *recorded in body["regions"]:
             region = node.region(offset)
@@ -491,8 +492,9 @@ class StorageCore:
                 continue
             publish = fm.StampedPublish(self.segment, key, term, *recorded)
             entry = node.entry(key)
-            if entry is None or entry.published or term < node.term:
-                # not an open allocation here, or a stale term
+            if entry is None or entry.published or term < node.term or publish.by > term:
+                # not an open allocation here, a stale term, or a publishing
+                # term above the command's
                 results.append(wire.error_item(self._refusal(publish)))
                 continue
             if write:

@@ -47,8 +47,14 @@ def test_recovered_equals_the_reference_rebuild(indexes, live, next_token, capac
             recovered(capacities, columns, next_token)
         return
     mismatches: list = []
-    assert recovered(capacities, columns, next_token, mismatches=mismatches).reference() == want
+    terms: dict = {}
+    assert recovered(capacities, columns, next_token, mismatches=mismatches,
+                     terms=terms).reference() == want
     assert mismatches == fm.checksum_mismatches(indexes, frozenset(capacities))
+    listed = fm.rebuild_directory(indexes, frozenset(capacities)).values()
+    assert terms == {b: (min(e.token for e in listed if e.by == b),
+                         max(e.token for e in listed if e.by == b))
+                     for b in {e.by for e in listed}}
 
 
 def test_a_replica_with_another_checksum_is_left_out_and_reported():
