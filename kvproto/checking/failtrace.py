@@ -16,7 +16,12 @@ recorded at a node     step of ``spec/Failover.tla``
                        while it fences; once it serves, a node that joins
                        it (empty) learns the term as a fence does
 ``StampedAllocate``    ``Allocate(m, k, n)``, accepted
-``StampedPublish``     ``Publish(m, k)``, accepted
+``StampedPublish``     ``Publish(m, k)``, accepted; with a publishing
+                       term ``by`` below its own (a repaired replica's
+                       mark) ``PublishCopy``: the node's part of the
+                       spec's ``Repair``, the entry recording ``by``
+                       (``RepairedEntry``) where another replica of the
+                       object was published in term ``by`` earlier
 ``StampedFree``        ``Remove(m, k)`` of a published object; of an
                        unpublished one (a revoked or reclaimed attempt)
                        ``Revoke``, which the spec abstracts away: the entry
@@ -103,7 +108,7 @@ MASTER_OPS = ("assign", "free", "publish", "fence", "purge", "repair")
 #: the spec's invariants checked in every state (spec/Failover.cfg)
 INVARIANTS = ("TypeOK", "NoSplitBrainAllocation", "NoStaleTermWriteAccepted",
               "DirectoryOnlyListsLiveBytes", "UnpublishedPurgedAfterRecovery",
-              "AcknowledgedChangesSurvive")
+              "AcknowledgedChangesSurvive", "NoPublishedCopyOrphaned")
 #: at most this many merged steps are checked
 MAX_STEPS = 5000
 NONE = ModelValue("None")
@@ -203,6 +208,8 @@ class FailoverModel:
         terms = {opened.get("term", 0) for opened, _ in nodes} - {0}
         terms |= {_term(step["event"]) for _, steps in nodes for _, step in steps}
         terms |= {o["term"] for o in masters}
+        terms |= {step["event"]["by"] for _, steps in nodes for _, step in steps
+                  if step["event"]["type"] == "StampedPublish" and step["event"].get("by")}
         rank = {t: i for i, t in enumerate(sorted(terms), 1)}
         self.rank = rank
         self.masters = tuple(ModelValue(f"m{i}") for i in range(1, len(rank) + 1))
@@ -264,6 +271,7 @@ class FailoverModel:
             master("Recover", t, why)
             master("Open", t, why)
 
+        published: set = set()        # (object key, publishing term) published so far
         for n, i in merge(nodes, rank):
             line, step = nodes[n][1][i]
             ev = step["event"]
@@ -275,8 +283,13 @@ class FailoverModel:
             k = key(n, ev["key"]) if ev["type"] in KEYED else NONE
             purged = frozenset(key(n, name) for name in step["effects"][0]["keys"]) \
                 if ev["type"] == "PurgeUnpublished" and accepted(step) else frozenset()
+            by = ev.get("by") if ev["type"] == "StampedPublish" else None
+            source = bool(by) and (ev["key"], by) in published
+            if ev["type"] == "StampedPublish" and accepted(step):
+                published.add((ev["key"], by or _term(ev)))
             self.records.append(Fn.of({**_BLANK, "src": "node", "act": ev["type"],
                                        "n": node_names[n], "t": t, "k": k,
+                                       "by": rank[by] if by else 0, "source": source,
                                        "ok": accepted(step), "err": _error(step),
                                        "keys": purged, "client": ev["type"] == "StaleRequest"
                                        and ev.get("op") not in MASTER_OPS}))
@@ -304,11 +317,11 @@ class FailoverModel:
         self.model_values = list(self.masters) + node_names + keys.values()
         self.constants = {"Masters": frozenset(self.masters), "Nodes": frozenset(node_names),
                           "Keys": frozenset(keys.values()), "Readers": frozenset(),
-                          "MaxTerm": len(rank), "None": NONE}
+                          "MaxTerm": len(rank), "MaxCopies": 1, "None": NONE}
 
 
 _BLANK = {"n": NONE, "k": NONE, "t": 0, "ok": True, "err": "", "keys": frozenset(),
-          "client": False}
+          "client": False, "by": 0, "source": False}
 
 
 _MODULE = r"""---------------------------- MODULE FailoverTrace ----------------------------
@@ -368,6 +381,24 @@ Revoke(m, k, n) ==
     /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n} ELSE staleAccepted
     /\ UNCHANGED <<coordTerm, phase, mterm, acked, live, desc, got, promised, told>>
 
+\* A repaired replica's publish mark (the node's part of Repair: a spec key
+\* is one replica here, so the copy is its own key, allocated by the repair's
+\* StampedAllocate): the entry records the object's publishing term b
+\* (RepairedEntry), which another replica of the object was published in
+\* earlier in the run (R.source: the copy's source may be lost by now).
+PublishCopy(m, k, n, b) ==
+    /\ phase[m] = "open"
+    /\ dir[m][k] # None /\ dir[m][k].nodes = {n} /\ ~dir[m][k].pub
+    /\ idx[n][k] # None /\ ~idx[n][k].pub
+    /\ b < mterm[m]
+    /\ R.source
+    /\ idx' = [idx EXCEPT ![n][k] = [term |-> b, pub |-> TRUE, by |-> b]]
+    /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+    /\ dir' = [dir EXCEPT ![m][k].pub = TRUE]
+    /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n} ELSE staleAccepted
+    /\ told' = [told EXCEPT ![k] = [what |-> "published", node |-> n]]
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, live, desc, got, promised>>
+
 NodeStep ==
     LET n == R.n  t == R.t  k == R.k  m == M(R.t) IN
     \/ /\ R.act = "Fence" /\ R.ok
@@ -384,13 +415,15 @@ NodeStep ==
                   ELSE R.err = "KeyExists" /\ idx[n][k] # None /\ UNCHANGED vars
        /\ UNCHANGED Others
     \/ /\ R.act = "StampedPublish"
-       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].node = n
-                       /\ Publish(m, k)
+       /\ IF R.ok THEN /\ NodeAccepts(n, t)
+                       /\ IF R.by = 0 \/ R.by = t
+                          THEN dir[m][k] # None /\ dir[m][k].nodes = {n} /\ Publish(m, k)
+                          ELSE PublishCopy(m, k, n, R.by)
                   ELSE /\ R.err = "NotPublished" /\ k \notin pending[n]
                        /\ (idx[n][k] = None \/ idx[n][k].pub) /\ UNCHANGED vars
        /\ UNCHANGED Others
     \/ /\ R.act = "StampedFree"
-       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].node = n
+       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].nodes = {n}
                        /\ IF dir[m][k].pub THEN Remove(m, k) ELSE Revoke(m, k, n)
                   ELSE R.err = "StaleToken" /\ UNCHANGED vars
        /\ UNCHANGED Others
