@@ -70,10 +70,11 @@ but that still takes steps stays live, and ``Recover(m)`` cannot be taken.
 
 Order. No clock orders the files; the fence does. Each node's steps keep
 their order; across nodes they are ordered by the term the node held before
-each step (its fence), then by node: a step of a node fenced at term ``t``
-has no cause in a step of another node fenced higher, since a master of a
-higher term sends nothing but its fence before every node acknowledged it,
-and a master refused for its term stops. In the merged behaviour every
+each step (its fence; a fence that raises it comes after every other step
+of the term below, which it causes none of), then by node: a step of a
+node fenced at term ``t`` has no cause in a step of another node fenced
+higher, since a master of a higher term sends nothing but its fence before
+every node acknowledged it, and a master refused for its term stops. In the merged behaviour every
 fence of term ``t`` comes before the steps of nodes fenced at ``t``, as the
 spec's ``Recover`` requires.
 
@@ -178,8 +179,10 @@ def _term(ev: dict) -> int:
 def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
     """The nodes' steps in one order: ``(node, index)`` each, by the term the
     node held before the step (an accepted fence raising it by more than one
-    term: the term just below the fence's), then node, then the node's own
-    order."""
+    term: the term just below the fence's), the fences that raise it after
+    the other steps of that term (a fence of a higher term causes none of
+    them, and the master of the lower term may have recovered before it),
+    then node, then the node's own order."""
     keyed = []
     for n, (opened, steps) in enumerate(nodes):
         held = rank.get(opened.get("term", 0), 0)
@@ -187,8 +190,9 @@ def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
             ev = step["event"]
             raised = rank[ev["term"]] if accepted(step) and ev["type"] in ("Fence",) + KEYED \
                 else 0
-            at = raised - 1 if ev["type"] == "Fence" and raised > held else held
-            keyed.append(((at, n, i), (n, i)))
+            raising = ev["type"] == "Fence" and raised > held
+            at = raised - 1 if raising else held
+            keyed.append(((at, raising, n, i), (n, i)))
             held = max(held, raised)
     keyed.sort(key=lambda item: item[0])
     return [where for _, where in keyed]
