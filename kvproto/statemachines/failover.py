@@ -9,7 +9,9 @@ Four pieces, each a value with pure steps:
 * a storage node's term fence and object index, :class:`StorageNode`, stepped
   by :func:`storage_step`: every allocation, publish, read and index request is
   stamped with a term, and one below the highest term the node has seen is
-  refused with :class:`~kvproto.errors.StaleTerm`;
+  refused with :class:`~kvproto.errors.StaleTerm`; a repaired replica's
+  publish carries its object's publishing term, which the node records
+  (spec ``Repair``: the copy is the listed allocation's);
 * :func:`rebuild_directory`, the directory rebuilt from the storage nodes'
   indexes: only published objects whose bytes are on live nodes; unpublished
   allocations of older terms are purged and their space freed;
@@ -388,9 +390,11 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
     names the live node whose publish has the highest term, then the least node
     name (the protocol publishes one allocation per key, so the nodes agree);
     ``replicas`` are all live nodes that published that same allocation
-    (same term and token) with the same checksum, in node order. A replica
-    of that allocation whose checksum differs from the listed entry's is
-    left out (see :func:`checksum_mismatches`).
+    (same publishing term and token) with the same checksum, in node order:
+    a repaired replica records its object's publishing term (spec
+    ``Repair``, ``RepairedEntry``), so it is listed with the original. A
+    replica of that allocation whose checksum differs from the listed
+    entry's is left out (see :func:`checksum_mismatches`).
     """
     best: dict = {}
     for node, key, entry in _published(indexes, live):
