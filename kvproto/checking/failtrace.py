@@ -237,9 +237,16 @@ class FailoverModel:
                 f"(term {sorted(rank)[t - 1]})"
             self.origins.append((None, None, None, f"{what} ({why})"))
 
+        said_opened = {rank[o["term"]] for o in masters}
+
         def obtain(t: int, why: str) -> None:
             nonlocal obtained
             while obtained < t:
+                if obtained in said_opened and obtained not in opened_terms:
+                    # its file says it opened, and no step of a node needed it
+                    # to serve (killed as its purges went out): it recovered
+                    # before the next term's fence, from the indexes it fenced
+                    open_(obtained, f"its file says it opened; {why}")
                 obtained += 1
                 master("ObtainTerm", obtained, why)
 
