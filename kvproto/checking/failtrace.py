@@ -41,15 +41,17 @@ other refusals         change nothing (``KeyExists``: the node holds the
 and the masters' steps that no node records are placed between them:
 ``ObtainTerm(m)`` before the first step that carries ``m``'s term,
 ``Recover(m)`` and ``Open(m)`` before the first step that needs ``m`` to
-serve (a stamped request of its term, or its purge), and at the end for a
-master whose file says it opened. A master's file (``"opened"`` with
+serve (a stamped request of its term, or its purge); a master whose file
+says it opened but that no node step needed (killed as its purges went
+out) recovers and opens before the next term is obtained, or at the end of
+the run if its term is the last. A master's file (``"opened"`` with
 ``"term"``) gives the number of objects it recovered and, up to 1,000 of
 them, each one's replicas (``"recovered"``): ``Recover(m)`` must rebuild
 exactly that directory, replica for replica, from the fenced nodes' indexes.
 
 Mapping. Terms are numbered by rank (the spec's ``1..MaxTerm``), one master
-per term. A spec key is one replica, an object's key on one node (the spec
-has one replica per object; a put with two replicas is two spec keys), and a
+per term. A spec key is one replica, an object's key on one node (a put
+with two replicas is two spec keys, and a repair's copy a third), and a
 spec node is one segment of a node file (a node that starts over opens a new
 one). Dropped: offsets, lengths, tokens, checksums and requested replica
 counts of the index (the publish protocol's, checked by ``kvproto trace
