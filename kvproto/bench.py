@@ -53,6 +53,9 @@ bytes; and same-host and network gets with ``verify=True`` next to the same
 gets without, and puts with the writer's checksum next to puts without, on
 one store in the same run, with the ratios.
 
+Segment loss: what losing a segment of a million objects costs the master's
+loop (:mod:`kvproto.bench_loss`).
+
 ``--only failover,rebuild`` (any of :data:`SECTIONS`) runs some sections alone.
 
 Every figure is a median over repetitions and is printed with its ratio to the
@@ -96,7 +99,7 @@ while True:
 
 #: the benchmark's sections, in the order they run
 SECTIONS = ("payload", "metadata", "transfers", "leases", "rebuild", "failover", "memory",
-            "rebuild-e2e", "checksum")
+            "rebuild-e2e", "checksum", "segment-loss")
 
 
 def _mib_list(text: str) -> str:
@@ -129,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replicas of each object the failover rebuild recovers (of 4 nodes)")
     parser.add_argument("--e2e-objects", type=int, default=1_000_000,
                         help="objects stored before the end-to-end failover rebuild (0 skips it)")
+    parser.add_argument("--loss-objects", type=int, default=1_000_000,
+                        help="objects on the segment the segment-loss figure loses (0 skips it)")
+    parser.add_argument("--loss-repeat", type=int, default=3, help="segment-loss runs")
 
 
 def _median_rate(samples: list[float], nbytes: int) -> float:
@@ -778,6 +784,9 @@ def main(args: argparse.Namespace) -> int:
                   f"{r['verify_shm'] / r['get_shm']:6.2f}   {r['get_net']:8.2f} {r['verify_net']:7.2f} "
                   f"{r['verify_net'] / r['get_net']:6.2f}   {r['put']:6.2f} {r['put_plain']:7.2f} "
                   f"{r['put'] / r['put_plain']:6.2f}")
+    if args.loss_objects and "segment-loss" in only:
+        from kvproto import bench_loss
+        bench_loss.report(args.loss_objects, args.loss_repeat)
     if args.memory_objects and "memory" in only:
         per = memory_per_object(args.memory_objects)
         print(f"\nmaster memory: {per:.0f} bytes per published object, directory and lease "

@@ -26,6 +26,7 @@ from kvproto.checking import leasetrace, traces
 from kvproto.cores import leases as lease_core
 from kvproto.cores.directory import DirectoryCore
 from kvproto.runtime import tracing, wire
+from kvproto.statemachines import publish as pm
 from kvproto.statemachines.publish import Published
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
@@ -124,7 +125,7 @@ def test_a_run_records_every_kind_of_step(recorded):
     assert {s["event"]["type"] for s in refused} >= {"PutEnd", "ReadBegin"}
     first = lines(recorded)[0]
     assert first == {"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {},
-                                                      "term": 1}}
+                                                      "free": {}, "term": 1, "directory": {}}}
     put = steps_of(recorded, "PutStart")[0]
     assert put["event"]["key"] == "a" and put["effects"][0]["type"] == "PutGranted"
 
@@ -438,14 +439,15 @@ def test_a_takeover_keeps_what_it_recovered_leased_for_one_ttl(tmp_path, capsys)
     verdict = leasetrace.check_lines(traces.read(path)["lease"], keep=tmp_path)
     assert verdict.ok and verdict.steps == 8, verdict.message
     assert "MaxTakeovers = 1" in (tmp_path / "LeaseTrace.cfg").read_text()
-    # the master's publish run starts from the recovered directory: not checked,
-    # said on stderr (status 2), while the lease run still is
+    # a publish run whose opened line does not list the directory it recovered
+    # (an older master's) is not checked, said on stderr (status 2), while the
+    # lease run still is
     path.write_text('{"machine": "publish", "opened": {"next_token": 5, "objects": 2, '
                     '"segments": {}}}\n' + path.read_text())
     assert cli.main(["trace", "check", str(path)]) == 2
     out, err = capsys.readouterr()
     assert "lease: all 8 steps are steps of spec/Lease.tla" in out
-    assert err.startswith("kvproto trace: publish: ") and "recovered directory" in err
+    assert err.startswith("kvproto trace: publish: ") and "does not list" in err
 
 
 @needs_java
@@ -496,7 +498,10 @@ def test_times_map_onto_ticks_keeping_order_and_the_ttl():
     ("not json\n", "not a JSON line"),
     ('{"machine": "publish", "n": 1}\n', "no 'opened' line first"),
     ('{"machine": "publish", "opened": {"next_token": 4, "objects": 2, "segments": {}}}\n',
-     "recovered directory of 2 object(s)"),
+     "recovered directory of 2 object(s) that its 'opened' line does not list"),
+    ('{"machine": "publish", "opened": {"next_token": 4, "objects": 1, "segments": {}, '
+     '"directory": {"a": {"status": "published"}}}}\n',
+     "an object of the opened directory the checker cannot read"),
     ('{"machine": "publish", "opened": {"next_token": 1, "objects": 0, "segments": {}}}\n' * 2,
      "holds 2 runs"),
     ('{"machine": "lease", "n": 1, "event": {"type": "Tick", "now": 1.0}, "effects": []}\n',
@@ -527,3 +532,110 @@ def test_a_trace_file_the_master_cannot_write_is_one_line_and_status_2(tmp_path,
     assert cli.main(["master", "--listen", "tcp://127.0.0.1:*", "--trace", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err == f"kvproto master: cannot write the trace to {bad}: No such file or directory\n"
+
+
+def _r(segment: str, offset: int, length: int = 100) -> pm.Replica:
+    return pm.Replica(segment, offset, length)
+
+
+def recovered_run(path: Path) -> Path:
+    """A master that opened (term 2) with ``a`` and ``b`` recovered (tokens 3
+    and 5, on s1 and s2; s3 empty), stepped and recorded as the master does:
+    a read of ``a``, s2 lost, ``a`` repaired onto s3 and its copy listed, a put
+    of ``c``, ``b`` removed, a put of ``a`` refused (it exists)."""
+    core = DirectoryCore.restored({"s1": 1 << 20, "s2": 1 << 20, "s3": 1 << 20},
+                                  [(b"a", 3, 100, (_r("s1", 0), _r("s2", 0)), 7, 2),
+                                   (b"b", 5, 100, (_r("s1", 4096), _r("s2", 4096)), 9, 2)], 6)
+    recorder = tracing.Recorder(str(path))
+    recorder.opened(core, 2)
+
+    def step(event, report=None):
+        effects = core.step(event)
+        recorder.publish(event, effects, core, report)
+        return effects
+
+    step(pm.ReadBegin(b"a"))
+    step(pm.ReadEnd(b"a", 3))
+    step(pm.SegmentLost("s2"))
+    (started,) = [e for e in step(pm.RepairStart(b"a", 3, _r("s3", 0)))
+                  if isinstance(e, pm.RepairStarted)]
+    step(pm.ListReplica(b"a", "s3", started.repair), report={"copied": True})
+    (granted, *_) = step(pm.PutStart(b"c", 100, (_r("s1", 8192), _r("s3", 4096))))
+    step(pm.PutEnd(b"c", granted.token))
+    step(pm.Remove(b"b"))
+    assert isinstance(step(pm.PutStart(b"a", 100, (_r("s1", 12288), _r("s3", 8192))))[0],
+                      pm.Refused)
+    recorder.close()
+    return path
+
+
+def test_the_opened_line_lists_the_directory_as_the_master_opened_it(tmp_path):
+    header = lines(recovered_run(tmp_path / "t.trace"), "publish")[0]["opened"]
+    assert (header["term"], header["objects"], header["next_token"]) == (2, 2, 6)
+    assert header["free"] == {"s1": (1 << 20) - 200, "s2": (1 << 20) - 200, "s3": 1 << 20}
+    a = header["directory"]["a"]
+    assert (a["status"], a["token"], a["length"], a["checksum"], a["requested"]) == \
+        ("published", 3, 100, 7, 2)
+    assert [(r["segment"], r["offset"]) for r in a["replicas"]] == [("s1", 0), ("s2", 0)]
+    assert header["recovered"] == [["a", ["s1", "s2"]], ["b", ["s1", "s2"]]]
+
+
+@needs_java
+def test_a_run_from_a_recovered_directory_is_a_behaviour_of_the_spec(tmp_path):
+    path = recovered_run(tmp_path / "t.trace")
+    verdict = traces.check(path, keep=tmp_path)["publish"]
+    assert verdict.ok and verdict.steps == 9, verdict.message
+    module = (tmp_path / "PublishTrace.tla").read_text()
+    # tokens 3 and 5 are the spec's 1 and 2; the run's from 6 on follow them
+    opened = next(l for l in module.splitlines() if l.startswith("Opened == "))
+    assert opened.count('status |-> "published"') == 2, opened
+    assert "token |-> 1]" in opened and "token |-> 2]" in opened and "next |-> 3]" in opened
+
+
+def _opened_with(path: Path, out: Path, change) -> Path:
+    rows = lines(path)
+    change(rows[0]["opened"])
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def _overlap(header):
+    """``b`` recorded on the offsets of ``a``: a region holds one object, so
+    the other's replicas are not its bytes."""
+    for r in header["directory"]["b"]["replicas"]:
+        r["offset"] = 0
+
+
+def _on_a_lost_segment(header):
+    """s2, which holds replicas of both, recorded as lost."""
+    header["lost"] = ["s2"]
+
+
+def _reissued(header):
+    """The next token recorded below ``b``'s: the master would issue it again."""
+    header["next_token"] = 5
+
+
+@needs_java
+@pytest.mark.parametrize("change, invariant", [
+    (_overlap, "PublishedHasAllReplicasComplete"), (_on_a_lost_segment, "SpaceAccounted"),
+    (_reissued, "TokensIssued")])
+def test_an_opened_directory_the_spec_cannot_reach_is_rejected(tmp_path, change, invariant):
+    path = _opened_with(recovered_run(tmp_path / "t.trace"), tmp_path / "bad.trace", change)
+    verdict = traces.check(path)["publish"]
+    assert not verdict.ok and verdict.failed_step is None, verdict.message
+    assert f"invariant {invariant} is violated (the directory the run opened with" \
+        in verdict.message
+
+
+@needs_java
+def test_a_step_on_an_object_the_directory_did_not_recover_is_rejected(tmp_path):
+    def forget_b(header):
+        del header["directory"]["b"]
+        header["objects"] = 1
+    path = _opened_with(recovered_run(tmp_path / "t.trace"), tmp_path / "bad.trace", forget_b)
+    verdict = traces.check(path)["publish"]
+    # the first step that names b: its remove (s2's loss left it a replica on
+    # s1, and named it in no effect)
+    assert not verdict.ok and verdict.failed_step == 8, verdict.message
+    assert "Remove(key='b') -> Removed" in verdict.message

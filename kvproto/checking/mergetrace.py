@@ -57,8 +57,25 @@ A repair's copy into a traced segment is the node's ``WriteReplica`` of the
 repair's region under the object's token: the spec's ``CopyReplica``. A
 same-host writer's direct write (``spec/DirectWrite.tla``) is stepped by its
 node when it publishes the object, with no request recorded: its cause is the
-grant, so it is placed before the ``PutEnd``, where the writer wrote it. Not
-covered: a master's takeover (one run per master file).
+grant, so it is placed before the ``PutEnd``, where the writer wrote it.
+
+A master file holds a run per time the master opened its directory (one is
+checked: :func:`master_run`). The run of a master of term ``T`` is merged
+with each node's steps under ``T`` (:func:`read_node`: from its fence of
+``T`` to its first fence of a later term), and starts from the directory it
+opened with (``traces.OpenedInit``) and from each traced node's region table
+at its fence of ``T``, replayed from its steps before (``NodesOpened``). For a
+master that took over:
+
+* ``OpenedOnNodes``, where the run starts: each replica the directory lists is
+  held by its node under the object's token, written as the spec's ``store``
+  has it, and every region a node holds carries a token issued before the run;
+* a node's purge (a ``FreeRegion`` per allocation its ``PurgeUnpublished``
+  dropped, by the node's index) is caused by the opening, and may free only a
+  region the spec's ``store`` does not hold (one the directory does not list);
+* the frees the recovery sends itself (the ``opened`` line's ``frees``) are
+  commands in flight from the start, ahead of the run's own;
+* a write or read under a token issued before the run is caused by the opening.
 """
 
 from __future__ import annotations
@@ -73,14 +90,17 @@ from typing import Callable, Optional
 from kvproto.checking import traces
 from kvproto.checking.tla import Fn, format_value
 from kvproto.checking.tracerun import (TraceError, Verdict, accepted, cfg_text, failure,
-                                       first_unmatched, machine_lines, module_text, run_module)
+                                       first_unmatched, machine_lines, run_module)
 
-__all__ = ["check", "merge", "node_files", "read_node"]
+__all__ = ["Causes", "MergedModel", "NodeRun", "check", "check_steps", "master_run", "merge", "node_files",
+           "read_node", "read_nodes"]
 
 #: the node steps that are steps of the region table (``publish.storage_step``)
 REGION_STEPS = ("AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica")
 #: the steps a request to the node asks for, by the ``op`` of its ``asked`` line
 ASKED = {"WriteReplica": "write", "ReadReplica": "read"}
+#: the node's steps that carry a term (raising its fence as ``Fence`` does)
+STAMPED = ("StampedAllocate", "StampedPublish", "StampedFree")
 #: the master's effects that are commands to a node, and their names in the queue
 COMMANDS = {"AssignRegion": "assign", "FreeRegion": "free"}
 
@@ -90,56 +110,164 @@ def node_files(master: "str | Path") -> list[Path]:
     return sorted(Path(p) for p in glob.glob(glob.escape(str(master)) + ".storage-*"))
 
 
-def read_node(path: "str | Path") -> tuple[set, list[tuple[int, dict]]]:
-    """A node file's segments and its region-table steps (each with its line)."""
+class NodeRun:
+    """A node file's part in the run of a master of ``term`` (:func:`read_node`)."""
+
+    def __init__(self) -> None:
+        #: every segment the file opened
+        self.segments: set = set()
+        #: segment -> offset -> (token, written): the node's region table when
+        #: its term reached the run's (its fence of the master's term), replayed
+        #: from its steps before; empty where the node never reached that term
+        self.table: dict = {}
+        #: the region steps it took under the run's term, each with its line
+        self.steps: list[tuple[int, dict]] = []
+
+
+def read_node(path: "str | Path", term: int = 1) -> NodeRun:
+    """A node file's region steps under ``term`` (from its fence of ``term`` to
+    its first fence of a later one) and its region table before them.
+
+    The node's term is its ``opened`` line's, raised by each accepted
+    ``Fence`` and stamped step. A step records the token its request carried
+    (``asked``); a ``FreeRegion`` the node took itself for its
+    ``PurgeUnpublished`` (the region of an allocation the purge dropped, by
+    its index) is marked ``purge``."""
     lines = machine_lines(path, "storage")
     if not lines or "opened" not in lines[0][1]:
         raise TraceError(f"{path} does not start where a storage node opened its segment")
-    segments = {obj["opened"]["segment"] for _, obj in lines if "opened" in obj}
-    steps, asked = [], None
+    out = NodeRun()
+    at, asked, index, purged, reached = 0, None, {}, set(), False
     for number, obj in lines:
-        if "opened" in obj or "asked" in obj:
-            asked = obj.get("asked")
+        if "opened" in obj:
+            segment, at = obj["opened"]["segment"], obj["opened"].get("term", 0)
+            out.segments.add(segment)
+            if at < term:                 # a new segment, empty: the old one is gone
+                out.table = {segment: {}}
+            asked, index, purged = None, {}, set()
+            reached = reached or at == term
+            continue
+        if "asked" in obj:
+            asked = obj["asked"]
             continue
         if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list):
             raise TraceError(f"{path}:{number}: a step needs 'event' and 'effects'")
-        ev = obj["event"]
-        if ev.get("type") in REGION_STEPS:
-            if asked is not None and ASKED.get(ev["type"]) == asked.get("op") \
-                    and asked.get("offset") == ev.get("offset"):
-                obj = {**obj, "asked": asked.get("token")}
-            steps.append((number, obj))
+        ev, ok = obj["event"], accepted(obj)
+        kind = ev.get("type")
+        if ok and (kind == "Fence" or kind in STAMPED):
+            at = max(at, ev["term"])
+        if at > term:
+            break
+        reached = reached or at == term
+        if ok and kind == "StampedAllocate":
+            index[ev["key"]] = (ev["offset"], ev["token"])
+        elif ok and kind == "StampedFree":
+            index.pop(ev["key"], None)
+        elif ok and kind == "PurgeUnpublished":
+            purged = {index.pop(k) for k in obj["effects"][0]["keys"] if k in index}
+            continue
+        if kind not in REGION_STEPS:
+            asked, purged = None, set()
+            continue
+        if asked is not None and ASKED.get(kind) == asked.get("op") \
+                and asked.get("offset") == ev.get("offset"):
+            obj = {**obj, "asked": asked.get("token")}
         asked = None
-    return segments, steps
+        if kind == "FreeRegion" and (ev["offset"], ev["token"]) in purged:
+            purged.discard((ev["offset"], ev["token"]))
+            obj = {**obj, "purge": True}
+        else:
+            purged = set()
+        if at < term:
+            _replay(out.table.get(ev["segment"]), kind, ev, ok)
+        else:
+            out.steps.append((number, obj))
+    if not reached:
+        out.table = {}
+    return out
 
 
-def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]]) -> list[tuple]:
-    """The master's steps and the nodes' region steps in one causal order:
-    ``(source, index, (line, step))`` each, ``source`` ``-1`` for the master
-    and else the node's index (see the module docstring)."""
-    issued: dict[tuple, list[int]] = defaultdict(list)   # command -> master positions
-    granted: dict[int, int] = {}                         # token -> its PutStart
-    for pos, (_, step) in enumerate(master, 1):
-        for e in step["effects"] if accepted(step) else ():
-            kind = e["type"]
-            if kind in COMMANDS:
-                issued[(e["segment"], kind, e["offset"], e["token"])].append(pos)
-            elif kind == "PutGranted":
-                granted.setdefault(e["token"], pos)
-    order = [((pos, -1, 0), (-1, pos - 1)) for pos in range(1, len(master) + 1)]
-    for n, steps in enumerate(nodes):
+def _replay(regions: Optional[dict], kind: str, ev: dict, ok: bool) -> None:
+    """A region step applied to ``regions`` (offset -> (token, written)) as
+    the node's core applied it (a refused step changes nothing)."""
+    if regions is None or not ok:
+        return
+    if kind == "AssignRegion":
+        regions[ev["offset"]] = (ev["token"], False)
+    elif kind == "FreeRegion":
+        regions.pop(ev["offset"], None)
+    elif kind == "WriteReplica":
+        regions[ev["offset"]] = (ev["token"], True)
+
+
+def recovery_frees(header: dict) -> list[tuple]:
+    """The frees the master's recovery sent itself (its ``opened`` line's
+    ``frees``: replicas left out for their checksum), on their way when the
+    run opened: ``(segment, "FreeRegion", offset, token)`` each, in order."""
+    try:
+        return [(f["segment"], "FreeRegion", f["offset"], f["token"])
+                for f in header.get("frees", ())]
+    except (KeyError, TypeError) as e:
+        raise TraceError(f"a free of the opened line the checker cannot read ({e!r})") from None
+
+
+class Causes:
+    """Where the cause of each node step is among a master's steps (see the
+    module docstring): the position of the step that issued its command or
+    granted its token (0: the run's opening, for the purge, recovery's own
+    frees and the tokens issued before the run), or ``None`` where it is not
+    among them."""
+
+    def __init__(self, master: list[tuple[int, dict]], header: dict) -> None:
+        self.issued: dict[tuple, list[int]] = defaultdict(list)   # command -> positions
+        self.granted: dict[int, int] = {}                         # token -> its PutStart
+        self.first = header.get("next_token", 1)
+        for command in recovery_frees(header):
+            self.issued[command].append(0)
+        for pos, (_, step) in enumerate(master, 1):
+            for e in step["effects"] if accepted(step) else ():
+                kind = e["type"]
+                if kind in COMMANDS:
+                    self.issued[(e["segment"], kind, e["offset"], e["token"])].append(pos)
+                elif kind == "PutGranted":
+                    self.granted.setdefault(e["token"], pos)
+
+    def of(self, steps: list[tuple[int, dict]]) -> list[Optional[int]]:
+        """The cause of each of one node's steps, in its order."""
         seen: dict[tuple, int] = defaultdict(int)
-        at = 0
-        for i, (_, step) in enumerate(steps):
+        out: list[Optional[int]] = []
+        for _, step in steps:
             ev = step["event"]
             kind, token = ev["type"], ev.get("token")
-            if kind in COMMANDS:
+            if step.get("purge"):
+                out.append(0)
+            elif kind in COMMANDS:
                 command = (ev["segment"], kind, ev["offset"], token)
                 k, seen[command] = seen[command], seen[command] + 1
-                cause = issued[command][k] if k < len(issued[command]) else 0
+                out.append(self.issued[command][k] if k < len(self.issued[command]) else None)
             else:
-                cause = max(granted.get(t, 0) for t in (token, step.get("asked", token)))
-            at = max(at, cause)
+                causes = [self._grant(t) for t in (token, step.get("asked", token))]
+                out.append(None if None in causes else max(causes))
+        return out
+
+    def _grant(self, token) -> Optional[int]:
+        if token in self.granted:
+            return self.granted[token]
+        return 0 if isinstance(token, int) and token < self.first else None
+
+
+def merge(master: list[tuple[int, dict]], nodes: list[list[tuple[int, dict]]],
+          header: Optional[dict] = None) -> list[tuple]:
+    """The master's steps and the nodes' region steps in one causal order:
+    ``(source, index, (line, step))`` each, ``source`` ``-1`` for the master
+    and else the node's index (see the module docstring); ``header``: the
+    run's ``opened`` line."""
+    causes = Causes(master, header or {})
+    order = [((pos, -1, 0), (-1, pos - 1)) for pos in range(1, len(master) + 1)]
+    for n, steps in enumerate(nodes):
+        at = 0
+        for i, cause in enumerate(causes.of(steps)):
+            at = max(at, cause or 0)     # a step without a cause is left where TLC rejects it
             order.append(((at, n, i), (n, i)))
     order.sort(key=lambda item: item[0])
     return [(source, index, master[index] if source < 0 else nodes[source][index])
@@ -158,28 +286,49 @@ def _commands(m, step: dict) -> Fn:
 
 def _node_record(m, step: dict) -> Fn:
     """A node step: ``t`` the token of the event the node stepped, ``a`` (and its
-    writer ``w``) the token the request carried (the event's, for a command)."""
+    writer ``w``) the token the request carried (the event's, for a command);
+    a free of the node's purge is ``Purge``."""
     ev = step["event"]
     segment, slot = m.slot(ev["segment"], ev["offset"])
     asked = step.get("asked", ev.get("token"))
-    return Fn.of({"src": "node", "act": ev["type"], "ok": accepted(step), "s": segment,
-                  "x": slot, "t": m.token(ev.get("token")), "a": m.token(asked),
-                  "w": m.writer(asked)})
+    return Fn.of({"src": "node", "act": "Purge" if step.get("purge") else ev["type"],
+                  "ok": accepted(step), "s": segment, "x": slot, "t": m.token(ev.get("token")),
+                  "a": m.token(asked), "w": m.writer(asked)})
 
 
 class MergedModel:
-    """The merged behaviour on model values: what :func:`module_text` and
-    :func:`cfg_text` take, and where each record came from."""
+    """The merged behaviour on model values: what :func:`traces.module` and
+    :func:`cfg_text` take, and where each record came from. ``tables``: the
+    nodes' region tables the run starts from (segment -> offset -> (token,
+    written), :attr:`NodeRun.table`)."""
 
-    def __init__(self, header, master, nodes, files) -> None:
-        first, last = traces.token_range(header, master)
-        m = traces._Mapping(first, last)
-        merged = merge(master, nodes)
-        for source, _, (_, step) in merged:      # the nodes' names first, then the master's
+    def __init__(self, header, master, nodes, files, tables: Optional[dict] = None) -> None:
+        tables = tables or {}
+        frees = recovery_frees(header)
+        m = traces.run_mapping(header, master, frozenset(
+            [t for regions in tables.values() for t, _ in regions.values()]
+            + [token for *_, token in frees]))
+        merged = merge(master, nodes, header)
+        for segment, regions in tables.items():  # the nodes' names first, then the master's
+            for offset in sorted(regions):
+                m.slot(segment, offset)
+        for segment, _, offset, _ in frees:
+            m.slot(segment, offset)
+        for source, _, (_, step) in merged:
             if source >= 0:
                 m.slot(step["event"]["segment"], step["event"]["offset"])
         base = traces.to_model(header, master, mapping=m)
-        self.constants, self.model_values = base.constants, base.model_values
+        self.constants, self.model_values, self.opened = \
+            base.constants, base.model_values, base.opened
+        self.nodes_opened = Fn.of({m.slot(segment, offset): Fn.of({"token": m.token(token),
+                                                                   "done": written})
+                                   for segment, regions in tables.items()
+                                   for offset, (token, written) in regions.items()})
+        sent: dict = defaultdict(list)
+        for segment, _, offset, token in frees:
+            seg, slot = m.slot(segment, offset)
+            sent[seg].append(("free", slot, m.token(token)))
+        self.sent_opened = Fn.of({seg: tuple(q) for seg, q in sent.items()})
         records, self.origins = [], []
         for source, index, (line, step) in merged:
             if source < 0:
@@ -205,6 +354,12 @@ VARIABLES
     sent     \* segment -> the master's commands its node has not applied yet
 
 Traced == %(traced)s
+
+\* What the run starts from beside the directory it opened with: the regions
+\* the traced nodes held when fenced under the master's term (segment and
+\* slot -> token, written), and the frees the master's recovery sent itself.
+NodesOpened == %(nodes)s
+SentOpened == %(sent)s
 
 Applied(s, x, t) == nodes[s][x] # None /\ nodes[s][x].token = t
 StoreOwns(s, x, t) == store[s][x] # None /\ store[s][x].token = t
@@ -254,6 +409,11 @@ NodeStep ==
           /\ \/ StoreOwns(r.s, r.x, r.t) /\ store[r.s][r.x].done /\ content[r.s][r.x] = r.t
              \/ FreeInFlight(r.s, r.x, r.t)
           /\ UNCHANGED <<vars, nodes, sent>>
+       \/ /\ r.act = "Purge"   \* a region the node's purge frees itself: one the
+          /\ store[r.s][r.x] = None   \* directory does not hold
+          /\ IF r.ok THEN Applied(r.s, r.x, r.t) /\ nodes' = [nodes EXCEPT ![r.s][r.x] = None]
+                     ELSE ~Applied(r.s, r.x, r.t) /\ UNCHANGED nodes
+          /\ UNCHANGED <<vars, sent>>
        \/ /\ r.act \in {"WriteReplica", "ReadReplica"} /\ ~r.ok
           /\ ~(Applied(r.s, r.x, r.t)
                /\ nodes[r.s][r.x].done = (r.act = "ReadReplica"))
@@ -271,10 +431,22 @@ UntracedCopy ==
     /\ R.s \notin Traced /\ CopyReplica(R.k, R.s)
     /\ UNCHANGED <<pos, nodes, sent>>
 
+\* The directory the run opened with is what its traced nodes held: each
+\* listed replica's region under its object's token, written as the spec's
+\* store has it; and every region a node held carries a token issued before
+\* the run (below nextToken). Checked where the run starts.
+OpenedOnNodes ==
+    pos = 1 =>
+        \A s \in Traced, x \in Slots :
+            /\ store[s][x] # None => /\ Applied(s, x, store[s][x].token)
+                                    /\ nodes[s][x].done = store[s][x].done
+            /\ nodes[s][x] # None => nodes[s][x].token \in 1..(nextToken - 1)
+
 MergedInit ==
     /\ TraceInit
-    /\ nodes = [s \in Segments |-> [x \in Slots |-> None]]
-    /\ sent = [s \in Segments |-> <<>>]
+    /\ nodes = [s \in Segments |-> [x \in Slots |->
+                  IF <<s, x>> \in DOMAIN NodesOpened THEN NodesOpened[<<s, x>>] ELSE None]]
+    /\ sent = [s \in Segments |-> IF s \in DOMAIN SentOpened THEN SentOpened[s] ELSE <<>>]
 MergedNext ==
     \/ pos <= Len(Trace) /\ (MasterStep \/ NodeStep \/ UntracedWrite \/ UntracedCopy)
     \/ Done /\ UNCHANGED <<nodes, sent>>
@@ -282,30 +454,55 @@ MergedNext ==
 """
 
 
-def check(master: "str | Path", nodes: Optional[list] = None, *, keep: Optional[Path] = None,
-          on_output: Optional[Callable[[str], None]] = None) -> Verdict:
-    """Have TLC check the master's run in ``master`` merged with its nodes'
-    (``nodes``, default: :func:`node_files`) against ``spec/Publish.tla``."""
-    header, steps = traces.publish_run(traces.read(master)["publish"])
+def master_run(path: "str | Path", run: Optional[int] = None) -> tuple[dict, list[tuple[int, dict]]]:
+    """The publish run ``run`` (counted from 1) of a master's file, as
+    :func:`traces.publish_run` reads it: a master that took over again
+    records a run per takeover; without ``run`` the file must hold one."""
+    split = traces.runs(traces.read(path)["publish"]) or [[]]
+    if run is None and len(split) > 1:
+        raise TraceError(f"{path} holds {len(split)} runs (the master opened its directory "
+                         f"{len(split)} times); name one with --run N")
+    if run is not None and not 1 <= run <= len(split):
+        raise TraceError(f"{path} holds {len(split)} run(s); there is no run {run}")
+    return traces.publish_run(split[(run or 1) - 1])
+
+
+def read_nodes(paths: list, term: int) -> tuple[set, list[list[tuple[int, dict]]], dict]:
+    """:func:`read_node` of each file: the segments they cover, each one's
+    region steps under ``term``, and their region tables before them (by segment)."""
+    segments, node_steps, tables = set(), [], {}
+    for path in paths:
+        node = read_node(path, term)
+        segments |= node.segments
+        node_steps.append(node.steps)
+        tables.update(node.table)
+    return segments, node_steps, tables
+
+
+def check(master: "str | Path", nodes: Optional[list] = None, *, run: Optional[int] = None,
+          keep: Optional[Path] = None, on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """Have TLC check the master's run in ``master`` (its run ``run``, see
+    :func:`master_run`) merged with its nodes' steps under its term (``nodes``,
+    default: :func:`node_files`) against ``spec/Publish.tla``."""
+    header, steps = master_run(master, run)
     files = [Path(master)] + [Path(n) for n in (node_files(master) if nodes is None else nodes)]
     if len(files) < 2:
         raise TraceError(f"no storage node trace beside {master} (name the nodes' files)")
-    segments, node_steps = set(), []
-    for path in files[1:]:
-        segs, recorded = read_node(path)
-        segments |= segs
-        node_steps.append(recorded)
-    return check_steps(header, steps, node_steps, files, segments, keep=keep, on_output=on_output)
+    segments, node_steps, tables = read_nodes(files[1:], header.get("term", 1))
+    return check_steps(header, steps, node_steps, files, segments, tables=tables, keep=keep,
+                       on_output=on_output)
 
 
 def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[list[tuple[int, dict]]],
-                files: list[Path], segments: set, *, keep: Optional[Path] = None,
+                files: list[Path], segments: set, *, tables: Optional[dict] = None,
+                keep: Optional[Path] = None,
                 on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """:func:`check` of a master's run (:func:`traces.publish_run`) and its
-    nodes' region steps (:func:`read_node`, one list per file of ``files[1:]``;
-    ``files[0]`` the master's) on the ``segments`` the node files cover."""
+    nodes' region steps (:func:`read_nodes`, one list per file of ``files[1:]``;
+    ``files[0]`` the master's) on the ``segments`` the node files cover, from
+    the region ``tables`` the nodes held at its start."""
     try:
-        model = MergedModel(header, steps, node_steps, files)
+        model = MergedModel(header, steps, node_steps, files, tables)
     except (KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"a step the checker cannot read ({e!r})") from None
     traced = frozenset(model.mapping.segments.names[s] for s in segments
@@ -314,9 +511,10 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     if n > traces.LIMITS["steps"]:
         raise TraceError(f"the merged run has {n} steps; at most {traces.LIMITS['steps']} "
                          "are checked (record a shorter run)")
-    publish = module_text(traces._MODULE, model)
-    text = _MODULE % {"traced": format_value(traced)}
-    cfg = cfg_text(model, traces.INVARIANTS).replace("INIT TraceInit", "INIT MergedInit") \
+    publish = traces.module(model)
+    text = _MODULE % {"traced": format_value(traced), "nodes": format_value(model.nodes_opened),
+                      "sent": format_value(model.sent_opened)}
+    cfg = cfg_text(model, traces.INVARIANTS + ("OpenedOnNodes",)).replace("INIT TraceInit", "INIT MergedInit") \
         .replace("NEXT TraceNext", "NEXT MergedNext")
     result = run_module("Publish", "MergedTrace", text, cfg, keep=keep, on_output=on_output,
                         also={"PublishTrace": publish})
@@ -325,6 +523,10 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     if result.verdict == "ok":
         return Verdict(True, message=f"all {n} steps of the master and {len(files) - 1} "
                                      "node(s) are steps of spec/Publish.tla", **common)
+    if result.verdict == "safety" and len(result.trace or ()) == 1:
+        return Verdict(False, **common, message=f"invariant {result.violated} is violated where "
+                                                 "the run starts (the directory it opened with, "
+                                                 "and the regions its nodes held)")
     unmatched = first_unmatched(result, "Publish")
     if unmatched is not None:
         i, what = unmatched
@@ -348,13 +550,16 @@ def add_arguments(sub) -> None:
     parser.add_argument("file", type=Path, help="the master's trace file")
     parser.add_argument("nodes", type=Path, nargs="*", metavar="NODE_FILE",
                         help="the nodes' trace files (default: FILE.storage-* beside it)")
+    parser.add_argument("--run", type=int, default=None, metavar="N",
+                        help="the master's N-th run in FILE (one per takeover it made; "
+                             "needed where FILE holds more than one)")
     parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
                         help="write the generated modules and cfg to DIR")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        verdict = check(args.file, args.nodes or None, keep=args.keep)
+        verdict = check(args.file, args.nodes or None, run=args.run, keep=args.keep)
     except (TraceError, FileNotFoundError) as e:
         print(f"kvproto trace: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

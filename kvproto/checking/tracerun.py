@@ -129,12 +129,13 @@ def failure(result: tlc.TlcResult) -> TraceError:
     return TraceError("TLC could not check the generated trace module: " + " | ".join(lines[-6:]))
 
 
-def module_text(template: str, model) -> str:
+def module_text(template: str, model, **more: str) -> str:
     """A trace module from ``template``: the model's values and its records as
-    the constant sequence ``Trace``."""
+    the constant sequence ``Trace``, and the texts ``more`` names."""
     trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
         if model.records else "<<>>"
-    return template % {"values": ", ".join(v.name for v in model.model_values), "trace": trace}
+    return template % {"values": ", ".join(v.name for v in model.model_values), "trace": trace,
+                       **more}
 
 
 def cfg_text(model, invariants, overrides: tuple[str, ...] = ()) -> str:

@@ -37,17 +37,30 @@ where the next record matches no step of the spec is where the run left the
 spec, and its step number is reported. A run that matches every step also
 keeps the spec's invariants (checked in every state).
 
+The run starts from the directory the master opened with (``TraceInit``,
+built from the ``opened`` line's ``directory``, :func:`opened_objects`): its
+objects' records, their regions complete on their nodes (a published
+object's, holding its attempt's bytes), the rest of each segment free, no
+writer busy. For an empty directory (a master's first run) that is the
+spec's ``Init``; for a master that took over, the directory it recovered.
+The spec's invariants, and ``TokensIssued`` (every token held is below
+``nextToken``), are checked in that state as in every other.
+
 Mapping onto model values: keys, segments, and each segment's offsets are
-numbered by first appearance (``key1``, ``seg1``, slot 1, ...); a token ``t`` is
-``t - first + 1`` (``first`` the token the run's directory opened with; 0 for a
-token never issued), and each attempt has its own writer (``wr<token>``). The
+numbered by first appearance (``key1``, ``seg1``, slot 1, ...; the opened
+directory's first); the ``R`` tokens and repair ids the opened directory
+holds are ``1..R`` in their order, a token ``t`` the run issues is
+``t - first + 1 + R`` (``first`` the token the run's directory opened with),
+any other token 0 (never issued in the run), and each attempt has its own
+writer (``wr<token>``). The
 spec counts space in slots: an offset is a slot, so the byte accounting (free
 bytes, overlapping extents of different lengths) is not checked here (the
 differential test holds the core to the reference for that). Segments are all
 in the spec's ``Init``: a segment joins with ``AddSegment``, and the trace
-requires a placement to use joined segments only. Checked runs start from an
-empty directory (one run per file); the constants are derived from the run and
-bounded (:data:`LIMITS`) so that TLC checks it in seconds.
+requires a placement to use joined segments only (those the directory
+opened with, and those joined since). One run per file; the constants are
+derived from the run and bounded (:data:`LIMITS`) so that TLC checks it in
+seconds.
 """
 
 from __future__ import annotations
@@ -60,7 +73,7 @@ from typing import Callable, Optional
 import attrs
 
 from kvproto.checking import leasetrace
-from kvproto.checking.tla import Fn, ModelValue
+from kvproto.checking.tla import Fn, ModelValue, format_value
 from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
                                        json_lines, module_text, outcome, run_module)
 
@@ -75,7 +88,7 @@ LIMITS = {"steps": 3000, "keys": 32, "segments": 6, "slots": 64, "tokens": 512}
 
 INVARIANTS = ("TraceTypeOK", "OnlyPublishedReadable", "PublishedHasAllReplicasComplete",
               "NoOverlappingAllocation", "SpaceAccounted", "OneAttemptPublishes",
-              "PublishedBytesAreTheAttempts", "NeverAboveRequested")
+              "PublishedBytesAreTheAttempts", "NeverAboveRequested", "TokensIssued")
 
 
 # --- reading ---------------------------------------------------------------------
@@ -96,6 +109,18 @@ def read(path: "str | Path") -> dict[str, list[tuple[int, dict]]]:
     return lines
 
 
+def runs(lines: list) -> list[list]:
+    """A machine's lines split where the master opened it anew: a master that
+    stepped down (paused past its term) and later took over again records a
+    second run in the same file."""
+    out: list[list] = []
+    for number, obj in lines:
+        if "opened" in obj or not out:
+            out.append([])
+        out[-1].append((number, obj))
+    return out
+
+
 def publish_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, dict]]]:
     """The one run in ``lines``: its ``opened`` header and its steps."""
     opened = [i for i, (_, obj) in enumerate(lines) if "opened" in obj]
@@ -106,9 +131,7 @@ def publish_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, di
         raise TraceError(f"the trace holds {len(opened)} runs (a master restarted or took over "
                          "on the same file); record one run per file")
     header = lines[0][1]["opened"]
-    if header.get("objects"):
-        raise TraceError(f"the run starts from a recovered directory of {header['objects']} "
-                         "object(s); only runs from an empty directory are checked")
+    opened_objects(header)
     steps = lines[1:]
     for number, obj in steps:
         if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list) \
@@ -117,20 +140,40 @@ def publish_run(lines: list[tuple[int, dict]]) -> tuple[dict, list[tuple[int, di
     return header, steps
 
 
+def opened_objects(header: dict) -> dict:
+    """The objects of the directory a run opened with (``"directory"`` of its
+    ``opened`` line): key -> record, empty for a run from an empty directory."""
+    n = header.get("objects", 0)
+    listed = header.get("directory", {} if n == 0 else None)
+    if not isinstance(listed, dict) or len(listed) != n:
+        raise TraceError(f"the run starts from a recovered directory of {n} object(s) that its "
+                         "'opened' line does not list (more than 1,000 objects, or recorded by "
+                         "an older master)")
+    return listed
+
+
 # --- mapping onto model values ---------------------------------------------------
 
 
 class _Mapping:
     """The run's names, tokens and offsets as the spec's model values."""
 
-    def __init__(self, first_token: int, last_token: int) -> None:
+    def __init__(self, first_token: int, last_token: int, before: tuple = ()) -> None:
         self.keys = Numbered("key")
         self.segments = Numbered("seg")
         self.slots: dict[str, dict[int, int]] = {}
         self.first, self.last = first_token, last_token
+        #: the tokens below ``first`` that the opened directory holds, in order
+        self.before = {t: i for i, t in enumerate(sorted(before), 1)}
 
     def token(self, t) -> int:
-        return t - self.first + 1 if isinstance(t, int) and self.first <= t < self.last else 0
+        if isinstance(t, int) and self.first <= t < self.last:
+            return self.counter(t)
+        return self.before.get(t, 0) if isinstance(t, int) else 0
+
+    def counter(self, next_token: int) -> int:
+        """The spec's ``nextToken`` for the directory's ``next_token``."""
+        return next_token - self.first + 1 + len(self.before)
 
     def writer(self, t) -> ModelValue:
         m = self.token(t)
@@ -195,7 +238,7 @@ def _record(m: _Mapping, step: dict, joined: set) -> Fn:
             fields["gt"] = m.token(e["repair"])
     after = step["after"]
     fields["after"] = Fn.of({m.keys(k): m.record(rec) for k, rec in after["objects"].items()})
-    fields["next"] = after["next_token"] - m.first + 1
+    fields["next"] = m.counter(after["next_token"])
     return Fn.of(fields)
 
 
@@ -207,6 +250,7 @@ class TraceModel:
     records: tuple
     model_values: tuple
     numbers: tuple      # (recorded n, file line) per record
+    opened: Fn          # the directory the run opened with (``Opened`` of the module)
 
 
 def token_range(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, int]:
@@ -215,21 +259,49 @@ def token_range(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, int]:
     return first, max([first] + [s["after"]["next_token"] for _, s in steps])
 
 
+def run_mapping(header: dict, steps: list[tuple[int, dict]], held: frozenset = frozenset()
+                ) -> _Mapping:
+    """The run's mapping: its tokens from :func:`token_range`, after the tokens
+    (and repair ids) of the directory it opened with, which were issued before
+    it. ``held``: more tokens the run starts with (its nodes' regions, for
+    :mod:`kvproto.checking.mergetrace`); one at or above the run's first token
+    is mapped as one the run issues."""
+    first, last = token_range(header, steps)
+    try:
+        held = {t for rec in opened_objects(header).values()
+                for t in [rec["token"]] + [p["id"] for p in rec.get("repairs", ())]} | set(held)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
+            from None
+    held = {t for t in held if isinstance(t, int) and t > 0}
+    last = max([last] + [t + 1 for t in held])
+    return _Mapping(first, last, tuple(t for t in held if t < first))
+
+
 def to_model(header: dict, steps: list[tuple[int, dict]],
              mapping: Optional[_Mapping] = None) -> TraceModel:
     """Map a run onto model values (see the module docstring); raise
     :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape.
-    ``mapping`` (of :func:`token_range`) may already hold names of the run
+    ``mapping`` (of :func:`run_mapping`) may already hold names of the run
     that the master's steps do not (its storage nodes' steps)."""
     if len(steps) > LIMITS["steps"]:
         raise TraceError(f"the run has {len(steps)} steps; at most {LIMITS['steps']} are "
                          "checked (record a shorter run)")
-    first, last = token_range(header, steps)
-    m = mapping if mapping is not None else _Mapping(first, last)
+    m = mapping if mapping is not None else run_mapping(header, steps)
     joined = set(header.get("segments", {}))
-    for s in joined:
+    for s in header.get("segments", {}):
         m.segments(s)
-    records, replica_counts, reads = [], set(), 1
+    try:
+        objects = {m.keys(k): m.record(rec) for k, rec in opened_objects(header).items()}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
+            from None
+    opened = Fn.of({"dir": Fn.of(objects),
+                    "lost": frozenset(m.segments(s) for s in header.get("lost", ())),
+                    "next": m.counter(header["next_token"])})
+    records, replica_counts = [], set()
+    reads = max([1] + [rec["reads"] for rec in objects.values()])
+    requested = max([0] + [rec["requested"] for rec in objects.values()])
     for number, step in steps:
         try:
             records.append(_record(m, step, joined))
@@ -248,13 +320,17 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
         raise TraceError(f"the run puts objects with {sorted(replica_counts)} replicas; the spec "
                          "has one ReplicaCount (record a run with one replica count)")
     sizes = {"keys": len(m.keys.names), "segments": len(m.segments.names),
-             "slots": max([len(s) for s in m.slots.values()] or [1]), "tokens": last - first}
+             "slots": max([len(s) for s in m.slots.values()] or [1]),
+             "tokens": m.counter(m.last) - 1}
     for name, size in sizes.items():
         if size > LIMITS[name]:
             raise TraceError(f"the run has {size} {name}; at most {LIMITS[name]} are checked "
                              "(record a run with fewer)")
     segments = m.segments.values() or [ModelValue("seg1")]
-    replicas = replica_counts.pop() if replica_counts else 1
+    replicas = replica_counts.pop() if replica_counts else max(requested, 1)
+    if requested > replicas:
+        raise TraceError(f"the run opened with objects that requested {requested} replicas and "
+                         f"puts objects with {replicas}; the spec has one ReplicaCount")
     if replicas > len(segments):
         raise TraceError(f"{replicas} replicas but only {len(segments)} segment(s) in the run")
     writers = [ModelValue(f"wr{t}") for t in range(sizes["tokens"] + 1)]
@@ -264,7 +340,8 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
                  "ReplicaCount": replicas, "MaxToken": max(1, sizes["tokens"]),
                  "MaxReads": reads, "None": NONE}
     values = tuple(dict.fromkeys([*keys, *writers, *segments]))
-    return TraceModel(constants, tuple(records), values, tuple((s.get("n"), n) for n, s in steps))
+    return TraceModel(constants, tuple(records), values, tuple((s.get("n"), n) for n, s in steps),
+                      opened)
 
 
 # --- the trace module ------------------------------------------------------------
@@ -281,6 +358,41 @@ VARIABLE pos   \* the next record to match
 Trace == %(trace)s
 
 R == Trace[pos]
+
+\* The directory the run opened with (a takeover's, recovered; empty at a
+\* start): each object's record, the segments not live, the next token.
+Opened == %(opened)s
+
+\* The spec's state of the opened directory: each object's regions on their
+\* nodes (a published object's replicas complete, holding its attempt's
+\* bytes; a pending object's regions and a repair's not yet written), the
+\* rest of each live segment free, no writer busy, and the readers of each
+\* object holding its descriptors. From an empty directory it is Init.
+Listed(k, s, i) == s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i
+OpenedInit ==
+    /\ dir = [k \in Keys |-> IF k \in DOMAIN Opened.dir THEN Opened.dir[k] ELSE None]
+    /\ live = Segments \ Opened.lost
+    /\ free = [s \in Segments |-> IF s \in live THEN SlotsPerSegment - UsedSlots(s) ELSE 0]
+    /\ nextToken = Opened.next
+    /\ store = [s \in Segments |-> [i \in Slots |->
+                  IF Allocated(s, i)
+                  THEN LET k == CHOOSE k \in Keys : Exists(k) /\ <<s, i>> \in SlotsOf(k) IN
+                       [key |-> k, token |-> dir[k].token,
+                        done |-> Published(k) /\ Listed(k, s, i)]
+                  ELSE None]]
+    /\ writer = [w \in Writers |-> None]
+    /\ publishedToken = [k \in Keys |-> IF Published(k) THEN dir[k].token ELSE 0]
+    /\ content = [s \in Segments |-> [i \in Slots |->
+                    IF store[s][i] # None /\ store[s][i].done THEN store[s][i].token ELSE 0]]
+    /\ handed = [k \in Keys |-> [t \in Tokens |->
+                    IF Exists(k) /\ dir[k].token = t THEN dir[k].reads ELSE 0]]
+
+\* Every token the directory holds was issued, below nextToken: so in every
+\* state of the spec; checked here of the directory the run opened with.
+TokensIssued ==
+    \A k \in Keys : Exists(k) =>
+        /\ dir[k].token < nextToken
+        /\ \A s \in DOMAIN dir[k].repairs : dir[k].repairs[s].id < nextToken
 
 \* The spec's TypeOK as TLC checks it on a run's constants: an object's
 \* replicas and repairs and an attempt's placement (functions of some
@@ -392,10 +504,15 @@ Copy ==
 
 Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos>>
 
-TraceInit == Init /\ pos = 1
+TraceInit == OpenedInit /\ pos = 1
 TraceNext == Step \/ Write \/ Copy \/ Done
 =============================================================================
 """
+
+
+def module(model) -> str:
+    """The ``PublishTrace`` module of a run's model (:func:`to_model`)."""
+    return module_text(_MODULE, model, opened=format_value(model.opened))
 
 
 # --- checking --------------------------------------------------------------------
@@ -419,8 +536,8 @@ def check_each(path: "str | Path", *, keep: Optional[Path] = None,
                on_output: Optional[Callable[[str], None]] = None
                ) -> "dict[str, Verdict | TraceError]":
     """:func:`check`, with the error of a machine that cannot be checked (a
-    master that took over: its publish run starts from a recovered directory)
-    in place of its verdict, so that the other machines are still checked.
+    run over the limits, a recovered directory its ``opened`` line does not
+    list) in place of its verdict, so that the other machines are still checked.
     Raises :class:`TraceError` only for a file that cannot be read."""
     lines = read(path)
     if not any(lines.values()):
@@ -445,7 +562,7 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
               on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """Have TLC check one publish run (:func:`publish_run`) against ``spec/Publish.tla``."""
     model = to_model(header, steps)
-    result = run_module("Publish", "PublishTrace", module_text(_MODULE, model),
+    result = run_module("Publish", "PublishTrace", module(model),
                         cfg_text(model, INVARIANTS),
                         keep=keep, on_output=on_output)
     n = len(steps)
@@ -460,8 +577,10 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
                        message=f"step {recorded} (line {line}) is not a step of spec/Publish.tla "
                                f"from the state the steps before it reached: {describe(step)}")
     if result.verdict == "safety":
+        where = "the directory the run opened with is a state" if len(result.trace or ()) == 1 \
+            else "the trace reached a state"
         return Verdict(False, **common, message=f"invariant {result.violated} is violated "
-                                                 "(the trace reached a state the spec forbids)")
+                                                 f"({where} the spec forbids)")
     raise failure(result)
 
 

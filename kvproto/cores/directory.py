@@ -18,13 +18,17 @@ overflow dict. The requested replica count is a column; the repairs in
 flight (spec ``RepairStart`` .. ``ListReplica``), few at any time, are a
 small dict by row. Segment ledgers are a few plain objects. A step allocates no
 per-object Python object except the key's row; ``SegmentLost`` finds the
-objects on the segment with one vectorised scan of the replica columns.
+objects on the segment with one vectorised scan of the replica columns and
+forgets the published ones that had their only replica there in bulk,
+returning their effects in columns (:meth:`DirectoryCore.lose`).
 """
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Optional
 
 import immutables
@@ -68,6 +72,30 @@ class Ledger:
 
     def value(self) -> SegmentLedger:
         return SegmentLedger(self.capacity, self.free, self.live)
+
+
+class Loss:
+    """The effects of one ``SegmentLost`` step in columns.
+
+    ``keys``, ``tokens`` and ``rows`` (arrays, in row order): the published
+    objects forgotten whole, each with the single effect ``Removed(key,
+    token)`` (their only replica was on the segment, none in repair); ``runs``:
+    ``(row, effects)`` of every other object the step changed, in row order.
+    :meth:`effects` is the tuple ``step`` returns (objects in row order);
+    ``refused``: its single ``Refused`` effect, or ``()``."""
+
+    __slots__ = ("refused", "keys", "tokens", "rows", "runs")
+
+    def __init__(self, refused: tuple, keys=(), tokens=(), rows=()) -> None:
+        self.refused, self.keys, self.tokens, self.rows = refused, keys, tokens, rows
+        self.runs: list[tuple[int, tuple]] = []
+
+    def effects(self) -> tuple:
+        if self.refused:
+            return self.refused
+        bulk = ((row, (Removed(key, token),)) for row, key, token in
+                zip(self.rows.tolist(), self.keys.tolist(), self.tokens.tolist()))
+        return tuple(e for _, run in heapq.merge(bulk, self.runs, key=itemgetter(0)) for e in run)
 
 
 class DirectoryCore:
@@ -261,36 +289,81 @@ class DirectoryCore:
         return (Removed(key, self._tok[row]),) + self._drop(row, key)
 
     def _segment_lost(self, ev: SegmentLost) -> tuple:
+        """Spec ``SegmentLost`` (:meth:`lose`, its effects as a tuple)."""
+        return self.lose(ev).effects()
+
+    def lose(self, ev: SegmentLost) -> "Loss":
         """Spec ``SegmentLost``: revoke pending objects with a replica there, drop
-        the replica from published ones, forget published ones left with none."""
+        the replica from published ones, forget published ones left with none.
+
+        The step of ``step(ev)``, its effects in columns (:class:`Loss`): the
+        published objects whose only replica was there, none in repair, are
+        found, forgotten and released in bulk (vectorised over the columns);
+        the others (pending, overflowing, in repair), few, one by one."""
         ledger = self._ledgers.get(ev.segment)
         if ledger is None or not ledger.live:
-            return _refused(errors.SegmentUnavailable(f"segment {ev.segment!r} is not live"))
+            return Loss(_refused(errors.SegmentUnavailable(
+                f"segment {ev.segment!r} is not live")))
         ledger.free, ledger.live = 0, False
-        sid, by_id, keys = ledger.id, self._by_id, self.rows.keys
-        effects: list = []
-        repairing = [row for row, held in self._repairs.items() if any(s == sid for s, _, _ in held)]
-        rows = self._rows_on(sid)
-        if repairing:
-            rows = sorted(set(rows).union(repairing))
-        for row in rows:
-            placed = self._placed(row)
-            kept = [(s, o) for s, o in placed if s != sid]
-            if self._st[row] == PENDING or not kept:
-                key, token = keys[row], self._tok[row]
-                effects.append(Revoked(key, token) if self._st[row] == PENDING
-                               else Removed(key, token))
-                effects.extend(self._drop(row, key, skip=sid))
-            else:
-                if len(kept) != len(placed):
-                    self._place(row, kept)
-                held = self._repairs.get(row)
-                if held:
-                    key, token = keys[row], self._tok[row]
-                    effects.extend(RepairCancelled(key, token, rid, ledger.name)
-                                   for s, _, rid in held if s == sid)
-                    self._set_repairs(row, tuple(h for h in held if h[0] != sid))
-        return tuple(effects)
+        sid, size = ledger.id, self.rows.size
+        special = {row for row, held in self._repairs.items()
+                   if any(s == sid for s, _, _ in held)}
+        special.update(row for row, placed in self._extra.items()
+                       if any(s == sid for s, _ in placed))
+        gone = np.empty(0, np.int64)
+        if size and sid < SEGMENT_ID_LIMIT:
+            st = np.frombuffer(self._st, np.int8, size)
+            nrep = np.frombuffer(self._nrep, np.uint8, size)
+            s0 = np.frombuffer(self._s0, np.uint16, size)
+            s1 = np.frombuffer(self._s1, np.uint16, size)
+            on0 = ((nrep == 1) | (nrep == 2)) & (s0 == sid)
+            on1 = (nrep == 2) & (s1 == sid)
+            on = on0 | on1
+            bulk = on & (st == PUBLISHED)
+            if special or self._repairs:
+                others = np.fromiter(special.union(self._repairs), np.int64)
+                others = others[on[others]]          # on the segment, with repairs or lost ones'
+                special.update(others.tolist())
+                bulk[others] = False
+            special.update(np.flatnonzero(on & (st == PENDING)).tolist())
+            gone = np.flatnonzero(bulk & (nrep == 1))
+            # two replicas, one kept: the kept one moves to the first column
+            first = np.flatnonzero(bulk & on0 & (nrep == 2))
+            if len(first):
+                o0 = np.frombuffer(self._o0, np.int64, size)
+                o1 = np.frombuffer(self._o1, np.int64, size)
+                s0[first], o0[first] = s1[first], o1[first]
+                del o0, o1
+            nrep[bulk & (nrep == 2)] = 1
+            if len(gone):
+                st[gone] = 0
+                nrep[gone] = 0
+                np.frombuffer(self._reads, np.uint32, size)[gone] = 0
+            del st, nrep, s0, s1, on0, on1, on, bulk
+        loss = Loss((), self.rows.keys[gone], np.frombuffer(self._tok, np.int64, size)[gone],
+                    gone)
+        if len(gone):
+            self.count -= len(gone)
+            self.rows.release_many(gone, self.BIT)
+        for row in sorted(special):
+            loss.runs.append((row, self._lost_row(row, sid, ledger.name)))
+        return loss
+
+    def _lost_row(self, row: int, sid: int, name: str) -> tuple:
+        """The effects of ``SegmentLost`` on the object of ``row``, one by one."""
+        placed = self._placed(row)
+        kept = [(s, o) for s, o in placed if s != sid]
+        key, token = self.rows.keys[row], self._tok[row]
+        if self._st[row] == PENDING or not kept:
+            first = Revoked(key, token) if self._st[row] == PENDING else Removed(key, token)
+            return (first,) + self._drop(row, key, skip=sid)
+        if len(kept) != len(placed):
+            self._place(row, kept)
+        held = self._repairs.get(row)
+        if not held:
+            return ()
+        self._set_repairs(row, tuple(h for h in held if h[0] != sid))
+        return tuple(RepairCancelled(key, token, rid, name) for s, _, rid in held if s == sid)
 
     # ------------------------------------------------------------------ repair
 
@@ -383,8 +456,7 @@ class DirectoryCore:
             nrep[row] = len(placed)
         for row, held in self._repairs.items():
             nrep[row] += len(held)
-        keys = self.rows.keys
-        return [keys[row] for row in np.flatnonzero((st == PUBLISHED) & (nrep < req)).tolist()]
+        return self.rows.keys[np.flatnonzero((st == PUBLISHED) & (nrep < req))].tolist()
 
     # ------------------------------------------------------------------ rows
 
@@ -450,20 +522,6 @@ class DirectoryCore:
         self._repairs.pop(row, None)
         self.count -= 1
         self.rows.release(row, self.BIT)
-
-    def _rows_on(self, sid: int) -> list[int]:
-        """Rows with a replica on segment ``sid``, in row order (one vectorised scan)."""
-        size = self.rows.size
-        hits: list[int] = []
-        if size and sid < SEGMENT_ID_LIMIT:
-            nrep = np.frombuffer(self._nrep, np.uint8, size)
-            s0 = np.frombuffer(self._s0, np.uint16, size)
-            s1 = np.frombuffer(self._s1, np.uint16, size)
-            on = ((nrep == 1) | (nrep == 2)) & (s0 == sid) | (nrep == 2) & (s1 == sid)
-            hits = np.flatnonzero(on).tolist()
-            del nrep, s0, s1, on
-        hits += [row for row, placed in self._extra.items() if any(s == sid for s, _ in placed)]
-        return sorted(hits)
 
     def regions(self) -> dict:
         """``segment -> (n, 2)`` array of the ``(offset, length)`` of every

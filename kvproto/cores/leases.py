@@ -275,6 +275,58 @@ class LeaseCore:
         self._flags[row] &= ~INHERITED
         return ()
 
+    def drop_many(self, keys, rows=None, evicted: bool = False) -> "Drops":
+        """Of each cached key of ``keys`` (distinct), in order, the steps the
+        master takes when its object left the directory: ``Release`` of each
+        of its leases (holders in the order :meth:`holders` gives), ``Disown``
+        while it counts as inherited, then ``Remove`` (``Evict`` if
+        ``evicted``), which is then always accepted; keys not cached are left
+        out. One vectorised step with the state and the effects of those steps
+        one by one; the effects in columns (:class:`Drops`). ``rows``: the
+        keys' rows (an int array) when the caller has them."""
+        if not isinstance(keys, np.ndarray):
+            keys = np.fromiter(keys, object, len(keys))
+        if rows is None:
+            get = self.rows.index.get
+            rows = np.fromiter((get(k, -1) for k in keys.tolist()), np.int64, len(keys))
+        else:
+            rows = np.asarray(rows, np.int64)
+        size = len(self._flags)
+        flags = np.frombuffer(self._flags, np.uint8, size)
+        cached = rows >= 0
+        cached[cached] = (flags[rows[cached]] & CACHED) != 0
+        if not cached.all():
+            keys, rows = keys[cached], rows[cached]
+        drops = Drops(keys, np.frombuffer(self._size, np.int64, size)[rows],
+                      np.frombuffer(self._rtok, np.int64, size)[rows], evicted)
+        if self._holders:
+            mark = np.zeros(size, bool)
+            mark[rows] = True
+            held = sorted(row for row in self._holders if mark[row])
+            if held:
+                at = np.full(size, -1, np.int64)
+                at[rows] = np.arange(len(rows))
+                for row in held:
+                    key = self.rows.keys[row]
+                    released = []
+                    for holder in list(self._holders[row]):
+                        self._forget(holder, self._leases[holder])
+                        released.append(LeaseReleased(holder, key))
+                    drops.released[int(at[row])] = tuple(released)
+        own = (flags[rows] & OWN_REGION) != 0
+        if not own.all():
+            for i in np.flatnonzero(~own).tolist():
+                row = int(rows[i])
+                region = self._region_of.pop(row)
+                del self._regions[region]
+                drops.regions[i] = region
+        flags[rows] = 0
+        del flags
+        self.used -= int(drops.sizes.sum())
+        self.count -= len(rows)
+        self.rows.release_many(rows, self.BIT)
+        return drops
+
     # ------------------------------------------------------------------ regions
 
     def _region(self, row: int):
@@ -446,6 +498,34 @@ class LeaseCore:
         core.used, core.count = int(sizes.sum()), int(published.sum())
         core._setup()
         return core
+
+
+class Drops:
+    """The effects of :meth:`LeaseCore.drop_many` in columns: per key dropped
+    (``keys``, in order) its ``LeaseReleased`` effects (``released``: index
+    -> tuple, keys with leases only) and its ``Reclaimed(key, region, size,
+    evicted)``, the region ``(key, tokens[i])`` unless ``regions`` has it."""
+
+    __slots__ = ("keys", "sizes", "tokens", "evicted", "released", "regions")
+
+    def __init__(self, keys, sizes, tokens, evicted: bool) -> None:
+        self.keys, self.sizes, self.tokens, self.evicted = keys, sizes, tokens, evicted
+        self.released: dict[int, tuple] = {}
+        self.regions: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def effects(self) -> tuple:
+        """The effects of the steps one by one, in order (``Disown``'s are none)."""
+        out: list = []
+        released, regions, evicted = self.released, self.regions, self.evicted
+        for i, (key, size, token) in enumerate(zip(self.keys.tolist(), self.sizes.tolist(),
+                                                   self.tokens.tolist())):
+            out.extend(released.get(i, ()))
+            out.append(Reclaimed(key, regions[i] if i in regions else (key, token), size,
+                                 evicted))
+        return tuple(out)
 
 
 def _column(typecode: str, values: np.ndarray) -> array:

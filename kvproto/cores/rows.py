@@ -5,7 +5,9 @@ per row); :class:`Rows` hands out the row numbers. Two cores may share one
 :class:`Rows` — the master's directory and its lease table do, since every
 published object is cached — so a key has one row in both and each core marks
 the rows it holds with its own owner bit; a row is free again once no core
-holds it, and free rows are reused last-in first-out.
+holds it, and free rows are reused last-in first-out. Rows released in bulk
+(:meth:`Rows.release_many`, a lost segment's objects) leave their keys in the
+index until :meth:`Rows.sweep` takes them out, a bounded number at a time.
 
 Per key the only Python objects are the key itself and its row ``int``: a dict
 key -> row, and a numpy object array row -> key (8 bytes a row). Neither is
@@ -19,6 +21,7 @@ close a reference cycle (the protocol's are bytes and strings).
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from typing import Callable, Hashable, Iterable, Optional
 
 import numpy as np
@@ -41,13 +44,14 @@ class Rows:
     its columns (by an eighth, so appends cost O(1) amortised and a column
     carries at most 12.5% slack)."""
 
-    __slots__ = ("index", "keys", "owners", "free", "size", "_growers")
+    __slots__ = ("index", "keys", "owners", "free", "stale", "size", "_growers")
 
     def __init__(self) -> None:
         self.index: dict = {}
         self.keys = np.empty(0, object)
         self.owners = array("B")
         self.free = array("q")
+        self.stale = array("q")            # released in bulk, in ``index`` until swept
         self.size = 0                      # rows allocated (held or free)
         self._growers: list[Callable[[int], None]] = []
 
@@ -71,6 +75,8 @@ class Rows:
         if row is not None:
             self.owners[row] |= bit
             return row
+        if self.stale:                     # amortised: one for each new key
+            self._sweep_one()
         if self.free:
             row = self.free.pop()
         else:
@@ -89,6 +95,45 @@ class Rows:
         self.owners[row] = left
         if not left:
             del self.index[self.keys[row]]
+            self.keys[row] = None
+            self.free.append(row)
+
+    def release_many(self, rows: np.ndarray, bit: int) -> None:
+        """:meth:`release` of each of ``rows`` (distinct), vectorised: the rows no
+        core holds any more are free once :meth:`sweep` has taken their keys
+        out of ``index`` (until then a lookup finds such a row, held by no
+        core: the cores read it as absent, and :meth:`acquire` of its key
+        holds it again)."""
+        if not len(rows):
+            return
+        owners = np.frombuffer(self.owners, np.uint8, len(self.owners))
+        owners[rows] &= ~bit & 0xFF
+        freed = rows[owners[rows] == 0]
+        del owners                          # the column may grow again
+        self.stale.frombytes(np.ascontiguousarray(freed, np.int64).tobytes())
+
+    def sweep(self, limit: int) -> int:
+        """Free up to ``limit`` of the rows :meth:`release_many` left for it
+        (a row held again since stays held); returns how many are left."""
+        stale = self.stale
+        cut = max(0, len(stale) - limit)
+        if cut == len(stale):
+            return cut
+        todo = np.unique(np.frombuffer(stale, np.int64)[cut:])
+        del stale[cut:]
+        held = np.frombuffer(self.owners, np.uint8, len(self.owners))[todo] != 0
+        named = self.keys[todo]
+        done = todo[~held & (named != None)]   # noqa: E711 (elementwise)
+        deque(map(self.index.__delitem__, self.keys[done].tolist()), 0)
+        self.keys[done] = None
+        self.free.frombytes(done[::-1].tobytes())
+        return cut
+
+    def _sweep_one(self) -> None:
+        row = self.stale.pop()
+        key = self.keys[row]
+        if not self.owners[row] and key is not None:
+            del self.index[key]
             self.keys[row] = None
             self.free.append(row)
 
@@ -134,5 +179,6 @@ class Rows:
         new.keys = self.keys.copy()
         new.owners = array("B", self.owners)
         new.free = array("q", self.free)
+        new.stale = array("q", self.stale)
         new.size = self.size
         return new

@@ -70,7 +70,7 @@ import os
 import re
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -224,6 +224,13 @@ class MasterCore:
     #: node's header limit (:data:`~kvproto.runtime.wire.STORAGE_MAX_HEADER`)
     COMMAND_MAX_REGIONS = 1024
     COMMAND_MAX_BYTES = 256 << 10
+    #: keys of objects forgotten in bulk (a lost segment's) taken out of the
+    #: row index per tick (``Rows.sweep``): a bounded slice of the loop's time
+    SWEEP_ROWS = 1 << 15
+    #: tenants' accounting of a lost segment's objects (``Tenants.removed``,
+    #: a step of the tenancy machine each) per turn of the loop, when more
+    #: objects went at once
+    TENANT_SLICE = 2048
     #: a lease id is ``term << LEASE_ID_BITS | n``
     LEASE_ID_BITS = 32
     #: on top of one lease TTL, how long a new master keeps what it recovered
@@ -300,6 +307,11 @@ class MasterCore:
         #: each object's publishing term by its token, sent with a repaired
         #: replica's publish mark (set at each takeover)
         self.publish_terms = PublishTerms()
+        #: keys of lost objects whose tenants' accounting is still to be
+        #: carried out, in order, and the same as a set (a put of one of them
+        #: carries it out first)
+        self._tenant_drops: deque = deque()
+        self._tenant_dropping: set = set()
         self._round: Optional[FenceRound] = None
         self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
@@ -753,6 +765,9 @@ class MasterCore:
         for i, (key, length) in enumerate(body["items"]):
             write = None
             if tenants is not None:
+                if key in self._tenant_dropping:    # lost: its accounting first
+                    self._tenant_dropping.discard(key)
+                    tenants.removed(key)
                 # the quotas are checked before the allocation (spec WriteStart;
                 # Tenancy_Weak_QuotaAfterAllocation); committed with PutStart
                 try:
@@ -1254,6 +1269,23 @@ class MasterCore:
             self.outbox.append((segment, "fence", cmd_id, {"segment": segment, "term": term}))
         self._maybe_recover()
 
+    def _drained_by_purge(self, segment: str, draining) -> None:
+        """The purge's answer lists the regions draining at its node after it:
+        those the fence answer listed as draining, or as about to drain in the
+        purge, that it no longer lists are free again (drained, or freed
+        outright: their writer had written or died)."""
+        if type(draining) is not list or not all(
+                type(d) is list and len(d) == 2 and type(d[0]) is int for d in draining):
+            log.error("segment %s: purge reply: draining regions are not [offset, length] "
+                      "pairs", segment)
+            return
+        still = {d[0] for d in draining}
+        held = self.draining.get(segment, {})
+        for offset in [o for o in held if o not in still]:
+            length = held.pop(offset)
+            if segment in self.segments:
+                self.placer.release([Replica(segment, offset, length)])
+
     def _fence_or_purge_reply(self, cmd: Command, reply: wire.Reply) -> None:
         segment = cmd.segment
         if cmd.op == "purge":
@@ -1261,6 +1293,8 @@ class MasterCore:
                 self.last_failover["purged"] = self.last_failover.get("purged", 0) + reply.body.get("purged", 0)
                 self.last_failover["bytes_purged"] = (self.last_failover.get("bytes_purged", 0)
                                                       + reply.body.get("freed", 0))
+                if "draining" in reply.body:
+                    self._drained_by_purge(segment, reply.body["draining"])
             else:
                 log.error("segment %s refused the purge: %s", segment, reply.error())
             return
@@ -1332,19 +1366,20 @@ class MasterCore:
         # the recovered objects' publishing terms by token, ours from here on
         self.publish_terms = PublishTerms(term, self.directory.next_token, terms)
         rnd.rebuild = None
+        # a replica whose index records another checksum than the one listed
+        # is not listed: its region is freed at its node (after the purge,
+        # before any assign of this term: one connection)
+        frees = [(node, offset, self.directory.objects[key].token,
+                  self.directory.objects[key].length) for key, node, offset in mismatches]
         if self.trace is not None:
-            self.trace.opened(self.directory, term)
+            self.trace.opened(self.directory, term, frees)
         if mismatches:
-            # a replica whose index records another checksum than the one
-            # listed is not listed: its region is freed at its node (after
-            # the purge, before any assign of this term: one connection)
             self.counters["checksum_mismatches"] += len(mismatches)
             log.warning("term %d: %d replica(s) left out, their checksum differs from the "
                         "replica listed: %s", term, len(mismatches),
                         ", ".join(f"{key!r} on {node}" for key, node, _ in mismatches[:10]))
-            for key, node, offset in mismatches:
-                record = self.directory.objects[key]
-                self._queue.append((node, "free", [offset, record.token, record.length]))
+            for node, offset, token, length in frees:
+                self._queue.append((node, "free", [offset, token, length]))
         used = self.directory.regions()
         # regions still draining for a direct writer of an older term are not free
         self.draining = defaultdict(dict)
@@ -1370,6 +1405,7 @@ class MasterCore:
                                         quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
                                         + self.INHERIT_MARGIN_S)
         if self.tenants is not None:   # each tenant's objects, named by their keys
+            self._tenant_drop(len(self._tenant_drops))
             self.tenants.recovered(self.directory.objects.items())
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
@@ -1415,7 +1451,7 @@ class MasterCore:
     # ------------------------------------------------------------------ time
 
     def segment_lost(self, segment: str, why: str = "silent") -> None:
-        err, _ = self._step(SegmentLost(segment))
+        err = self._lose(SegmentLost(segment))
         if err is None:
             self.counters["segments_lost"] += 1
             log.log(logging.INFO if why == "deregistered" else logging.WARNING,
@@ -1435,8 +1471,52 @@ class MasterCore:
         self.outbox = [c for c in self.outbox if c[0] != segment]
         self._flush()
 
+    def _lose(self, event: SegmentLost) -> Optional[errors.KvError]:
+        """Step the directory with ``event`` and carry out its effects, as
+        :meth:`_step` does; the published objects forgotten whole (``Removed``,
+        nothing else: :meth:`DirectoryCore.lose`) are carried out in bulk
+        (:meth:`_removed_many`). With ``trace``: one by one, each step recorded."""
+        if self.trace is not None:
+            return self._step(event)[0]
+        loss = self.directory.lose(event)
+        if loss.refused:
+            self.counters["refused"] += 1
+            return loss.refused[0].error
+        for _, run in loss.runs:
+            self._carry_out(run)
+        self._removed_many(loss.keys, loss.rows)
+        return None
+
+    def _removed_many(self, keys, rows) -> None:
+        """:meth:`_removed` of each of ``keys`` (their rows ``rows``), in bulk."""
+        if not len(keys):
+            return
+        self.counters["evictions" if self._evicting else "removes"] += len(keys)
+        self._ltick()
+        self.leases.drop_many(keys, rows, evicted=self._evicting)
+        if self.tenants is not None:
+            keys = keys.tolist()
+            if len(keys) <= self.TENANT_SLICE and not self._tenant_drops:
+                for key in keys:
+                    self.tenants.removed(key)
+            else:     # a slice a turn (tick): the loop keeps serving meanwhile
+                self._tenant_drops.extend(keys)
+                self._tenant_dropping.update(keys)
+
+    def _tenant_drop(self, limit: int) -> None:
+        """Carry out the tenants' accounting of up to ``limit`` lost objects."""
+        drops, dropping, removed = self._tenant_drops, self._tenant_dropping, self.tenants.removed
+        for _ in range(min(limit, len(drops))):
+            key = drops.popleft()
+            if key in dropping:
+                dropping.discard(key)
+                removed(key)
+
     def tick(self) -> None:
-        """Expire silent clients and storage nodes (cheap when nothing is due)."""
+        """Expire silent clients and storage nodes (cheap when nothing is due);
+        carry out a slice of the tenants' accounting of lost objects (each turn)."""
+        if self._tenant_drops:
+            self._tenant_drop(self.TENANT_SLICE)
         if self.failover.phase is not fm.Phase.OPEN:
             self._maybe_recover()
             return
@@ -1444,6 +1524,7 @@ class MasterCore:
         if now < self._next_tick:
             return
         self._next_tick = now + min(self.writer_timeout, self.storage_timeout) / 8
+        self.directory.rows.sweep(self.SWEEP_ROWS)
         for client, session in list(self.sessions.items()):
             lapsed = [(token, key) for token, (key, seen) in session.tokens.items()
                       if now - seen > self.writer_timeout]

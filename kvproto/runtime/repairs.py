@@ -27,6 +27,7 @@ how fast.
 from __future__ import annotations
 
 from collections import deque
+from itertools import filterfalse
 from typing import Iterable, Optional
 
 import attrs
@@ -118,7 +119,7 @@ class RepairScheduler:
     def rescan(self, below: Iterable[bytes]) -> None:
         """The objects below their count, from a directory scan."""
         busy = {r.key for r in self.in_flight.values()}
-        self.queue = deque(k for k in below if k not in busy)
+        self.queue = deque(filterfalse(busy.__contains__, below))
         self.stale = False
 
     def source(self, segments: Iterable[str], length: int, now: float) -> Optional[str]:

@@ -557,11 +557,26 @@ class StorageCore:
         index = self.node.index_columns()
         return {**self.registration(), "term": self.node.term, "objects": len(index),
                 "next_token": self.tokens_seen + 1,
-                "draining": [[off, n] for off, n in sorted(self.draining.items())]}, index.frames()
+                "draining": self._draining_after_purge(body["term"])}, index.frames()
+
+    def _draining_after_purge(self, below: int) -> list:
+        """``[offset, length]`` of the regions draining for a direct writer, and
+        of those the purge of allocations below ``below`` may leave draining
+        (granted to a direct writer that has not written): the new master keeps
+        them all out until this node reports them drained, or its purge's
+        answer no longer lists them."""
+        regions = dict(self.draining)
+        for _, entry in self.node.unpublished(below):
+            region = self.direct.regions.get(entry.offset)
+            if region is not None and region.token == entry.token \
+                    and region.state is dw.RegionState.GRANTED and not region.wrote:
+                regions[entry.offset] = entry.length
+        return [[off, n] for off, n in sorted(regions.items())]
 
     def _op_purge(self, body, payloads):
         """``PurgeUnpublished``: drop unpublished allocations of older terms and
-        free their regions."""
+        free their regions (a direct writer's that it may still write drains);
+        the answer lists the regions draining after it."""
         # the entries the purge drops (it answers only their keys): their regions go after
         doomed = dict(self.node.unpublished(body["below"]))
         effects, err = self._step(fm.PurgeUnpublished(self.segment, body["below"]))
@@ -573,7 +588,8 @@ class StorageCore:
             self._release(e.offset, e.token, e.length)
         self.counters["purged"] += len(purged.keys)
         self.counters["bytes_purged"] += purged.freed
-        return {"purged": len(purged.keys), "freed": purged.freed}, []
+        return {"purged": len(purged.keys), "freed": purged.freed,
+                "draining": [[off, n] for off, n in sorted(self.draining.items())]}, []
 
     def awaits_assign(self, body: dict) -> bool:
         """A write whose region is not (yet) assigned to its token, for a token

@@ -22,10 +22,18 @@ are lists; an enum is its value; an error is ``{"type": its class name,
 "message": ...}``. Lines:
 
 * ``{"machine": "publish", "opened": {"next_token": N, "objects": N,
-  "segments": {name: capacity}, "term": T}}`` when the master opens its
-  directory under term ``T`` (at start, and after each takeover's recovery);
-  a recovered directory of up to :data:`INHERITED_LISTED` objects is listed
-  in ``"recovered"``: ``[key, [segment of each replica]]`` each;
+  "segments": {name: capacity}, "free": {name: free bytes}, "term": T,
+  "directory": {key: record}}}`` when the master opens its directory under
+  term ``T`` (at start, and after each takeover's recovery): its segment
+  ledgers as its allocator starts from (``"lost"``: the names of any not
+  live) and, for a directory of up to :data:`INHERITED_LISTED` objects, each
+  object's record as a step's ``"after"`` has it (status, token, replicas,
+  length, checksum, requested, reads, repairs); a recovered directory's
+  objects are also listed in ``"recovered"``: ``[key, [segment of each
+  replica]]`` each; ``"frees"``: the regions the recovery frees itself (a
+  replica left out, its node's index recording another checksum), each
+  ``{"segment", "offset", "token", "length"}``, sent before any command of
+  the run;
 * ``{"machine": "publish", "n": N, "event": ..., "effects": [...],
   "after": {"next_token": N, "objects": {key: record or null}}}`` per step;
   a step the master took on a repair copier's report (``repair_done``:
@@ -69,8 +77,9 @@ the nodes of one process). Lines:
   request carries, which the checker holds the step to.
 
 ``kvproto trace merge FILE [NODE_FILE ...]`` (:mod:`kvproto.checking.mergetrace`)
-merges a master's file and its nodes' files into one behaviour of
-``spec/Publish.tla``.
+merges a master's run and its nodes' steps under its term into one behaviour
+of ``spec/Publish.tla``: a node's steps before its fence of that term give
+the region table it starts from (so a node records from its opening).
 """
 
 from __future__ import annotations
@@ -88,8 +97,8 @@ from kvproto import errors
 #: the environment variable that turns recording on (a file path)
 ENV = "KVPROTO_TRACE"
 
-#: a lease table that opens with at most this many objects (a takeover's)
-#: lists them, ``[key, region]`` each, in its ``opened`` line
+#: a directory or a lease table that opens with at most this many objects (a
+#: takeover's) lists them in its ``opened`` line (``directory``, ``inherited``)
 INHERITED_LISTED = 1000
 
 
@@ -147,16 +156,28 @@ class Recorder(_Lines):
         self._ln = 0
         self._table = None       # the lease table last stepped
 
-    def opened(self, directory, term=None) -> None:
+    def opened(self, directory, term=None, frees=()) -> None:
         """The master opened ``directory`` (empty, or recovered at a takeover)
-        under ``term``."""
+        under ``term``; ``frees``: the regions its recovery frees itself,
+        ``(segment, offset, token, length)`` each, in the order sent."""
+        ledgers = directory.segments
         opened = {"next_token": directory.next_token, "objects": len(directory.objects),
-                  "segments": {name: ledger.capacity for name, ledger in directory.segments.items()}}
+                  "segments": {name: ledger.capacity for name, ledger in ledgers.items()},
+                  "free": {name: ledger.free for name, ledger in ledgers.items()}}
+        lost = [name for name, ledger in ledgers.items() if not ledger.live]
+        if lost:
+            opened["lost"] = lost
         if term is not None:
             opened["term"] = term
-            if 0 < len(directory.objects) <= INHERITED_LISTED:
+        if frees:
+            opened["frees"] = [{"segment": s, "offset": o, "token": t, "length": n}
+                               for s, o, t, n in frees]
+        if len(directory.objects) <= INHERITED_LISTED:
+            items = directory.objects.items()
+            opened["directory"] = {encode(key): encode(record) for key, record in items}
+            if term is not None and items:
                 opened["recovered"] = [[encode(key), [r.segment for r in record.replicas]]
-                                       for key, record in directory.objects.items()]
+                                       for key, record in items]
         self._write({"machine": "publish", "opened": opened})
 
     def publish(self, event, effects: tuple, directory, report=None) -> None:

@@ -84,3 +84,24 @@ def test_reclaimable_names_the_refusal_remove_would_give_and_steps_nothing():
     assert core.reclaimable("k") is None and core.copy().step(L.Evict("k"))[0].key == "k"
     inherited = LeaseCore.restored(5.0, 0.0, [("j", ("j", 1), 10)])
     assert "previous master" in str(inherited.reclaimable("j"))
+
+
+def test_rows_released_in_bulk_are_free_once_swept_and_a_key_holds_its_row_again():
+    """``Rows.release_many`` leaves the keys in the index until ``sweep`` (or
+    a new key's ``acquire``) takes them out; a key acquired again meanwhile
+    holds its old row; a row listed but freed or reused since is freed once."""
+    import numpy as np
+    from kvproto.cores.rows import Rows
+    rows = Rows()
+    held = [rows.acquire(b"k%d" % i, 1) for i in range(8)]
+    rows.release_many(np.array(held[:6]), 1)
+    assert rows.index[b"k0"] == held[0] and not rows.free and len(rows.stale) == 6
+    assert rows.acquire(b"k1", 2) == held[1]             # held again: stays held
+    rows.release(held[1], 2)                              # freed one at a time
+    assert rows.acquire(b"new", 1) == held[5]             # k5 swept first, its row reused
+    rows.release_many(np.array([held[5]]), 1)             # listed again (row 1: freed, listed)
+    assert rows.sweep(1 << 20) == 0
+    assert set(rows.index) == {b"k6", b"k7"}
+    assert all(rows.keys[row] == key for key, row in rows.index.items())
+    assert sorted(rows.free) == sorted(held[:6]) and len(set(rows.free)) == 6
+    assert [rows.acquire(b"x%d" % i, 1) for i in range(6)] and rows.size == 8

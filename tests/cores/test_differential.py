@@ -343,12 +343,33 @@ SLOTS = [f"slot-{i}" for i in range(60)]
 HOLDERS = [("client", i) for i in range(40)]
 
 
+def drop_reference(ref, core: LeaseCore, keys, evicted: bool = False):
+    """The reference's steps for ``core.drop_many(keys)`` one by one (the
+    runtime master's for an object gone from its directory), each accepted;
+    returns the new reference and the effects in order."""
+    effects: list = []
+    for key in keys:
+        if key not in ref.objects:
+            continue
+        steps = [L.Release(h) for h in core.holders(key)]
+        steps.append(L.Evict(key) if evicted else L.Remove(key))
+        for event in steps:
+            if isinstance(event, (L.Remove, L.Evict)) and L.is_inherited(ref, key):
+                ref, none = L.master_step(ref, L.Disown(key))
+                assert none == ()
+            ref, out = L.master_step(ref, event)
+            assert not isinstance(out[0], Refused), out
+            effects.extend(out)
+    return ref, tuple(effects)
+
+
 class LeaseDiff(Differential):
     """lease.LeaseTable + master_step against LeaseCore, with the runtime's own
     regions ``(key, token)``, the spec's shared slots, and takeovers."""
 
     ACTIONS = ("tick", "tick", "put", "put", "put", "put", "put", "grant", "grant", "renew",
-               "release", "remove", "evict", "disown", "takeover", "queries", "eviction")
+               "release", "remove", "evict", "disown", "takeover", "queries", "eviction",
+               "drop_many")
 
     def begin(self, c: Choose):
         ttl, now = c.one([1, 5, 40, 2.5]), c.one([0, 100, 7.25])
@@ -402,6 +423,22 @@ class LeaseDiff(Differential):
 
     def disown(self, c: Choose):
         self.step(L.Disown(self.cached(c)))
+
+    def drop_many(self, c: Choose):
+        """``drop_many`` of some keys (cached or not, leased, inherited) is
+        the reference's steps one by one: per cached key, ``Release`` of each
+        lease, ``Disown`` while inherited, then ``Remove`` (or ``Evict``)."""
+        leased = sorted(self.ref.by_key)
+        others = sorted((set(self.ref.objects) | set(LKEYS[:40])) - set(leased))
+        keys = c.some(leased, 0, 8) if leased else []
+        keys += c.some(others, 0, 30) if others else []
+        evicted = c.rare(3)
+        self.ref, expected = drop_reference(self.ref, self.core, keys, evicted)
+        rows = [self.core.rows.index.get(k, -1) for k in keys] if c.rare(2) else None
+        drops = self.core.drop_many(keys, rows, evicted=evicted)
+        assert_same(expected, drops.effects())
+        assert len(drops) == sum(isinstance(e, L.Reclaimed) for e in expected)
+        assert self.core.reference() == self.ref
 
     def takeover(self, c: Choose):
         """Spec ``Takeover``: a new master's table with the old one's objects, inherited."""
@@ -534,9 +571,22 @@ class MasterDiff(Differential):
         self.check()
 
     def segment_lost(self, c: Choose):
+        """As the runtime master: the objects forgotten whole leave the lease
+        table in one ``drop_many`` (the reference: one by one), the others'
+        effects are carried out one by one."""
         live = [s for s, l in self.ref.segments.items() if l.live]
         if live and c.rare(4):
-            self.dstep(P.SegmentLost(c.one(live)))
+            event = P.SegmentLost(c.one(live))
+            self.ref, expected = P.master_step(self.ref, event)
+            loss = self.dir.lose(event)
+            assert_same(expected, loss.effects(), "objects")
+            for _, run in loss.runs:
+                for e in run:
+                    if isinstance(e, P.Removed):
+                        self.lref, want = drop_reference(self.lref, self.lease, [e.key])
+                        assert_same(want, self.lease.drop_many([e.key]).effects())
+            self.lref, want = drop_reference(self.lref, self.lease, loss.keys.tolist())
+            assert_same(want, self.lease.drop_many(loss.keys, loss.rows).effects())
             fresh = [s for s in SEGMENTS if s not in self.ref.segments]
             if fresh:
                 self.dstep(P.AddSegment(fresh[0], 1 << 30))

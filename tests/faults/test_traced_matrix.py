@@ -1,10 +1,12 @@
 """Trace validation on the fault matrix (``kvproto chaos --trace``): a seeded
 short run of a cell that kills the active master, every master and storage
 node recording its steps, checked by TLC after the cell: each master's
-publish and lease steps, the first master merged with its nodes up to the
-takeover, the nodes' fence and index steps across the takeover. A step
-changed by hand fails the cell; a file cut mid-line is checked up to its
-last whole line."""
+publish and lease steps (the successor's from the directory it recovered),
+each master merged with its nodes' steps under its term, the nodes' fence
+and index steps across the takeover. A step changed by hand fails the cell,
+in the first master's trace and in its successor's (an accepted put_end
+recorded as refused, a step on a key the recovered directory did not list);
+a file cut mid-line is checked up to its last whole line."""
 
 from __future__ import annotations
 
@@ -42,16 +44,25 @@ def test_a_traced_cell_with_a_takeover_passes_every_check(traced):
     assert not report.failed and report.trace_failures == 0, detail
     assert report.trace_steps > 0, detail
     names = {line.split(":")[0] for line in report.traces if " pass" in line}
-    # the killed master's publish and lease steps, its successor's lease table
-    # (opened with what it inherited), the merge up to the takeover, the nodes
-    # across it
-    assert {"master-0 publish", "master-0 lease", "merged", "failover"} <= names, report.traces
-    assert any(n.endswith(" lease") and not n.startswith("master-0 ") for n in names), \
-        report.traces      # whichever standby won the election
+    # the killed master's publish and lease steps, its successor's publish
+    # steps (from the directory it recovered) and lease table (opened with what
+    # it inherited), each merged with its nodes' steps under its term, the
+    # nodes across the takeover
+    assert {"master-0 publish", "master-0 lease", "master-0 merged", "failover"} <= names, \
+        report.traces
+    successor = successor_of(folder).stem      # whichever standby won the election
+    assert {f"{successor} publish", f"{successor} lease", f"{successor} merged"} <= names, \
+        report.traces
     failover = next(l for l in report.traces if l.startswith("failover"))
     assert int(re.search(r"(\d+) term\(s\)", failover).group(1)) >= 2, failover
     assert sorted(p.name for p in folder.glob("storage-*.trace")) == \
         [f"storage-{i}.trace" for i in range(3)]
+
+
+def successor_of(folder: Path) -> Path:
+    """The master file whose publish run opened with a recovered directory."""
+    return next(p for p in sorted(folder.glob("master-*.trace")) if p.name != "master-0.trace"
+                and json.loads(p.read_text().splitlines()[0])["opened"]["objects"] > 0)
 
 
 def _refused_put_end(row: dict) -> bool:
@@ -96,3 +107,35 @@ def test_the_longest_prefix_that_fits():
             raise TraceError(f"{k} is too many")
     assert tracecheck.longest_fit(100, fits) == (37, "38 is too many")
     assert tracecheck.longest_fit(30, fits) == (30, "")
+
+
+def _forget_a_recovered_key(rows: list[dict]) -> int:
+    """The successor's opened line without the first recovered key a later
+    step names (a get, a remove, ...): the ``n`` of that step."""
+    header = rows[0]["opened"]
+    step = next(r for r in rows if r.get("machine") == "publish" and "n" in r
+                and set(r["after"]["objects"]) & set(header["directory"]))
+    key = next(k for k in step["after"]["objects"] if k in header["directory"])
+    del header["directory"][key]
+    header["objects"] -= 1
+    return step["n"]
+
+
+def _refuse_a_put_end(rows: list[dict]) -> int:
+    return next(r["n"] for r in rows if r.get("machine") == "publish" and _refused_put_end(r))
+
+
+@needs_java
+@pytest.mark.parametrize("change", [_refuse_a_put_end, _forget_a_recovered_key])
+def test_a_successor_step_changed_by_hand_fails_the_cell(traced, tmp_path, change):
+    _, folder = traced
+    successor = successor_of(folder)
+    rows = [json.loads(line) for line in successor.read_text().splitlines()]
+    changed = change(rows)
+    bad = tmp_path / "traces"          # the successor's file alone: its own checks
+    bad.mkdir()
+    (bad / successor.name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checks = tracecheck.check_cell(bad, "master-kill")
+    assert [c.name for c in checks if c.failed] == [f"{successor.stem} publish"], \
+        [c.line() for c in checks]
+    assert checks[0].verdict.failed_step == changed, checks[0].line()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 from typing import Optional
 
@@ -32,7 +33,7 @@ from hypothesis.stateful import (
 )
 
 from kvproto import errors
-from kvproto.runtime import wire
+from kvproto.runtime import tracing, wire
 from kvproto.runtime.datapath import checksum
 from kvproto.runtime.master import MasterCore
 from kvproto.runtime.shm import LocalSegment, SegmentMemory, gen_word
@@ -728,11 +729,14 @@ def test_a_replica_lost_during_the_fence_leaves_the_other_one_listed(cluster):
     assert len(c.nodes["n0"].node.index) == 0 and len(c.nodes["n0"].node.regions) == 0
 
 
-def test_the_checksum_survives_a_takeover_and_a_disagreeing_replica_is_left_out(cluster):
+def test_the_checksum_survives_a_takeover_and_a_disagreeing_replica_is_left_out(
+        cluster, monkeypatch, tmp_path):
     """Each replica's index records the writer's checksum with the publish;
     the next master lists the object with it. An index that records another
     checksum for the same allocation (damaged behind the protocol) is a
-    mismatch: that replica is not listed, and it is counted."""
+    mismatch: that replica is not listed, and it is counted; its free, which
+    the recovery sends itself, is in the master's trace (``frees`` of its
+    ``opened`` line)."""
     c = cluster(2)
     data, other = value(b"k", 1, 1000), value(b"j", 1, 700)
     assert c.put(b"k", data, replicas=2)[0] is None
@@ -747,7 +751,13 @@ def test_the_checksum_survives_a_takeover_and_a_disagreeing_replica_is_left_out(
     assert wire.item_result(body["items"][0])[1]["checksum"] == checksum(data)
     index = c.nodes["n1"].node
     index._i_sum[index._idx.index[b"k"]] ^= 1          # n1's index damaged
+    left_out = index.index[b"k"]
+    monkeypatch.setenv(tracing.ENV, str(tmp_path / "third.trace"))
     third = c.failover(["n0", "n1"])
+    monkeypatch.delenv(tracing.ENV)
+    opened = json.loads((tmp_path / "third.trace").read_text().splitlines()[0])["opened"]
+    assert opened["frees"] == [{"segment": "n1", "offset": left_out.offset,
+                                "token": left_out.token, "length": 1000}]
     rec = third.directory.objects[b"k"]
     assert rec.checksum == checksum(data) and [r.segment for r in rec.replicas] == ["n0"]
     assert [r.segment for r in third.directory.objects[b"j"].replicas] == ["n0", "n1"]

@@ -143,6 +143,31 @@ def test_a_draining_region_refuses_an_assign_that_the_core_alone_would_accept(no
     assert item_code(call(node, "assign", regions=[[D, 10, b"e", 21]])) == 0
 
 
+def test_a_takeover_keeps_out_the_regions_its_purge_leaves_draining(node):
+    """Two direct writers' regions granted under term 1, unwritten: the fence
+    answer of term 2 lists both as draining (the purge will drop their
+    allocations while their writers may still write them). One writer dies
+    before the purge, whose answer then lists only the other's region, still
+    draining: the new master frees the first and keeps the second out until
+    it drains."""
+    locks = [WriterLock(), WriterLock()]
+    try:
+        for offset, key, token, lock in ((C, b"c", 30, locks[0]), (D, b"d", 40, locks[1])):
+            assert item_code(call(node, "assign", regions=[[offset, 10, key, token]],
+                                  direct=[[offset, lock.name]])) == 0
+        body, _ = node.handle("fence", {"segment": SEG, "term": 2}, [])
+        assert body["draining"] == [[C, 10], [D, 10]]
+        locks[0].close()
+        body, _ = node.handle("purge", {"segment": SEG, "term": 2, "below": 2}, [])
+        assert body["purged"] == 2 and body["draining"] == [[D, 10]]
+        assert C not in node.node.regions and D not in node.node.regions
+        assert node.drain() == []
+    finally:
+        locks[0].close()
+        locks[1].close()
+    assert node.drain() == [D]
+
+
 def test_a_reported_direct_write_is_written_and_published_in_one_request(node):
     lock = WriterLock()
     try:
@@ -166,6 +191,7 @@ def test_a_purge_frees_the_regions_of_the_entries_it_drops(node):
     assert item_code(call(node, "publish", regions=[[A, b"a", 7]])) == 0
     body, _ = node.handle("fence", {"segment": SEG, "term": 2}, [])
     assert body["term"] == 2
-    assert node.handle("purge", {"segment": SEG, "term": 2, "below": 2}, [])[0] == {"purged": 1, "freed": 20}
+    assert node.handle("purge", {"segment": SEG, "term": 2, "below": 2}, [])[0] == \
+        {"purged": 1, "freed": 20, "draining": []}
     assert list(node.node.regions) == [A] and list(node.node.index) == [b"a"]
     assert node.memory.word(B) == 0

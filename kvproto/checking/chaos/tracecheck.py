@@ -11,20 +11,23 @@ checkers that apply:
 * **publish** and **lease**, each master's file alone (``kvproto trace
   check``: ``spec/Publish.tla``, ``spec/Lease.tla``), each run in it apart
   (a master paused past its term steps down, and may take over again later,
-  opening a second run in its file). A master that took over
-  opens a recovered directory, which the publish checker does not start from:
-  its publish steps are left to the failover check; its lease table, opened
-  with what it inherited, is checked.
-* **merged**: the first master's run merged with its nodes' region steps
-  (``kvproto trace merge``), in cells whose faults keep the master's commands
-  to its nodes in order on their connection. Not where the proxy drops,
-  delays, reorders or partitions frames (``net-drop``, ``net-delay``,
+  opening a second run in its file). Every master's runs are checked: one
+  that took over starts from the directory it recovered (its ``opened``
+  line lists it: the publish checker's initial state) and from the lease
+  table it inherited, so its puts, gets, removes, evictions and repairs
+  under the later term are checked as the first master's are.
+* **merged**: each master's run merged with its nodes' region steps under
+  its term (``kvproto trace merge``, one check per run: ``master-N
+  merged``): each node's steps from its fence of that term to its first
+  fence of a later one, from the region table it held at that fence
+  (replayed from its steps before), so a successor's commands, its nodes'
+  purge and the writes and reads under its tokens are checked as the first
+  master's are. Only in cells whose faults keep the master's commands to its
+  nodes in order on their connection; not where the proxy drops, delays,
+  reorders or partitions frames (``net-drop``, ``net-delay``,
   ``net-reorder``, ``net-partition``): a command dropped or overtaken there
   is not a step of the spec's queue of commands in flight, so the merge
-  would fail on what the proxy did, not on what the runtime did. Each node's
-  steps are taken up to its first fence of a later term (a standby took
-  over: the commands after it are the new master's, which the merge does not
-  cover).
+  would fail on what the proxy did, not on what the runtime did.
 * **failover**: every node's fence, index and purge steps with what each
   master says it recovered (``kvproto trace failover``), in every cell (with
   one master it checks the term fence and the object index of that term).
@@ -45,7 +48,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from kvproto.checking import failtrace, leasetrace, mergetrace, traces
-from kvproto.checking.tracerun import TraceError, Verdict, accepted, machine_lines
+from kvproto.checking.traces import runs
+from kvproto.checking.tracerun import TraceError, Verdict
 
 #: cells whose proxy faults drop, delay or reorder the master's commands to its nodes
 UNORDERED = ("net-drop", "net-delay", "net-reorder", "net-partition")
@@ -56,7 +60,7 @@ class Check:
 
     def __init__(self, name: str, recorded: int, checked: int = 0,
                  verdict: Optional[Verdict] = None, why: str = "") -> None:
-        self.name = name            # "master-0 publish", "merged", "failover"
+        self.name = name            # "master-0 publish", "master-1 merged", "failover"
         self.recorded = recorded    # steps recorded
         self.checked = checked      # steps TLC walked
         self.verdict = verdict
@@ -128,18 +132,6 @@ def _fit_and_check(name: str, steps: list, max_steps: int, fits: Callable[[int],
     return Check(name, len(steps), verdict.steps if verdict.ok else k, verdict, why)
 
 
-def runs(lines: list) -> list[list]:
-    """A machine's lines split where the master opened it anew: a master that
-    stepped down (paused past its term) and later took over again records a
-    second run in the same file."""
-    out: list[list] = []
-    for number, obj in lines:
-        if "opened" in obj or not out:
-            out.append([])
-        out[-1].append((number, obj))
-    return out
-
-
 def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
     out = []
     lines = traces.read(path)
@@ -161,72 +153,58 @@ def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
     return out
 
 
-def _fenced_at(path: Path, term: int) -> int:
-    """The line of the node's first accepted fence above ``term`` (or past its end)."""
-    for number, row in machine_lines(path, "storage"):
-        ev = row.get("event") or {}
-        if ev.get("type") == "Fence" and ev.get("term", 0) > term and accepted(row):
-            return number
-    return 1 << 60
-
-
-def caused_within(master: list, nodes: list[list]) -> list[list]:
+def caused_within(master: list, header: dict, nodes: list[list]) -> list[list]:
     """Each node's region steps up to the first whose cause (the command, or
-    the grant of its token) is not among ``master``'s steps: the nodes' part
-    of a master prefix."""
-    issued, granted = {}, set()
-    for _, step in master:
-        if not accepted(step):
-            continue
-        for e in step["effects"]:
-            if e["type"] in mergetrace.COMMANDS:
-                c = (e["segment"], e["type"], e["offset"], e["token"])
-                issued[c] = issued.get(c, 0) + 1
-            elif e["type"] == "PutGranted":
-                granted.add(e["token"])
+    the grant of its token: :class:`~kvproto.checking.mergetrace.Causes`) is
+    not among ``master``'s steps: the nodes' part of a master prefix."""
+    causes = mergetrace.Causes(master, header)
     out = []
     for steps in nodes:
-        seen: dict = {}
-        kept = []
-        for number, step in steps:
-            ev = step["event"]
-            if ev["type"] in mergetrace.COMMANDS:
-                c = (ev["segment"], ev["type"], ev["offset"], ev.get("token"))
-                seen[c] = seen.get(c, 0) + 1
-                if seen[c] > issued.get(c, 0):
-                    break
-            elif not {ev.get("token"), step.get("asked", ev.get("token"))} <= granted:
-                break
-            kept.append((number, step))
-        out.append(kept)
+        of = causes.of(steps)
+        cut = of.index(None) if None in of else len(steps)
+        out.append(steps[:cut])
     return out
 
 
-def _merged_check(master: Path, nodes: list[Path], max_steps: int) -> Check:
-    header, steps = traces.publish_run(runs(traces.read(master)["publish"])[0])
-    term = header.get("term", 1)
-    segments, node_steps = set(), []
-    for path in nodes:
-        segs, recorded = mergetrace.read_node(path)
-        cut = _fenced_at(path, term)
-        segments |= segs
-        node_steps.append([(n, s) for n, s in recorded if n < cut])
-    files = [master] + nodes
+def _merged_check(label: str, path: Path, header: dict, steps: list, nodes: list[Path],
+                  max_steps: int) -> Check:
+    """The merged check of one master run (``header``, ``steps``) with each
+    node's steps under its term, from the region table the node held at its
+    fence of that term."""
+    segments, node_steps, tables = mergetrace.read_nodes(nodes, header.get("term", 1))
+    files = [path] + nodes
     recorded = len(steps) + sum(map(len, node_steps))
 
     def model(k: int) -> int:
-        m = mergetrace.MergedModel(header, steps[:k], caused_within(steps[:k], node_steps), files)
+        m = mergetrace.MergedModel(header, steps[:k], caused_within(steps[:k], header, node_steps),
+                                   files, tables)
         if len(m.records) > min(traces.LIMITS["steps"], max_steps):
             raise TraceError(f"the merged run would have {len(m.records)} steps; at most "
                              f"{min(traces.LIMITS['steps'], max_steps)} are checked")
         return len(m.records)
 
+    name = label + " merged"
     k, why = longest_fit(min(len(steps), max_steps), model)   # each master step is a record
     if k == 0:
-        return Check("merged", recorded, why=why or "no step recorded")
-    verdict = mergetrace.check_steps(header, steps[:k], caused_within(steps[:k], node_steps),
-                                     files, segments)
-    return Check("merged", recorded, verdict.steps, verdict, why)
+        return Check(name, recorded, why=why or "no step recorded")
+    verdict = mergetrace.check_steps(header, steps[:k],
+                                     caused_within(steps[:k], header, node_steps),
+                                     files, segments, tables=tables)
+    return Check(name, recorded, verdict.steps, verdict, why)
+
+
+def _merged_checks(name: str, path: Path, nodes: list[Path], max_steps: int) -> list[Check]:
+    """The merged check of each publish run in a master's file."""
+    out = []
+    split = runs(traces.read(path)["publish"])
+    for i, run in enumerate(split, 1):
+        label = name + (f" run {i}" if len(split) > 1 else "")
+        try:
+            header, steps = traces.publish_run(run)
+            out.append(_merged_check(label, path, header, steps, nodes, max_steps))
+        except TraceError as e:
+            out.append(Check(label + " merged", 0, why=" ".join(str(e).split())))
+    return out
 
 
 def judge(report, checks: list[Check]) -> None:
@@ -253,12 +231,9 @@ def check_cell(folder: Path, cell: str, max_steps: int = 1000) -> list[Check]:
     checks: list[Check] = []
     for path in masters:
         checks += _master_checks(path.name.split(".")[0], path, max_steps)
-    first = masters[0] if masters else None
-    if first is not None and nodes and cell not in UNORDERED:
-        try:
-            checks.append(_merged_check(first, nodes, max_steps))
-        except TraceError as e:
-            checks.append(Check("merged", 0, why=" ".join(str(e).split())))
+    if nodes and cell not in UNORDERED:
+        for path in masters:
+            checks += _merged_checks(path.name.split(".")[0], path, nodes, max_steps)
     if nodes:
         try:
             verdict = failtrace.check(nodes, masters)
