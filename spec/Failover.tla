@@ -21,7 +21,12 @@
 (* A publish or a remove is acknowledged to its client only once the      *)
 (* node recorded it under the master's term; what was acknowledged is     *)
 (* never undone by a term change (AcknowledgedChangesSurvive).            *)
-(* Each object has one replica (the publish protocol covers replicas).    *)
+(* A put writes one replica; a repair copies a published object from a    *)
+(* live node that holds it to another live node, up to MaxCopies copies   *)
+(* (the publish protocol covers the requested count).  A repaired replica *)
+(* is a copy of the listed allocation: the destination records the        *)
+(* source's index entry, allocation and publishing term included, not the *)
+(* repairing master's term (only the fence checks that term).             *)
 (* Readers hold descriptors stamped with the term of the master that      *)
 (* handed them out; a refused or failed read is a miss.                   *)
 (***************************************************************************)
@@ -33,6 +38,7 @@ CONSTANTS
     Keys,      \* object keys
     Readers,   \* client readers
     MaxTerm,   \* bound on terms the coordinator issues (keeps the model finite)
+    MaxCopies, \* replicas a repair may bring an object up to (1: no repair)
     None       \* model value: no entry, no descriptor, no read yet
 
 Terms == 1..MaxTerm
@@ -43,7 +49,7 @@ VARIABLES
     phase,          \* master -> phase
     mterm,          \* master -> its term (0 while standby)
     acked,          \* master -> storage nodes that acknowledged its fence
-    dir,            \* master -> key -> None | [node, pub]
+    dir,            \* master -> key -> None | [nodes, pub] (the replicas it lists)
     live,           \* storage nodes still alive (with their bytes)
     nodeTerm,       \* storage node -> highest term it has seen
     idx,            \* storage node -> key -> None | [term, pub, by]
@@ -57,7 +63,7 @@ VARIABLES
 vars == <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, got, promised,
           staleAccepted, told>>
 
-DirEntry == [node : Nodes, pub : BOOLEAN]
+DirEntry == [nodes : SUBSET Nodes, pub : BOOLEAN]
 IdxEntry == [term : Terms, pub : BOOLEAN, by : 0..MaxTerm]
 Descriptor == [key : Keys, node : Nodes, term : Terms]
 Told == [what : {"none", "published", "removed"}, node : Nodes \cup {None}]
@@ -77,12 +83,21 @@ NoDir == [k \in Keys |-> None]
 NodeAccepts(n, t) == t >= nodeTerm[n]
 \* Recovery starts only when every live storage node acknowledged the fence.
 FenceComplete(m) == live \subseteq acked[m]
-\* The recovered directory: published objects whose bytes are on a live node.
+\* The live nodes that hold k published, and the highest publishing term
+\* among them (the protocol publishes one allocation of k at a time).
+PublishedAt(k) == {n \in live : idx[n][k] # None /\ idx[n][k].pub}
+LatestBy(k) == CHOOSE b \in {idx[n][k].by : n \in PublishedAt(k)} :
+                   \A n \in PublishedAt(k) : idx[n][k].by <= b
+\* The recovered directory: published objects whose bytes are on a live node,
+\* listed with every live node that holds the allocation of the highest
+\* publishing term.
 RecoveredDir(m) ==
     [k \in Keys |->
-        IF \E n \in live : idx[n][k] # None /\ idx[n][k].pub
-        THEN [node |-> CHOOSE n \in live : idx[n][k] # None /\ idx[n][k].pub, pub |-> TRUE]
+        IF PublishedAt(k) # {}
+        THEN [nodes |-> {n \in PublishedAt(k) : idx[n][k].by = LatestBy(k)}, pub |-> TRUE]
         ELSE None]
+\* What a repair's destination records: a copy of the source's entry.
+RepairedEntry(m, s, k) == idx[s][k]
 
 \* A publish or remove that the node refused is not acknowledged: the
 \* client is told it failed (the master waits for the node's verdict).
@@ -95,6 +110,7 @@ WeakAckWhenRefused == TRUE
 WeakFenceForgetsTerm == FALSE
 WeakNoFence(m) == TRUE
 WeakStaleSnapshot(m) == dir[m]   \* the directory it last held, not reconciled with storage
+WeakRepairStampsOwnTerm(m, s, k) == [term |-> mterm[m], pub |-> TRUE, by |-> mterm[m]]
 
 (* The master learns of a higher term and goes back to standby.  It keeps *)
 (* its (now stale) directory in memory; a crash loses it.                *)
@@ -185,7 +201,7 @@ Allocate(m, k, n) ==
     /\ IF NodeAccepts(n, mterm[m])
        THEN /\ idx' = [idx EXCEPT ![n][k] = [term |-> mterm[m], pub |-> FALSE, by |-> 0]]
             /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
-            /\ dir' = [dir EXCEPT ![m][k] = [node |-> n, pub |-> FALSE]]
+            /\ dir' = [dir EXCEPT ![m][k] = [nodes |-> {n}, pub |-> FALSE]]
             /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n}
                                 ELSE staleAccepted
             /\ UNCHANGED <<phase, mterm, acked>>
@@ -199,7 +215,7 @@ Publish(m, k) ==
     /\ phase[m] = "open"
     /\ dir[m][k] # None
     /\ ~dir[m][k].pub
-    /\ LET n == dir[m][k].node IN
+    /\ LET n == CHOOSE x \in dir[m][k].nodes : TRUE IN   \* a put's one replica
          /\ n \in live
          /\ idx[n][k] # None
          /\ ~idx[n][k].pub
@@ -218,26 +234,28 @@ Publish(m, k) ==
                  /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
     /\ UNCHANGED <<coordTerm, live, desc, got, promised>>
 
-(* A client removes published k: the master frees k's region at its      *)
-(* node, stamped with its term, and acknowledges the remove once the node *)
-(* recorded it.  A node fenced by a newer term refuses; the master steps  *)
-(* down and the client is told the remove failed.  No reader may hold a   *)
-(* descriptor of k: a remove is refused under a read pin or lease, also   *)
-(* one granted by an earlier master (spec/Lease.tla, InheritLeases).      *)
+(* A client removes published k: the master frees k's regions at every    *)
+(* node it lists, stamped with its term, and acknowledges the remove once  *)
+(* the nodes recorded it.  A node fenced by a newer term refuses; the      *)
+(* master steps down and the client is told the remove failed.  No reader *)
+(* may hold a descriptor of k: a remove is refused under a read pin or     *)
+(* lease, also one granted by an earlier master (spec/Lease.tla,           *)
+(* InheritLeases).                                                         *)
 Remove(m, k) ==
     /\ phase[m] = "open"
     /\ dir[m][k] # None
     /\ dir[m][k].pub
     /\ \A r \in Readers : ~HoldsDescriptor(r, k)
-    /\ LET n == dir[m][k].node IN
-         /\ n \in live
-         /\ idx[n][k] # None
-         /\ IF NodeAccepts(n, mterm[m])
-            THEN /\ idx' = [idx EXCEPT ![n][k] = None]
-                 /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+    /\ LET ns == dir[m][k].nodes IN
+         /\ ns \subseteq live
+         /\ \A n \in ns : idx[n][k] # None
+         /\ IF \A n \in ns : NodeAccepts(n, mterm[m])
+            THEN /\ idx' = [n \in Nodes |-> IF n \in ns THEN [idx[n] EXCEPT ![k] = None]
+                                           ELSE idx[n]]
+                 /\ nodeTerm' = [n \in Nodes |-> IF n \in ns THEN Max(nodeTerm[n], mterm[m])
+                                               ELSE nodeTerm[n]]
                  /\ dir' = [dir EXCEPT ![m][k] = None]
-                 /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n}
-                                     ELSE staleAccepted
+                 /\ staleAccepted' = staleAccepted \cup {n \in ns : mterm[m] < promised[n]}
                  /\ told' = [told EXCEPT ![k] = [what |-> "removed", node |-> None]]
                  /\ UNCHANGED <<phase, mterm, acked>>
             ELSE /\ StepDown(m)                    \* refused: StaleTerm
@@ -249,13 +267,15 @@ Remove(m, k) ==
 
 (* A reader looks k up at a master that believes it is open (a paused old *)
 (* master answers too) and gets a descriptor stamped with that master's    *)
-(* term.  A failed lookup is a miss and changes nothing.                  *)
+(* term, for any replica it lists.  A failed lookup is a miss and changes  *)
+(* nothing.                                                                *)
 Lookup(r, m, k) ==
     /\ desc[r] = None
     /\ phase[m] = "open"
     /\ dir[m][k] # None
     /\ dir[m][k].pub
-    /\ desc' = [desc EXCEPT ![r] = [key |-> k, node |-> dir[m][k].node, term |-> mterm[m]]]
+    /\ \E n \in dir[m][k].nodes :     \* any replica it lists
+         desc' = [desc EXCEPT ![r] = [key |-> k, node |-> n, term |-> mterm[m]]]
     /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, got, promised, staleAccepted, told>>
 
 (* The reader reads from the storage node.  A dead node, a refused term or *)
@@ -270,16 +290,47 @@ Read(r) ==
     /\ desc' = [desc EXCEPT ![r] = None]
     /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, promised, staleAccepted, told>>
 
+(* An open master repairs published k: a copier reads it from a live node  *)
+(* s that the master lists (under the master's term: a fenced source       *)
+(* refuses, the copy fails and nothing changes) and writes it to a live    *)
+(* node d that holds no entry of k; d records the copy under the master's *)
+(* term (its fence) as RepairedEntry, and the master lists d.  A node     *)
+(* fenced by a newer term refuses and the master steps down.              *)
+Repair(m, k, s, d) ==
+    /\ phase[m] = "open"
+    /\ dir[m][k] # None
+    /\ dir[m][k].pub
+    /\ Cardinality(dir[m][k].nodes) < MaxCopies
+    /\ s \in dir[m][k].nodes
+    /\ {s, d} \subseteq live
+    /\ d \notin dir[m][k].nodes
+    /\ idx[s][k] # None /\ idx[s][k].pub
+    /\ NodeAccepts(s, mterm[m])
+    /\ idx[d][k] = None
+    /\ IF NodeAccepts(d, mterm[m])
+       THEN /\ idx' = [idx EXCEPT ![d][k] = RepairedEntry(m, s, k)]
+            /\ nodeTerm' = [nodeTerm EXCEPT ![d] = Max(@, mterm[m])]
+            /\ dir' = [dir EXCEPT ![m][k].nodes = @ \cup {d}]
+            /\ staleAccepted' = IF mterm[m] < promised[d] THEN staleAccepted \cup {d}
+                                ELSE staleAccepted
+            /\ UNCHANGED <<phase, mterm, acked>>
+       ELSE /\ StepDown(m)                         \* refused: StaleTerm
+            /\ UNCHANGED <<idx, nodeTerm, dir, staleAccepted>>
+    /\ UNCHANGED <<coordTerm, live, desc, got, promised, told>>
+
 (* A storage node dies with its bytes and its index.  Masters that serve  *)
-(* (recovered or open) notice and drop its entries.                       *)
+(* (recovered or open) notice and drop it from their entries, and an entry *)
+(* with no replica left.                                                  *)
 NodeLost(n) ==
     /\ n \in live
     /\ live' = live \ {n}
     /\ idx' = [idx EXCEPT ![n] = [k \in Keys |-> None]]
     /\ dir' = [m \in Masters |->
                  IF phase[m] \in {"recovered", "open"}
-                 THEN [k \in Keys |-> IF dir[m][k] # None /\ dir[m][k].node = n
-                                      THEN None ELSE dir[m][k]]
+                 THEN [k \in Keys |->
+                         IF dir[m][k] = None \/ n \notin dir[m][k].nodes THEN dir[m][k]
+                         ELSE IF dir[m][k].nodes = {n} THEN None
+                         ELSE [dir[m][k] EXCEPT !.nodes = @ \ {n}]]
                  ELSE dir[m]]
     /\ UNCHANGED <<coordTerm, phase, mterm, acked, nodeTerm, desc, got, promised, staleAccepted, told>>
 
@@ -288,6 +339,7 @@ Next ==
     \/ \E m \in Masters, n \in Nodes : Fence(m, n)
     \/ \E m \in Masters, k \in Keys, n \in Nodes : Allocate(m, k, n)
     \/ \E m \in Masters, k \in Keys : Publish(m, k) \/ Remove(m, k)
+    \/ \E m \in Masters, k \in Keys, s, d \in Nodes : Repair(m, k, s, d)
     \/ \E r \in Readers, m \in Masters, k \in Keys : Lookup(r, m, k)
     \/ \E r \in Readers : Read(r)
     \/ \E n \in Nodes : NodeLost(n)
@@ -298,6 +350,7 @@ Spec == Init /\ [][Next]_vars
 (* Invariants                                                              *)
 (***************************************************************************)
 TypeOK ==
+    /\ MaxCopies \in Nat \ {0}
     /\ coordTerm \in 0..MaxTerm
     /\ phase \in [Masters -> Phases]
     /\ mterm \in [Masters -> 0..MaxTerm]
@@ -326,14 +379,15 @@ NoSplitBrainAllocation == \A m1, m2 \in Masters : m1 # m2 => ~(CanMutate(m1) /\ 
 NoStaleTermWriteAccepted == staleAccepted = {}
 
 (* The current master lists only objects whose bytes exist on a live node, *)
-(* and lists as published only what the node holds as published.         *)
+(* and lists as published only what the nodes hold as published.         *)
 DirectoryOnlyListsLiveBytes ==
     \A m \in Masters : Current(m) =>
         \A k \in Keys : dir[m][k] # None =>
-            LET n == dir[m][k].node IN
-                /\ n \in live
-                /\ idx[n][k] # None
-                /\ dir[m][k].pub = idx[n][k].pub
+            /\ dir[m][k].nodes # {}
+            /\ \A n \in dir[m][k].nodes :
+                  /\ n \in live
+                  /\ idx[n][k] # None
+                  /\ dir[m][k].pub = idx[n][k].pub
 
 (* Once a master has recovered, every unpublished allocation on a live    *)
 (* node is its own (of its term, in its directory): older ones were purged.*)
@@ -341,7 +395,7 @@ UnpublishedPurgedAfterRecovery ==
     \A m \in Masters : Current(m) =>
         \A n \in live, k \in Keys : idx[n][k] # None /\ ~idx[n][k].pub =>
             /\ idx[n][k].term = mterm[m]
-            /\ dir[m][k] = [node |-> n, pub |-> FALSE]
+            /\ dir[m][k] = [nodes |-> {n}, pub |-> FALSE]
 
 (* A read returns a miss or bytes published by the attempt that wrote them *)
 (* (the publish was stamped with the allocation's term).                  *)
@@ -357,5 +411,13 @@ AcknowledgedChangesSurvive ==
         /\ told[k].what = "published" /\ told[k].node \in live =>
                dir[m][k] # None /\ dir[m][k].pub
         /\ told[k].what = "removed" => dir[m][k] = None \/ ~dir[m][k].pub
+
+(* Every published copy on a live node is listed by the current master:   *)
+(* a takeover lists the original and its repaired replicas alike, so none *)
+(* is left out, unreadable and never freed (a leaked region).             *)
+NoPublishedCopyOrphaned ==
+    \A m \in Masters : Current(m) =>
+        \A n \in live, k \in Keys : idx[n][k] # None /\ idx[n][k].pub =>
+            dir[m][k] # None /\ n \in dir[m][k].nodes
 
 =============================================================================

@@ -16,7 +16,12 @@ recorded at a node     step of ``spec/Failover.tla``
                        while it fences; once it serves, a node that joins
                        it (empty) learns the term as a fence does
 ``StampedAllocate``    ``Allocate(m, k, n)``, accepted
-``StampedPublish``     ``Publish(m, k)``, accepted
+``StampedPublish``     ``Publish(m, k)``, accepted; with a publishing
+                       term ``by`` below its own (a repaired replica's
+                       mark) ``PublishCopy``: the node's part of the
+                       spec's ``Repair``, the entry recording ``by``
+                       (``RepairedEntry``) where another replica of the
+                       object was published in term ``by`` earlier
 ``StampedFree``        ``Remove(m, k)`` of a published object; of an
                        unpublished one (a revoked or reclaimed attempt)
                        ``Revoke``, which the spec abstracts away: the entry
@@ -36,15 +41,17 @@ other refusals         change nothing (``KeyExists``: the node holds the
 and the masters' steps that no node records are placed between them:
 ``ObtainTerm(m)`` before the first step that carries ``m``'s term,
 ``Recover(m)`` and ``Open(m)`` before the first step that needs ``m`` to
-serve (a stamped request of its term, or its purge), and at the end for a
-master whose file says it opened. A master's file (``"opened"`` with
+serve (a stamped request of its term, or its purge); a master whose file
+says it opened but that no node step needed (killed as its purges went
+out) recovers and opens before the next term is obtained, or at the end of
+the run if its term is the last. A master's file (``"opened"`` with
 ``"term"``) gives the number of objects it recovered and, up to 1,000 of
 them, each one's replicas (``"recovered"``): ``Recover(m)`` must rebuild
 exactly that directory, replica for replica, from the fenced nodes' indexes.
 
 Mapping. Terms are numbered by rank (the spec's ``1..MaxTerm``), one master
-per term. A spec key is one replica, an object's key on one node (the spec
-has one replica per object; a put with two replicas is two spec keys), and a
+per term. A spec key is one replica, an object's key on one node (a put
+with two replicas is two spec keys, and a repair's copy a third), and a
 spec node is one segment of a node file (a node that starts over opens a new
 one). Dropped: offsets, lengths, tokens, checksums and requested replica
 counts of the index (the publish protocol's, checked by ``kvproto trace
@@ -65,10 +72,11 @@ but that still takes steps stays live, and ``Recover(m)`` cannot be taken.
 
 Order. No clock orders the files; the fence does. Each node's steps keep
 their order; across nodes they are ordered by the term the node held before
-each step (its fence), then by node: a step of a node fenced at term ``t``
-has no cause in a step of another node fenced higher, since a master of a
-higher term sends nothing but its fence before every node acknowledged it,
-and a master refused for its term stops. In the merged behaviour every
+each step (its fence; a fence that raises it comes after every other step
+of the term below, which it causes none of), then by node: a step of a
+node fenced at term ``t`` has no cause in a step of another node fenced
+higher, since a master of a higher term sends nothing but its fence before
+every node acknowledged it, and a master refused for its term stops. In the merged behaviour every
 fence of term ``t`` comes before the steps of nodes fenced at ``t``, as the
 spec's ``Recover`` requires.
 
@@ -103,7 +111,7 @@ MASTER_OPS = ("assign", "free", "publish", "fence", "purge", "repair")
 #: the spec's invariants checked in every state (spec/Failover.cfg)
 INVARIANTS = ("TypeOK", "NoSplitBrainAllocation", "NoStaleTermWriteAccepted",
               "DirectoryOnlyListsLiveBytes", "UnpublishedPurgedAfterRecovery",
-              "AcknowledgedChangesSurvive")
+              "AcknowledgedChangesSurvive", "NoPublishedCopyOrphaned")
 #: at most this many merged steps are checked
 MAX_STEPS = 5000
 NONE = ModelValue("None")
@@ -173,8 +181,10 @@ def _term(ev: dict) -> int:
 def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
     """The nodes' steps in one order: ``(node, index)`` each, by the term the
     node held before the step (an accepted fence raising it by more than one
-    term: the term just below the fence's), then node, then the node's own
-    order."""
+    term: the term just below the fence's), the fences that raise it after
+    the other steps of that term (a fence of a higher term causes none of
+    them, and the master of the lower term may have recovered before it),
+    then node, then the node's own order."""
     keyed = []
     for n, (opened, steps) in enumerate(nodes):
         held = rank.get(opened.get("term", 0), 0)
@@ -182,8 +192,9 @@ def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
             ev = step["event"]
             raised = rank[ev["term"]] if accepted(step) and ev["type"] in ("Fence",) + KEYED \
                 else 0
-            at = raised - 1 if ev["type"] == "Fence" and raised > held else held
-            keyed.append(((at, n, i), (n, i)))
+            raising = ev["type"] == "Fence" and raised > held
+            at = raised - 1 if raising else held
+            keyed.append(((at, raising, n, i), (n, i)))
             held = max(held, raised)
     keyed.sort(key=lambda item: item[0])
     return [where for _, where in keyed]
@@ -203,6 +214,8 @@ class FailoverModel:
         terms = {opened.get("term", 0) for opened, _ in nodes} - {0}
         terms |= {_term(step["event"]) for _, steps in nodes for _, step in steps}
         terms |= {o["term"] for o in masters}
+        terms |= {step["event"]["by"] for _, steps in nodes for _, step in steps
+                  if step["event"]["type"] == "StampedPublish" and step["event"].get("by")}
         rank = {t: i for i, t in enumerate(sorted(terms), 1)}
         self.rank = rank
         self.masters = tuple(ModelValue(f"m{i}") for i in range(1, len(rank) + 1))
@@ -226,9 +239,16 @@ class FailoverModel:
                 f"(term {sorted(rank)[t - 1]})"
             self.origins.append((None, None, None, f"{what} ({why})"))
 
+        said_opened = {rank[o["term"]] for o in masters}
+
         def obtain(t: int, why: str) -> None:
             nonlocal obtained
             while obtained < t:
+                if obtained in said_opened and obtained not in opened_terms:
+                    # its file says it opened, and no step of a node needed it
+                    # to serve (killed as its purges went out): it recovered
+                    # before the next term's fence, from the indexes it fenced
+                    open_(obtained, f"its file says it opened; {why}")
                 obtained += 1
                 master("ObtainTerm", obtained, why)
 
@@ -264,6 +284,7 @@ class FailoverModel:
             master("Recover", t, why)
             master("Open", t, why)
 
+        published: set = set()        # (object key, publishing term) published so far
         for n, i in merge(nodes, rank):
             line, step = nodes[n][1][i]
             ev = step["event"]
@@ -275,8 +296,13 @@ class FailoverModel:
             k = key(n, ev["key"]) if ev["type"] in KEYED else NONE
             purged = frozenset(key(n, name) for name in step["effects"][0]["keys"]) \
                 if ev["type"] == "PurgeUnpublished" and accepted(step) else frozenset()
+            by = ev.get("by") if ev["type"] == "StampedPublish" else None
+            source = bool(by) and (ev["key"], by) in published
+            if ev["type"] == "StampedPublish" and accepted(step):
+                published.add((ev["key"], by or _term(ev)))
             self.records.append(Fn.of({**_BLANK, "src": "node", "act": ev["type"],
                                        "n": node_names[n], "t": t, "k": k,
+                                       "by": rank[by] if by else 0, "source": source,
                                        "ok": accepted(step), "err": _error(step),
                                        "keys": purged, "client": ev["type"] == "StaleRequest"
                                        and ev.get("op") not in MASTER_OPS}))
@@ -304,11 +330,11 @@ class FailoverModel:
         self.model_values = list(self.masters) + node_names + keys.values()
         self.constants = {"Masters": frozenset(self.masters), "Nodes": frozenset(node_names),
                           "Keys": frozenset(keys.values()), "Readers": frozenset(),
-                          "MaxTerm": len(rank), "None": NONE}
+                          "MaxTerm": len(rank), "MaxCopies": 1, "None": NONE}
 
 
 _BLANK = {"n": NONE, "k": NONE, "t": 0, "ok": True, "err": "", "keys": frozenset(),
-          "client": False}
+          "client": False, "by": 0, "source": False}
 
 
 _MODULE = r"""---------------------------- MODULE FailoverTrace ----------------------------
@@ -368,6 +394,24 @@ Revoke(m, k, n) ==
     /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n} ELSE staleAccepted
     /\ UNCHANGED <<coordTerm, phase, mterm, acked, live, desc, got, promised, told>>
 
+\* A repaired replica's publish mark (the node's part of Repair: a spec key
+\* is one replica here, so the copy is its own key, allocated by the repair's
+\* StampedAllocate): the entry records the object's publishing term b
+\* (RepairedEntry), which another replica of the object was published in
+\* earlier in the run (R.source: the copy's source may be lost by now).
+PublishCopy(m, k, n, b) ==
+    /\ phase[m] = "open"
+    /\ dir[m][k] # None /\ dir[m][k].nodes = {n} /\ ~dir[m][k].pub
+    /\ idx[n][k] # None /\ ~idx[n][k].pub
+    /\ b < mterm[m]
+    /\ R.source
+    /\ idx' = [idx EXCEPT ![n][k] = [term |-> b, pub |-> TRUE, by |-> b]]
+    /\ nodeTerm' = [nodeTerm EXCEPT ![n] = Max(@, mterm[m])]
+    /\ dir' = [dir EXCEPT ![m][k].pub = TRUE]
+    /\ staleAccepted' = IF mterm[m] < promised[n] THEN staleAccepted \cup {n} ELSE staleAccepted
+    /\ told' = [told EXCEPT ![k] = [what |-> "published", node |-> n]]
+    /\ UNCHANGED <<coordTerm, phase, mterm, acked, live, desc, got, promised>>
+
 NodeStep ==
     LET n == R.n  t == R.t  k == R.k  m == M(R.t) IN
     \/ /\ R.act = "Fence" /\ R.ok
@@ -384,13 +428,15 @@ NodeStep ==
                   ELSE R.err = "KeyExists" /\ idx[n][k] # None /\ UNCHANGED vars
        /\ UNCHANGED Others
     \/ /\ R.act = "StampedPublish"
-       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].node = n
-                       /\ Publish(m, k)
+       /\ IF R.ok THEN /\ NodeAccepts(n, t)
+                       /\ IF R.by = 0 \/ R.by = t
+                          THEN dir[m][k] # None /\ dir[m][k].nodes = {n} /\ Publish(m, k)
+                          ELSE PublishCopy(m, k, n, R.by)
                   ELSE /\ R.err = "NotPublished" /\ k \notin pending[n]
                        /\ (idx[n][k] = None \/ idx[n][k].pub) /\ UNCHANGED vars
        /\ UNCHANGED Others
     \/ /\ R.act = "StampedFree"
-       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].node = n
+       /\ IF R.ok THEN /\ NodeAccepts(n, t) /\ dir[m][k] # None /\ dir[m][k].nodes = {n}
                        /\ IF dir[m][k].pub THEN Remove(m, k) ELSE Revoke(m, k, n)
                   ELSE R.err = "StaleToken" /\ UNCHANGED vars
        /\ UNCHANGED Others

@@ -147,7 +147,8 @@ class Rebuild:
         self.entries += n
 
     def directory(self, capacities: Mapping[str, int], next_token: int,
-                  rows: Optional[Rows] = None, mismatches: Optional[list] = None) -> DirectoryCore:
+                  rows: Optional[Rows] = None, mismatches: Optional[list] = None,
+                  terms: Optional[dict] = None) -> DirectoryCore:
         """The directory of :func:`recovered` for the nodes joined (``seen``
         may become its row index: the rebuild is spent)."""
         ids = {name: i for i, name in enumerate(capacities)}
@@ -173,6 +174,7 @@ class Rebuild:
                 cat = {name: col[listed] for name, col in cat.items()}
                 sid = sid[listed]
             tokens, lengths = cat["token"], cat["length"]
+            _term_ranges(cat["by"], tokens, terms)
             return DirectoryCore._build(
                 capacities, (self.seen, keys, listed), tokens, lengths, sid[:, None],
                 cat["offset"][:, None], max(next_token, int(tokens.max()) + 1),
@@ -180,7 +182,7 @@ class Rebuild:
         rank = _per_entry(parts, [rank_of.get(node, -1) for node, _, _, _ in parts], n)
         group = np.concatenate([g for _, _, _, g in parts])
         return _grouped(capacities, ids, live, parts, cat, keys, sid, rank, group, listed,
-                        next_token, rows, mismatches)
+                        next_token, rows, mismatches, terms)
 
 
 def _per_entry(parts: list, values: list, n: int) -> np.ndarray:
@@ -197,8 +199,21 @@ def _sums(segments: np.ndarray, lengths: np.ndarray, count: int) -> list[int]:
     return used.tolist()
 
 
+def _term_ranges(by: np.ndarray, tokens: np.ndarray, terms: Optional[dict]) -> None:
+    """Into ``terms``: each publishing term of the objects listed, with the
+    least and greatest token of its objects."""
+    if terms is None or not len(by):
+        return
+    values, which = np.unique(by, return_inverse=True)
+    low = np.full(len(values), np.iinfo(np.int64).max, np.int64)
+    high = np.full(len(values), np.iinfo(np.int64).min, np.int64)
+    np.minimum.at(low, which, tokens)
+    np.maximum.at(high, which, tokens)
+    terms.update(zip(values.tolist(), zip(low.tolist(), high.tolist())))
+
+
 def _grouped(capacities, ids, live, parts, cat, keys, sid, rank, group, listed, next_token,
-             rows, mismatches) -> DirectoryCore:
+             rows, mismatches, terms) -> DirectoryCore:
     """The rebuild when keys are on several nodes: per group (key), of its
     listed entries, the one with the highest ``by``, then the first in node
     order (``rank``), with every listed entry of that allocation (same ``by``
@@ -240,6 +255,7 @@ def _grouped(capacities, ids, live, parts, cat, keys, sid, rank, group, listed, 
     sids[owner, slot] = sid[kept]
     offs[owner, slot] = cat["offset"][kept]
     lengths, tokens = cat["length"][chosen], tok[chosen]
+    _term_ranges(cat["by"][chosen], tokens, terms)
     return DirectoryCore._build(capacities, keys[chosen].tolist(), tokens, lengths, sids, offs,
                                 max(next_token, int(tokens.max()) + 1),
                                 _sums(sid[kept], lengths[owner], len(ids)), rows, sums[chosen],
@@ -248,7 +264,7 @@ def _grouped(capacities, ids, live, parts, cat, keys, sid, rank, group, listed, 
 
 def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns],
               next_token: int, rows: Optional[Rows] = None,
-              mismatches: Optional[list] = None) -> DirectoryCore:
+              mismatches: Optional[list] = None, terms: Optional[dict] = None) -> DirectoryCore:
     """The directory a master opens with after fencing the nodes of
     ``capacities`` (the live ones) whose indexes are ``indexes``: equal to
     ``publish.restored(capacities, [(key, e.token, e.length, replicas,
@@ -256,9 +272,13 @@ def recovered(capacities: Mapping[str, int], indexes: Mapping[str, IndexColumns]
     next_token)``. With a list ``mismatches``, appends to it
     ``failover.checksum_mismatches(indexes, live)``: the ``(key, node,
     offset)`` of each replica left out because its checksum differs from the
-    listed one's. ``ValueError`` if an index lists a key twice, or the
-    objects exceed a segment's capacity."""
+    listed one's. With a dict ``terms``, sets in it each publishing term of
+    the listed objects (their entries' ``by``) to the least and greatest
+    token of its objects (a repaired replica's publish carries its object's
+    term: tokens grow across terms, so the ranges do not overlap).
+    ``ValueError`` if an index lists a key twice, or the objects exceed a
+    segment's capacity."""
     rebuild = Rebuild()
     for node in sorted(indexes):
         rebuild.add(node, indexes[node])
-    return rebuild.directory(capacities, next_token, rows, mismatches)
+    return rebuild.directory(capacities, next_token, rows, mismatches, terms)

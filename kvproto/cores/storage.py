@@ -187,14 +187,21 @@ class StorageNodeCore:
         return (fm.StorageAccepted(ev.key, ev.term),)
 
     def _publish(self, ev: fm.StampedPublish) -> tuple:
-        """Spec ``Publish`` (node side)."""
+        """Spec ``Publish`` (node side), and the destination's record of a
+        ``Repair``: with ``by``, the object's publishing term."""
         row = self._idx.index.get(ev.key)
         if row is None or self._i_pub[row]:
             return _refused(errors.NotPublished(f"{ev.key!r} is not an open allocation here"))
+        if ev.by > ev.term:
+            return _refused(errors.InvalidArgument(
+                f"publishing term {ev.by} is above the command's {ev.term}"))
         if ev.term < self.term:
             return self._stale(ev.term)
-        self._i_pub[row], self._i_by[row], self._i_sum[row] = 1, ev.term, ev.checksum
+        by = ev.by or ev.term
+        self._i_pub[row], self._i_by[row], self._i_sum[row] = 1, by, ev.checksum
         self._i_req[row] = ev.requested
+        if ev.by:           # a repaired replica: the object's allocation (RepairedEntry)
+            self._i_term[row] = by
         self.term = max(self.term, ev.term)
         return (fm.StorageAccepted(ev.key, ev.term),)
 

@@ -89,7 +89,7 @@ from kvproto.statemachines.publish import (
     Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairStart, RepairStarted,
     Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
-from kvproto.runtime.repairs import RepairScheduler
+from kvproto.runtime.repairs import PublishTerms, RepairScheduler
 from kvproto.statemachines import failover as fm
 
 from kvproto.statemachines import lease as lm
@@ -304,6 +304,9 @@ class MasterCore:
                                        timeout=3 * self.storage_timeout)
         #: (segment, offset, token) of the publish marks sent for repaired replicas
         self._repair_marks: set[tuple[str, int, int]] = set()
+        #: each object's publishing term by its token, sent with a repaired
+        #: replica's publish mark (set at each takeover)
+        self.publish_terms = PublishTerms()
         #: keys of lost objects whose tenants' accounting is still to be
         #: carried out, in order, and the same as a set (a put of one of them
         #: carries it out first)
@@ -395,8 +398,11 @@ class MasterCore:
         self.repairs.ended(e.repair)
         record = self.directory.objects[e.key]
         self._repair_marks.add((e.replica.segment, e.replica.offset, e.token))
+        # a copy of the object's allocation: its node records the object's
+        # publishing term, not ours (spec/Failover.tla Repair, RepairedEntry)
         self._queue.append((e.replica.segment, "publish", [
-            e.replica.offset, e.key, e.token, record.checksum, record.requested]))
+            e.replica.offset, e.key, e.token, record.checksum, record.requested,
+            self.publish_terms.of(e.token)]))
 
     def _repair_cancelled(self, e: RepairCancelled) -> None:
         self.counters["repairs_cancelled"] += 1
@@ -1372,8 +1378,11 @@ class MasterCore:
         # carried (freed ones included: a same-host reader may still hold one)
         next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
         mismatches: list = []
+        terms: dict = {}
         self.directory = rnd.rebuild.directory({s: rnd.infos[s]["capacity"] for s in live},
-                                               next_token, mismatches=mismatches)
+                                               next_token, mismatches=mismatches, terms=terms)
+        # the recovered objects' publishing terms by token, ours from here on
+        self.publish_terms = PublishTerms(term, self.directory.next_token, terms)
         rnd.rebuild = None
         # a replica whose index records another checksum than the one listed
         # is not listed: its region is freed at its node (after the purge,

@@ -17,6 +17,11 @@ how fast.
   of the node's bandwidth is left to foreground reads.
 * A copy not reported within ``timeout`` is cancelled (the node is slow or
   gone; its late report is then refused by ``ListReplica``).
+* A repaired replica is a copy of the object's allocation: its publish mark
+  carries the object's publishing term (:class:`PublishTerms`), which its
+  node records instead of the repairing master's (``spec/Failover.tla``
+  ``Repair``, ``RepairedEntry``), so a later takeover lists it beside the
+  original and frees neither.
 """
 
 from __future__ import annotations
@@ -51,6 +56,30 @@ class TokenBucket:
             self.level -= amount
             return True
         return False
+
+
+class PublishTerms:
+    """The publishing term of an object, by its token: ``own`` for the tokens
+    this master issued (from ``first`` on), else the term of the recovered
+    objects whose tokens span it (``ranges``: term -> least and greatest
+    token, from the takeover's rebuild). Tokens only grow across terms, so
+    the ranges of different terms do not overlap. 0 where none is known
+    (the node then records the command's term)."""
+
+    __slots__ = ("own", "first", "ranges")
+
+    def __init__(self, own: int = 0, first: int = 0,
+                 ranges: Optional[dict] = None) -> None:
+        self.own, self.first = own, first
+        self.ranges = sorted((low, high, term) for term, (low, high) in (ranges or {}).items())
+
+    def of(self, token: int) -> int:
+        if token >= self.first:
+            return self.own
+        for low, high, term in self.ranges:
+            if low <= token <= high:
+                return term
+        return 0
 
 
 @attrs.define

@@ -469,7 +469,8 @@ class StorageCore:
         """``StampedPublish``: the master published the object; its region must
         hold that allocation, completely written. The index records the
         object's checksum and requested replica count with the publish (when
-        the master sends them)."""
+        the master sends them), and for a repaired replica the object's
+        publishing term (spec Failover ``Repair``)."""
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
         owner_of, held_by, commit = node.owner, direct.held, self._commit
@@ -496,8 +497,9 @@ class StorageCore:
                     f"region {offset} does not hold a written {key!r} with token {token}")))
                 continue
             publish = fm.StampedPublish(segment, key, term, *recorded)
-            if not node.open_allocation(key) or term < node.term:
-                # not an open allocation here, or a stale term
+            if not node.open_allocation(key) or term < node.term or publish.by > term:
+                # not an open allocation here, a stale term, or a publishing
+                # term above the command's
                 results.append(wire.error_item(self._refusal(publish)))
                 continue
             if write:

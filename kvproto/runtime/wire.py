@@ -323,10 +323,12 @@ STORAGE_OPS: dict[str, OpSchema] = {
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
     # mark written regions published (after the master's PutEnd or
-    # ListReplica): [offset, key, token, checksum, requested] (the checksum and
-    # the requested replica count optional; 0 = none)
+    # ListReplica): [offset, key, token, checksum, requested, by] (the checksum,
+    # the requested replica count and the publishing term optional; 0 = none;
+    # ``by``: a repaired replica's, the object's publishing term, spec
+    # Failover RepairedEntry)
     "publish": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
-        tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF))), min_items=1)}),
+        tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF), TERM)), min_items=1)}),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     # copy an object into a region assigned for its repair (spec/Publish.tla

@@ -9,7 +9,9 @@ Four pieces, each a value with pure steps:
 * a storage node's term fence and object index, :class:`StorageNode`, stepped
   by :func:`storage_step`: every allocation, publish, read and index request is
   stamped with a term, and one below the highest term the node has seen is
-  refused with :class:`~kvproto.errors.StaleTerm`;
+  refused with :class:`~kvproto.errors.StaleTerm`; a repaired replica's
+  publish carries its object's publishing term, which the node records
+  (spec ``Repair``: the copy is the listed allocation's);
 * :func:`rebuild_directory`, the directory rebuilt from the storage nodes'
   indexes: only published objects whose bytes are on live nodes; unpublished
   allocations of older terms are purged and their space freed;
@@ -76,10 +78,11 @@ class IndexEntry:
 class DirEntry:
     """The master's directory entry for one key (``dir[m][k]``).
 
-    ``node`` is the replica the spec names; ``replicas`` lists every live
-    node holding the same published allocation (``(node, offset)`` pairs, the
-    publish protocol's replicas; the spec has one replica per object) and
-    ``token`` that allocation's publish-protocol token.
+    ``node`` is the replica a lookup names first; ``replicas`` lists every
+    live node holding the same published allocation (``(node, offset)``
+    pairs; empty: ``node`` alone, a put's one replica), the spec's ``nodes``;
+    ``token`` is that allocation's publish-protocol token and ``by`` its
+    publishing term (0 while unpublished), which a repair's copy records.
     """
 
     node: str
@@ -90,6 +93,11 @@ class DirEntry:
     token: int = 0
     replicas: tuple = ()
     requested: int = 0
+    by: int = 0
+
+    def listed(self) -> tuple:
+        """``(node, offset)`` of every replica listed, ``node``'s first."""
+        return self.replicas or ((self.node, self.offset),)
 
 
 @attrs.frozen
@@ -211,9 +219,33 @@ class RemoveAcked:
 
 @attrs.frozen
 class Lookup:
-    """A reader asks where ``key`` is."""
+    """A reader asks where ``key`` is; ``node`` names the listed replica it
+    is handed (None: the entry's first)."""
 
     key: str
+    node: Optional[str] = None
+
+
+@attrs.frozen
+class Repair:
+    """Copy published ``key`` from its listed replica on ``source`` into a
+    region at ``offset`` of ``node``, which holds none of it; emits the stamped
+    allocation and publish for ``node``, the publish carrying the object's
+    publishing term (spec ``Repair``)."""
+
+    key: str
+    source: str
+    node: str
+    offset: int = 0
+
+
+@attrs.frozen
+class RepairListed:
+    """``node`` recorded the copy: list it among ``key``'s replicas."""
+
+    key: str
+    node: str
+    offset: int = 0
 
 
 @attrs.frozen
@@ -224,7 +256,8 @@ class NodeLost:
 
 
 MasterEvent = Union[ObtainTerm, FenceAcked, HigherTermSeen, Recover, Open, Allocate,
-                    Allocated, Publish, PublishAcked, Remove, RemoveAcked, Lookup, NodeLost]
+                    Allocated, Publish, PublishAcked, Remove, RemoveAcked, Lookup, Repair,
+                    RepairListed, NodeLost]
 
 # --------------------------------------------------------------------------
 # Storage node events: each stamped with the sender's term
@@ -250,11 +283,18 @@ class StampedAllocate:
 
 @attrs.frozen
 class StampedPublish:
+    """Publish ``key``'s open allocation at ``node``, stamped with ``term``.
+    ``by`` (0: ``term``) is the publishing term to record, the object's own
+    for a repaired replica (a copy of the listed allocation, spec
+    ``RepairedEntry``); it records the allocation term too, and may not be
+    above ``term``."""
+
     node: str
     key: str
     term: int
     checksum: int = 0
     requested: int = 0
+    by: int = 0
 
 
 @attrs.frozen
@@ -350,9 +390,11 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
     names the live node whose publish has the highest term, then the least node
     name (the protocol publishes one allocation per key, so the nodes agree);
     ``replicas`` are all live nodes that published that same allocation
-    (same term and token) with the same checksum, in node order. A replica
-    of that allocation whose checksum differs from the listed entry's is
-    left out (see :func:`checksum_mismatches`).
+    (same publishing term and token) with the same checksum, in node order:
+    a repaired replica records its object's publishing term (spec
+    ``Repair``, ``RepairedEntry``), so it is listed with the original. A
+    replica of that allocation whose checksum differs from the listed
+    entry's is left out (see :func:`checksum_mismatches`).
     """
     best: dict = {}
     for node, key, entry in _published(indexes, live):
@@ -363,7 +405,7 @@ def rebuild_directory(indexes: Mapping[str, immutables.Map], live) -> immutables
                 and entry.checksum == held[1].checksum:
             held[2].append((node, entry.offset))
     return map_of((k, DirEntry(n, True, e.offset, e.length, e.checksum, e.token, tuple(r),
-                               e.requested))
+                               e.requested, e.by))
                   for k, (n, e, r) in best.items())
 
 
@@ -546,7 +588,7 @@ def publish_acked(state: Master, ev: PublishAcked):
     if err is not None:
         return _refuse(state, err)
     return attrs.evolve(state, directory=state.directory.set(
-        ev.key, attrs.evolve(entry, published=True))), ()
+        ev.key, attrs.evolve(entry, published=True, by=state.term))), ()
 
 
 def remove(state: Master, ev: Remove):
@@ -558,7 +600,7 @@ def remove(state: Master, ev: Remove):
         err = errors.KeyNotFound(f"{ev.key!r}")
     if err is not None:
         return _refuse(state, err)
-    return state, (StampedFree(entry.node, ev.key, state.term, entry.token),)
+    return state, tuple(StampedFree(n, ev.key, state.term, entry.token) for n, _ in entry.listed())
 
 
 def remove_acked(state: Master, ev: RemoveAcked):
@@ -577,19 +619,66 @@ def lookup(state: Master, ev: Lookup):
     entry = state.directory.get(ev.key)
     if err is None and (entry is None or not entry.published):
         err = errors.KeyNotFound(f"{ev.key!r}")
+    offset = dict(entry.listed()).get(entry.node if ev.node is None else ev.node) \
+        if err is None else None
+    if err is None and offset is None:
+        err = errors.KeyNotFound(f"{ev.key!r} is not listed on {ev.node}")
     if err is not None:
         return _refuse(state, err)
-    return state, (Descriptor(ev.key, entry.node, state.term, entry.offset, entry.length),)
+    node = entry.node if ev.node is None else ev.node
+    return state, (Descriptor(ev.key, node, state.term, offset, entry.length),)
+
+
+def repair(state: Master, ev: Repair):
+    """Spec ``Repair`` (master side): the copy of a published object into a
+    node that holds none of it, allocated under the object's token and
+    published with its publishing term (``by``), both stamped with our term."""
+    err = _require_open(state)
+    entry = state.directory.get(ev.key)
+    if err is None and (entry is None or not entry.published):
+        err = errors.KeyNotFound(f"{ev.key!r}")
+    if err is None:
+        nodes = dict(entry.listed())
+        if ev.source not in nodes:
+            err = errors.KeyNotFound(f"{ev.key!r} is not listed on {ev.source}")
+        elif ev.node in nodes:
+            err = errors.KeyExists(f"{ev.key!r} is listed on {ev.node}")
+    if err is not None:
+        return _refuse(state, err)
+    return state, (StampedAllocate(ev.node, ev.key, state.term, ev.offset, entry.length,
+                                   entry.token),
+                   StampedPublish(ev.node, ev.key, state.term, entry.checksum, entry.requested,
+                                  entry.by))
+
+
+def repair_listed(state: Master, ev: RepairListed):
+    """The repaired replica is recorded at its node: list it."""
+    err = _require_open(state)
+    entry = state.directory.get(ev.key)
+    if err is None and (entry is None or not entry.published):
+        err = errors.KeyNotFound(f"{ev.key!r}")
+    if err is None and ev.node in dict(entry.listed()):
+        err = errors.KeyExists(f"{ev.key!r} is listed on {ev.node}")
+    if err is not None:
+        return _refuse(state, err)
+    entry = attrs.evolve(entry, replicas=entry.listed() + ((ev.node, ev.offset),))
+    return attrs.evolve(state, directory=state.directory.set(ev.key, entry)), ()
 
 
 def node_lost(state: Master, ev: NodeLost):
-    """Spec ``NodeLost`` (master side): a serving master drops the node's entries."""
+    """Spec ``NodeLost`` (master side): a serving master drops the node from
+    its entries, and an entry with no replica left."""
     if state.phase not in (Phase.RECOVERED, Phase.OPEN):
         return state, ()
-    gone = [k for k, e in state.directory.items() if e.node == ev.node]
+    hit = [(k, e) for k, e in state.directory.items()
+           if any(n == ev.node for n, _ in e.listed())]
     with state.directory.mutate() as m:
-        for k in gone:
-            del m[k]
+        for k, e in hit:
+            left = tuple(r for r in e.listed() if r[0] != ev.node)
+            if left:
+                m[k] = attrs.evolve(e, node=left[0][0], offset=left[0][1], replicas=left)
+            else:
+                del m[k]
         return attrs.evolve(state, directory=m.finish()), ()
 
 
@@ -597,7 +686,7 @@ _MASTER_HANDLERS: dict[type, Callable] = {
     ObtainTerm: obtain_term, FenceAcked: fence_acked, HigherTermSeen: higher_term_seen,
     Recover: recover, Open: open_service, Allocate: allocate, Allocated: allocated,
     Publish: publish, PublishAcked: publish_acked, Remove: remove, RemoveAcked: remove_acked,
-    Lookup: lookup, NodeLost: node_lost,
+    Lookup: lookup, Repair: repair, RepairListed: repair_listed, NodeLost: node_lost,
 }
 
 
@@ -643,10 +732,14 @@ def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, E
         entry = node.index.get(event.key)
         if entry is None or entry.published:
             return _refuse(node, errors.NotPublished(f"{event.key!r} is not an open allocation here"))
+        if event.by > event.term:
+            return _refuse(node, errors.InvalidArgument(
+                f"publishing term {event.by} is above the command's {event.term}"))
         if not node_accepts(node, event.term):
             return _stale(node, event.term)
-        entry = attrs.evolve(entry, published=True, by=event.term, checksum=event.checksum,
-                             requested=event.requested)
+        by = event.by or event.term
+        entry = attrs.evolve(entry, published=True, by=by, checksum=event.checksum,
+                             requested=event.requested, term=by if event.by else entry.term)
         return (StorageNode(max(node.term, event.term), node.index.set(event.key, entry)),
                 (StorageAccepted(event.key, event.term),))
     if isinstance(event, StampedRead):
@@ -827,29 +920,37 @@ def sys_publish(sys: System, m: str, key: str) -> Optional[System]:
 def sys_remove(sys: System, m: str, key: str) -> Optional[System]:
     """Spec ``Remove``: refused while a reader holds a descriptor of ``key``;
     acknowledged (``told``) only once the node recorded the stamped free."""
-    _, effects = master_step(sys.masters[m], Remove(key))
-    if not _accepted(effects):
+    _, requests = master_step(sys.masters[m], Remove(key))
+    if not _accepted(requests):
         return None
-    request = effects[0]
-    n = request.node
-    if n not in sys.live or any(d is not None and d.key == key for d in sys.desc.values()):
+    if any(d is not None and d.key == key for d in sys.desc.values()):
         return None
-    new, effects = sys._node(n, request)
-    if _refused_term(effects):
-        return _step_down_on(sys, m, n)
-    if not _accepted(effects):
-        return None
+    for request in requests:            # every listed replica's node holds it
+        n = request.node
+        if n not in sys.live or key not in sys.nodes[n].index:
+            return None
+    for request in requests:            # all record the free, or the first refusal
+        if not node_accepts(sys.nodes[request.node], request.term):
+            return _step_down_on(sys, m, request.node)
+    new = sys
+    for request in requests:
+        n = request.node
+        new, effects = new._node(n, request)
+        if not _accepted(effects):
+            return None
+        if _breaks_promise(sys, n, request.term):
+            new = new._with(stale_accepted=new.stale_accepted | {n})
     new, _ = new._master(m, RemoveAcked(key))
-    if _breaks_promise(sys, n, request.term):
-        new = new._with(stale_accepted=new.stale_accepted | {n})
     return new._with(told=new.told.set(key, TOLD_REMOVED))
 
 
-def sys_lookup(sys: System, r: str, m: str, key: str) -> Optional[System]:
-    """Spec ``Lookup``; a refused lookup is a miss and changes nothing."""
+def sys_lookup(sys: System, r: str, m: str, key: str, n: Optional[str] = None
+               ) -> Optional[System]:
+    """Spec ``Lookup`` (handed the listed replica on ``n``); a refused lookup
+    is a miss and changes nothing."""
     if sys.desc[r] is not None:
         return None
-    _, effects = master_step(sys.masters[m], Lookup(key))
+    _, effects = master_step(sys.masters[m], Lookup(key, n))
     if not _accepted(effects):
         return None
     return sys._with(desc=sys.desc.set(r, effects[0]))
@@ -866,6 +967,37 @@ def sys_read(sys: System, r: str) -> Optional[System]:
         if _accepted(effects):
             result = effects[0].entry
     return sys._with(desc=sys.desc.set(r, None), got=sys.got.set(r, result))
+
+
+def sys_repair(sys: System, m: str, key: str, s: str, d: str, max_copies: int
+               ) -> Optional[System]:
+    """Spec ``Repair``: the copier reads ``key`` from the listed replica on
+    ``s`` under the master's term (a refused or missing source: the copy
+    fails, nothing changes), and ``d`` records the copy under that term, with
+    the object's publishing term; the master lists ``d``."""
+    master = sys.masters[m]
+    entry = master.directory.get(key)
+    if entry is None or len(entry.listed()) >= max_copies or not {s, d} <= sys.live:
+        return None
+    _, requests = master_step(master, Repair(key, s, d))
+    if not _accepted(requests):
+        return None
+    _, read = storage_step(sys.nodes[s], StampedRead(s, key, master.term))
+    if not _accepted(read) or not read[0].entry.published:
+        return None
+    allocate, publish = requests
+    new, effects = sys._node(d, allocate)
+    if _refused_term(effects):
+        return _step_down_on(sys, m, d)
+    if not _accepted(effects):
+        return None
+    new, effects = new._node(d, publish)
+    if not _accepted(effects):
+        return None
+    new, _ = new._master(m, RepairListed(key, d))
+    if _breaks_promise(sys, d, master.term):
+        new = new._with(stale_accepted=new.stale_accepted | {d})
+    return new
 
 
 def sys_node_lost(sys: System, n: str) -> Optional[System]:
@@ -892,6 +1024,7 @@ ACTIONS: dict[str, Callable[..., Optional[System]]] = {
     "Remove": sys_remove,
     "Lookup": sys_lookup,
     "Read": sys_read,
+    "Repair": sys_repair,
     "NodeLost": sys_node_lost,
 }
 
@@ -954,9 +1087,10 @@ def directory_only_lists_live_bytes(sys: System) -> bool:
         if not current(sys, m):
             continue
         for key, e in master.directory.items():
-            held = sys.nodes[e.node].index.get(key) if e.node in sys.live else None
-            if held is None or held.published != e.published:
-                return False
+            for n, _ in e.listed():
+                held = sys.nodes[n].index.get(key) if n in sys.live else None
+                if held is None or held.published != e.published:
+                    return False
     return True
 
 
@@ -970,7 +1104,8 @@ def unpublished_purged_after_recovery(sys: System) -> bool:
                 if e.published:
                     continue
                 d = master.directory.get(key)
-                if e.term != master.term or d is None or d.node != n or d.published:
+                if e.term != master.term or d is None or d.published \
+                        or [r for r, _ in d.listed()] != [n]:
                     return False
     return True
 
@@ -998,6 +1133,21 @@ def acknowledged_changes_survive(sys: System) -> bool:
     return True
 
 
+def no_published_copy_orphaned(sys: System) -> bool:
+    """Spec ``NoPublishedCopyOrphaned``: the current master lists every
+    published entry on a live node (an original and its repaired replicas
+    alike), so none is left unreadable and never freed."""
+    for m, master in sys.masters.items():
+        if not current(sys, m):
+            continue
+        for n in sys.live:
+            for key, e in sys.nodes[n].index.items():
+                d = master.directory.get(key)
+                if e.published and (d is None or n not in dict(d.listed())):
+                    return False
+    return True
+
+
 INVARIANTS: dict[str, Callable[[System], bool]] = {
     "TypeOK": type_ok,
     "NoSplitBrainAllocation": no_split_brain_allocation,
@@ -1006,6 +1156,7 @@ INVARIANTS: dict[str, Callable[[System], bool]] = {
     "UnpublishedPurgedAfterRecovery": unpublished_purged_after_recovery,
     "ReadsReturnPublishedBytesOrMiss": reads_return_published_bytes_or_miss,
     "AcknowledgedChangesSurvive": acknowledged_changes_survive,
+    "NoPublishedCopyOrphaned": no_published_copy_orphaned,
 }
 
 # --------------------------------------------------------------------------
@@ -1020,12 +1171,13 @@ class Constants:
     keys: tuple[str, ...]
     readers: tuple[str, ...]
     max_term: int
+    max_copies: int = 1
 
     @classmethod
     def from_tla(cls, consts: Mapping) -> "Constants":
         return cls(model_names(consts["Masters"]), model_names(consts["Nodes"]),
                    model_names(consts["Keys"]), model_names(consts["Readers"]),
-                   consts["MaxTerm"])
+                   consts["MaxTerm"], consts["MaxCopies"])
 
     def initial(self) -> System:
         return System.initial(self.masters, self.nodes, self.readers, self.keys)
@@ -1046,10 +1198,14 @@ def successors(sys: System, c: Constants) -> Iterator[tuple[str, System]]:
                 yield from emit("Allocate", sys_allocate(sys, m, k, n))
             yield from emit("Publish", sys_publish(sys, m, k))
             yield from emit("Remove", sys_remove(sys, m, k))
+            for s in c.nodes:
+                for d in c.nodes:
+                    yield from emit("Repair", sys_repair(sys, m, k, s, d, c.max_copies))
     for r in c.readers:
         for m in c.masters:
             for k in c.keys:
-                yield from emit("Lookup", sys_lookup(sys, r, m, k))
+                for n in c.nodes:
+                    yield from emit("Lookup", sys_lookup(sys, r, m, k, n))
         yield from emit("Read", sys_read(sys, r))
     for n in c.nodes:
         yield from emit("NodeLost", sys_node_lost(sys, n))
@@ -1066,7 +1222,8 @@ def to_tla(sys: System, c: Constants) -> Fn:
     offsets, lengths and checksums are abstracted away.
     """
     def dir_entry(e: Optional[DirEntry]):
-        return NONE if e is None else Fn.of({"node": ModelValue(e.node), "pub": e.published})
+        return NONE if e is None else Fn.of(
+            {"nodes": frozenset(ModelValue(n) for n, _ in e.listed()), "pub": e.published})
 
     def idx_entry(e: Optional[IndexEntry]):
         return NONE if e is None else Fn.of({"term": e.term, "pub": e.published, "by": e.by})

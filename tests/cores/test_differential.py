@@ -712,7 +712,10 @@ class StorageDiff(Differential):
                                     c.int(1, 4096), c.int(0, 400)))
 
     def publish(self, c: Choose):
-        self.step(F.StampedPublish(NODE, self.key(c), self.term(c), c.one([0, 7, (1 << 64) - 1])))
+        # a repaired replica's publish carries the object's publishing term
+        # (0: the command's; one above it is refused)
+        self.step(F.StampedPublish(NODE, self.key(c), self.term(c), c.one([0, 7, (1 << 64) - 1]),
+                                   0, c.one([0, 0, 1, self.term(c)])))
 
     def stamped_read(self, c: Choose):
         self.step(F.StampedRead(NODE, self.key(c), self.term(c)))

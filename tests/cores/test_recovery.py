@@ -5,9 +5,11 @@ checksum) or hold unpublished allocations; and the wire form of an index."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from kvproto import errors
 from kvproto.cores.recovery import COLUMNS, IndexColumns, Rebuild, recovered
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines import publish as P
@@ -45,8 +47,14 @@ def test_recovered_equals_the_reference_rebuild(indexes, live, next_token, capac
             recovered(capacities, columns, next_token)
         return
     mismatches: list = []
-    assert recovered(capacities, columns, next_token, mismatches=mismatches).reference() == want
+    terms: dict = {}
+    assert recovered(capacities, columns, next_token, mismatches=mismatches,
+                     terms=terms).reference() == want
     assert mismatches == fm.checksum_mismatches(indexes, frozenset(capacities))
+    listed = fm.rebuild_directory(indexes, frozenset(capacities)).values()
+    assert terms == {b: (min(e.token for e in listed if e.by == b),
+                         max(e.token for e in listed if e.by == b))
+                     for b in {e.by for e in listed}}
 
 
 def test_a_replica_with_another_checksum_is_left_out_and_reported():
@@ -64,18 +72,67 @@ def test_a_replica_with_another_checksum_is_left_out_and_reported():
     assert core.reference() == reference(capacities, indexes, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="known: the rebuild takes a replica copied by a repair "
-                   "(published in a later term, same token and checksum) for a newer "
-                   "allocation and drops the original; spec/Failover.tla has no repair")
-def test_a_repaired_replica_and_its_original_are_both_recovered():
-    """The original published in term 1; a repair copied it to n-b and the
-    master of term 4 published the copy there (same token, same checksum).
-    Both hold the object's one allocation: a new master lists both."""
+@pytest.mark.parametrize("node_kind", ["reference", "core"])
+def test_a_repaired_replica_and_its_original_are_both_recovered(node_kind):
+    """The original was published in term 1 on n-a; the master of term 4
+    repaired it to n-b: allocated there under the object's token and
+    published with the object's publishing term (spec ``RepairedEntry``).
+    Both hold the object's one allocation: a new master lists both, through
+    the reference rebuild and the columns alike, and frees neither."""
+    from kvproto.cores.storage import StorageNodeCore
     original = fm.IndexEntry(1, True, 1, 20480, 7122, 0xC, 13, 2)
-    copy = fm.IndexEntry(4, True, 4, 40960, 7122, 0xC, 13, 2)
+    repair = [fm.Fence(4), fm.StampedAllocate("n-b", b"k", 4, 40960, 7122, 13),
+              fm.StampedPublish("n-b", b"k", 4, 0xC, 2, by=1)]
+    if node_kind == "core":
+        node = StorageNodeCore("n-b")
+        for ev in repair:
+            (effect,) = node.step(ev)
+            assert not isinstance(effect, fm.Refused)
+        copy = node.entry(b"k")
+    else:
+        node = fm.StorageNode()
+        for ev in repair:
+            node, (effect,) = fm.storage_step(node, ev)
+            assert not isinstance(effect, fm.Refused)
+        copy = node.index[b"k"]
+    assert copy == attrs.evolve(original, offset=40960)
     indexes = {"n-a": {b"k": original}, "n-b": {b"k": copy}}
     rebuilt = fm.rebuild_directory(indexes, frozenset(indexes))
     assert sorted(rebuilt[b"k"].replicas) == [("n-a", 20480), ("n-b", 40960)]
+    capacities = dict.fromkeys(indexes, 1 << 20)
+    core = recovered(capacities, {n: IndexColumns.of(ix) for n, ix in indexes.items()}, 14)
+    assert sorted((r.segment, r.offset) for r in core.objects[b"k"].replicas) == \
+        [("n-a", 20480), ("n-b", 40960)]
+    assert core.reference() == reference(capacities, indexes, 14)
+
+
+def test_a_repair_stamped_with_its_own_term_would_leave_the_original_out():
+    """Why the copy records the object's publishing term: stamped with the
+    repairing master's (the weakened Failover_Weak_RepairStampsOwnTerm), the
+    rebuild takes it for a later allocation and the original is left out,
+    its region never freed."""
+    original = fm.IndexEntry(1, True, 1, 20480, 7122, 0xC, 13, 2)
+    own_term = fm.IndexEntry(4, True, 4, 40960, 7122, 0xC, 13, 2)
+    indexes = {"n-a": {b"k": original}, "n-b": {b"k": own_term}}
+    assert fm.rebuild_directory(indexes, frozenset(indexes))[b"k"].replicas == (("n-b", 40960),)
+
+
+@pytest.mark.parametrize("node_kind", ["reference", "core"])
+def test_a_publishing_term_above_the_commands_is_refused(node_kind):
+    from kvproto.cores.storage import StorageNodeCore
+    allocate = fm.StampedAllocate("n-b", b"k", 2, 0, 10, 3)
+    publish = fm.StampedPublish("n-b", b"k", 2, 0, 0, by=3)
+    if node_kind == "core":
+        node = StorageNodeCore("n-b")
+        node.step(allocate)
+        (effect,) = node.step(publish)
+        entry = node.entry(b"k")
+    else:
+        node, _ = fm.storage_step(fm.StorageNode(), allocate)
+        node, (effect,) = fm.storage_step(node, publish)
+        entry = node.index[b"k"]
+    assert isinstance(effect, fm.Refused) and isinstance(effect.error, errors.InvalidArgument)
+    assert not entry.published
 
 
 @settings(max_examples=100, deadline=None)

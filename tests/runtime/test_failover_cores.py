@@ -897,3 +897,45 @@ def test_a_refused_mark_of_a_repaired_replica_keeps_the_object(cluster, monkeypa
     rec = new.directory.objects[b"k"]
     assert [r.segment for r in rec.replicas] == [held[1], dst]
     assert new.counters["publish_mark_refusals"] == 1 and new.counters["removes"] == 0
+
+
+def test_a_repaired_replica_and_its_original_are_both_listed_after_the_next_takeover(cluster):
+    """Published in term 1 on two nodes; one is lost during the takeover of
+    term 2, whose master repairs the object onto the third node. The copy's
+    publish mark carries the object's publishing term, so its node records
+    term 1 (spec/Failover.tla ``Repair``, ``RepairedEntry``), and the master
+    of term 3 lists the original and the copy alike: no region is left held
+    at a node and free in the master's ledger."""
+    c = cluster(3)
+    data = value(b"k", 1, 1000)
+    err, grant = c.put(b"k", data, replicas=2)
+    assert err is None
+    held = [seg for seg, _, _ in grant["replicas"]]
+    assert c.nodes[held[1]].node.index[b"k"].by == 1
+    second = c.failover(["n0", "n1", "n2"], lose_during=[held[0]])
+    (dst,) = set(c.nodes) - set(held)
+    c.clock.t += 2e5
+    second.tick()
+    c.deliver(second)
+    (copy, term), = c.nodes[dst].copies
+    assert term == 2
+    c.nodes[dst].copied(copy, memoryview(c.read(copy.source_segment, copy.source_offset,
+                                                copy.length, copy.token, term)))
+    (status, _), delivered = c.call(second, "repair_done", {"segment": dst, "key": b"k",
+                                                            "repair": copy.repair})
+    assert status == 0 and [(s, op, st) for s, op, _, st in delivered] == [(dst, "publish", 0)]
+    assert delivered[0][2]["term"] == 2 and delivered[0][2]["regions"][0][5] == 1
+    original, repaired = c.nodes[held[1]].node.index[b"k"], c.nodes[dst].node.index[b"k"]
+    assert repaired.published and (repaired.term, repaired.by) == (1, 1)
+    assert (repaired.token, repaired.checksum) == (original.token, original.checksum)
+    third = c.failover(sorted(c.live))
+    rec = third.directory.objects[b"k"]
+    assert sorted(r.segment for r in rec.replicas) == sorted([held[1], dst])
+    assert third.counters["checksum_mismatches"] == 0
+    for seg in (held[1], dst):
+        r = next(r for r in rec.replicas if r.segment == seg)
+        assert c.read(seg, r.offset, 1000, rec.token, third.failover.term) == data
+        # every region the node holds is one the master's ledger counts taken
+        assert third.placer.allocators[seg].free_bytes == third.directory.segments[seg].free
+        assert sum(reg.length for reg in c.nodes[seg].node.regions.values()) == \
+            c.nodes[seg].memory.capacity - third.directory.segments[seg].free

@@ -341,3 +341,53 @@ def test_a_node_file_that_is_not_a_trace_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not start where a storage node opened its segment" in err
     assert err.count("\n") == 1
+
+
+@needs_java
+def test_a_replica_repaired_by_a_later_master_is_traced_as_a_copy_and_checked(
+        children, raw, tmp_path):
+    """Three masters and three storage nodes recording: puts of two replicas
+    in the first term, a node killed with the first master, the second
+    master repairing the objects, the third taking over. The repaired
+    replicas' marks carry the objects' publishing term (spec ``Repair``,
+    mapped to ``PublishCopy``), and the run, with what the third master
+    recovered (every original and every copy), is a behaviour of the spec."""
+    url = f"file://{tmp_path}/coordinator"
+    masters = [tmp_path / f"master{i}.trace" for i in (1, 2, 3)]
+    a, a_addr = start(children, url, str(masters[0]), failover.start_master)
+    wait_for(lambda: failover.open_at(url, a_addr, raw), what="the first master open")
+    b, b_addr = start(children, url, str(masters[1]), failover.start_master)
+    storage = [start(children, url, str(tmp_path / "nodes.trace"), failover.start_storage)
+               for _ in range(3)]
+    client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
+    try:
+        wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,
+                 what="the storage nodes registered")
+        keys = [f"t{i}".encode() for i in range(8)]
+        for k in keys:
+            client.put(k, failover.value(k), replicas=2)
+        storage[0][0].stop(signal.SIGKILL)
+        a.stop(signal.SIGKILL)
+        wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20,
+                 what="the second master open")
+
+        def repaired() -> bool:
+            stats = [failover.node_stats(raw, ep) for _, ep in storage[1:]]
+            return all(s["indexed"] == s["published"] for s in stats) \
+                and sum(s["published"] for s in stats) == 2 * len(keys)
+
+        wait_for(repaired, timeout=30, what="the objects repaired and marked")
+        c, c_addr = start(children, url, str(masters[2]), failover.start_master)
+        b.stop(signal.SIGKILL)
+        wait_for(lambda: failover.open_at(url, c_addr, raw), timeout=20,
+                 what="the third master open")
+        assert all(len(lease.replicas) == 2 for lease in client.read_begin(keys))
+    finally:
+        client.close()
+    nodes = sorted(tmp_path.glob("nodes.trace.storage-*"))
+    copies = [r["event"] for f in nodes for r in rows(f)
+              if r.get("event", {}).get("type") == "StampedPublish"
+              and 0 < r["event"].get("by", 0) < r["event"]["term"]]
+    assert copies and all(ev["by"] == 1 for ev in copies)
+    verdict = failtrace.check(nodes, masters)
+    assert verdict.ok, verdict.message

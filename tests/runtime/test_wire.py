@@ -155,9 +155,11 @@ def test_the_fast_test_of_every_field_agrees_with_its_check(field, value):
     ("assign", "regions", [[0, 4096, b"k", 0]], False),          # token 0
     ("assign", "regions", [[0, 4096, b"k", 1], [0, 4096, "k", 1]], False),
     ("assign", "regions", [], False),                              # min_items 1
-    ("publish", "regions", [[0, b"k", 1, 5, 2]], True),            # both optional fields
+    ("publish", "regions", [[0, b"k", 1, 5, 2]], True),            # two optional fields
     ("publish", "regions", [[0, b"k", 1, 5, 1 << 16]], False),     # requested > 0xFFFF
-    ("publish", "regions", [[0, b"k", 1, 5, 2, 0]], False),        # one field too many
+    ("publish", "regions", [[0, b"k", 1, 5, 2, 3]], True),         # a repair's publishing term
+    ("publish", "regions", [[0, b"k", 1, 5, 2, -1]], False),       # a negative term
+    ("publish", "regions", [[0, b"k", 1, 5, 2, 3, 0]], False),     # one field too many
     ("assign", "direct", [[4096, "w"]], True),
     ("assign", "direct", [[4096, ""]], False),                     # writer name empty
 ])

@@ -12,6 +12,8 @@ import immutables
 from hypothesis import event, given, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+import attrs
+
 from kvproto import errors
 from kvproto.statemachines import failover as F
 
@@ -29,7 +31,7 @@ class FailoverSystem(RuleBasedStateMachine):
         self.now = 0.0
         self.recomputes = []
         self.takeovers = self.stale_refused = self.hits = self.misses = 0
-        self.removes = self.stale_removes_refused = 0
+        self.removes = self.stale_removes_refused = self.repairs = 0
 
     def step(self, action, *args):
         new = action(self.sys, *args)
@@ -131,9 +133,10 @@ class FailoverSystem(RuleBasedStateMachine):
         a paused master's remove is refused by a fenced node and not told."""
         master = self.sys.masters[m]
         entry = master.directory.get(k)
+        listed = [n for n, _ in entry.listed()] if entry is not None else []
         stale = master.phase is F.Phase.OPEN and entry is not None and entry.published \
-            and entry.node in self.sys.live and self.sys.nodes[entry.node].term > master.term \
-            and k in self.sys.nodes[entry.node].index \
+            and all(n in self.sys.live and k in self.sys.nodes[n].index for n in listed) \
+            and any(self.sys.nodes[n].term > master.term for n in listed) \
             and all(d is None or d.key != k for d in self.sys.desc.values())
         told = self.sys.told.get(k)
         if self.step(F.sys_remove, m, k) is None:
@@ -143,7 +146,27 @@ class FailoverSystem(RuleBasedStateMachine):
             self.stale_removes_refused += 1
         else:
             assert self.sys.told[k] == F.TOLD_REMOVED and k not in self.sys.masters[m].directory
+            assert all(k not in self.sys.nodes[n].index for n in listed)   # every replica freed
             self.removes += 1
+
+    @rule(m=st.sampled_from(MASTERS), data=st.data())
+    def repair(self, m, data):
+        """A repaired replica records the object's publishing term, not the
+        repairing master's, and is listed beside its source."""
+        listed = {k: e for k, e in self.sys.masters[m].directory.items() if e.published}
+        k = data.draw(st.sampled_from(sorted(listed) or KEYS))
+        sources = [n for n, _ in listed[k].listed()] if k in listed else NODES
+        s = data.draw(st.sampled_from(sources))
+        d = data.draw(st.sampled_from([n for n in NODES if n not in sources] or NODES))
+        source = self.sys.nodes[s].index.get(k)
+        if self.step(F.sys_repair, m, k, s, d, 3) is None:
+            return
+        master = self.sys.masters[m]
+        if master.phase is F.Phase.OPEN:
+            assert self.sys.nodes[d].index[k] == attrs.evolve(
+                source, offset=self.sys.nodes[d].index[k].offset)
+            assert {s, d} <= {n for n, _ in master.directory[k].listed()}
+            self.repairs += 1
 
     # -- readers -----------------------------------------------------------
 
@@ -206,6 +229,7 @@ class FailoverSystem(RuleBasedStateMachine):
         event(f"stale master refused={min(self.stale_refused, 2)}")
         event(f"removes acknowledged={min(self.removes, 2)}")
         event(f"stale removes refused={min(self.stale_removes_refused, 1)}")
+        event(f"repairs={min(self.repairs, 2)}")
 
 
 TestFailoverSystem = FailoverSystem.TestCase
@@ -336,9 +360,8 @@ def test_limiter_gains_nothing_from_a_clock_going_backwards(burst, times):
 # --------------------------------------------------------------------------
 
 
-def _first_violation(limit=20_000):
+def _first_violation(limit=20_000, c=F.Constants(("m1", "m2"), ("n1", "n2"), ("k1",), ("r1",), 2)):
     from collections import deque
-    c = F.Constants(("m1", "m2"), ("n1", "n2"), ("k1",), ("r1",), 2)
     start = c.initial()
     seen, queue = {start}, deque([start])
     while queue and len(seen) < limit:
@@ -370,3 +393,22 @@ def test_python_machine_whose_fence_forgets_the_term_breaks_an_invariant(monkeyp
 
     monkeypatch.setattr(F, "storage_step", forgetful)
     assert "NoStaleTermWriteAccepted" in _first_violation()
+
+
+def test_python_machine_whose_repair_stamps_its_own_term_breaks_an_invariant(monkeypatch):
+    """Failover_Weak_RepairStampsOwnTerm, in Python: the repair's copy records
+    the repairing master's term; after a publish in term 1, a repair in term 2
+    and a takeover in term 3 the original is left out of the directory."""
+    c = F.Constants(("m1", "m2"), ("n1", "n2"), ("k1",), (), 3, 2)
+    assert _first_violation(60_000, c) == []
+    repair = F._MASTER_HANDLERS[F.Repair]
+
+    def own_term(state, ev):
+        state, effects = repair(state, ev)
+        if effects and isinstance(effects[-1], F.StampedPublish):
+            effects = effects[:-1] + (attrs.evolve(effects[-1], by=0),)
+        return state, effects
+
+    monkeypatch.setitem(F._MASTER_HANDLERS, F.Repair, own_term)
+    assert "NoPublishedCopyOrphaned" in _first_violation(60_000, c)
+
