@@ -225,6 +225,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{REPAIR}::test_a_traced_run_with_repairs_is_a_behaviour_of_the_spec",),
         twin="Publish_Weak_ListBeforeCopy"),
     Mutant(
+        "repair-stamps-own-term",
+        "a repaired replica's publish mark carries the repairing master's term, "
+        "not its object's publishing term, so the next takeover leaves the "
+        "original out (its region leaks)",
+        _one(MASTER, "            self.publish_terms.of(e.token)]))\n",
+             "            self.failover.term]))\n"),
+        (f"{FAILOVER}::test_a_repaired_replica_and_its_original_are_both_listed_after_the_next_takeover",),
+        twin="Failover_Weak_RepairStampsOwnTerm"),
+    Mutant(
         "route-back-keeps-writes",
         "a route back leaves the held namespace's writes in progress pending, "
         "so they still publish into a namespace that takes no writes",
