@@ -872,23 +872,32 @@ def test_the_requested_count_survives_a_takeover_and_the_new_master_repairs_to_i
     assert new.placer.allocators[dst].free_bytes == new.directory.segments[dst].free
 
 
+def _repaired_after_a_loss(c):
+    """``k`` put with two replicas in term 1; one lost during the takeover of
+    term 2, whose master repairs it onto the third node, the copy made:
+    ``(held, dst, master, copy, data)``."""
+    data = value(b"k", 1, 1000)
+    err, grant = c.put(b"k", data, replicas=2)
+    assert err is None
+    held = [seg for seg, _, _ in grant["replicas"]]
+    master = c.failover(["n0", "n1", "n2"], lose_during=[held[0]])
+    (dst,) = set(c.nodes) - set(held)
+    c.clock.t += 2e5
+    master.tick()
+    c.deliver(master)
+    (copy, term), = c.nodes[dst].copies
+    assert term == 2
+    c.nodes[dst].copied(copy, memoryview(c.read(copy.source_segment, copy.source_offset,
+                                                copy.length, copy.token, term)))
+    return held, dst, master, copy, data
+
+
 def test_a_refused_mark_of_a_repaired_replica_keeps_the_object(cluster, monkeypatch):
     """A node that refuses the publish mark of a replica repaired into it: the
     object keeps its replicas (the other one is recorded) and is not removed,
     as a put whose mark is refused would be."""
     c = cluster(3)
-    data = value(b"k", 1, 1000)
-    err, grant = c.put(b"k", data, replicas=2)
-    assert err is None
-    held = [seg for seg, _, _ in grant["replicas"]]
-    new = c.failover(["n0", "n1", "n2"], lose_during=[held[0]])
-    (dst,) = set(c.nodes) - set(held)
-    c.clock.t += 2e5
-    new.tick()
-    c.deliver(new)
-    (copy, term), = c.nodes[dst].copies
-    c.nodes[dst].copied(copy, memoryview(c.read(copy.source_segment, copy.source_offset,
-                                                copy.length, copy.token, term)))
+    held, dst, new, copy, _ = _repaired_after_a_loss(c)
     refuse = lambda body, payloads: ({"results": [wire.error_item(errors.StaleToken("no"))]}, [])
     monkeypatch.setattr(c.nodes[dst], "_op_publish", refuse)
     (status, _), delivered = c.call(new, "repair_done", {"segment": dst, "key": b"k",
@@ -907,20 +916,8 @@ def test_a_repaired_replica_and_its_original_are_both_listed_after_the_next_take
     of term 3 lists the original and the copy alike: no region is left held
     at a node and free in the master's ledger."""
     c = cluster(3)
-    data = value(b"k", 1, 1000)
-    err, grant = c.put(b"k", data, replicas=2)
-    assert err is None
-    held = [seg for seg, _, _ in grant["replicas"]]
+    held, dst, second, copy, data = _repaired_after_a_loss(c)
     assert c.nodes[held[1]].node.index[b"k"].by == 1
-    second = c.failover(["n0", "n1", "n2"], lose_during=[held[0]])
-    (dst,) = set(c.nodes) - set(held)
-    c.clock.t += 2e5
-    second.tick()
-    c.deliver(second)
-    (copy, term), = c.nodes[dst].copies
-    assert term == 2
-    c.nodes[dst].copied(copy, memoryview(c.read(copy.source_segment, copy.source_offset,
-                                                copy.length, copy.token, term)))
     (status, _), delivered = c.call(second, "repair_done", {"segment": dst, "key": b"k",
                                                             "repair": copy.repair})
     assert status == 0 and [(s, op, st) for s, op, _, st in delivered] == [(dst, "publish", 0)]
