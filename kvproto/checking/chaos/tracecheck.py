@@ -22,7 +22,10 @@ checkers that apply:
   fence of a later one, from the region table it held at that fence
   (replayed from its steps before), so a successor's commands, its nodes'
   purge and the writes and reads under its tokens are checked as the first
-  master's are. Only in cells whose faults keep the master's commands to its
+  master's are. A run's trailing put_ends whose replicas no node recorded
+  written (a master killed before its publish marks went out: a direct
+  writer's bytes are recorded at the mark) are left out, and the line says
+  so (:func:`unheard_tail`). Only in cells whose faults keep the master's commands to its
   nodes in order on their connection; not where the proxy drops, delays,
   reorders or partitions frames (``net-drop``, ``net-delay``,
   ``net-reorder``, ``net-partition``): a command dropped or overtaken there
@@ -49,7 +52,7 @@ from typing import Callable, Optional
 
 from kvproto.checking import failtrace, leasetrace, mergetrace, traces
 from kvproto.checking.traces import runs
-from kvproto.checking.tracerun import TraceError, Verdict
+from kvproto.checking.tracerun import TraceError, Verdict, accepted
 
 #: cells whose proxy faults drop, delay or reorder the master's commands to its nodes
 UNORDERED = ("net-drop", "net-delay", "net-reorder", "net-partition")
@@ -166,6 +169,30 @@ def caused_within(master: list, header: dict, nodes: list[list]) -> list[list]:
     return out
 
 
+def unheard_tail(steps: list, node_steps: list[list]) -> int:
+    """Where the run's trailing accepted put_ends start whose replicas the
+    nodes never recorded written: a direct writer's bytes are recorded at a
+    node when the publish mark reaches it, so a master killed between its
+    ``PutEnd`` and that mark leaves them unrecorded (and its writer
+    unanswered: the put_end is acknowledged only after the marks). The merged
+    check stops before them; every other step must match."""
+    written = {(ev["segment"], ev["offset"], ev["token"])
+               for run in node_steps for _, obj in run
+               for ev in [obj["event"]] if ev.get("type") == "WriteReplica" and accepted(obj)}
+    end = len(steps)
+    while end:
+        row = steps[end - 1][1]
+        ev = row.get("event", {})
+        if ev.get("type") != "PutEnd" or not accepted(row):
+            break
+        record = row.get("after", {}).get("objects", {}).get(ev["key"])
+        if record is None or all((r["segment"], r["offset"], ev["token"]) in written
+                                 for r in record["replicas"]):
+            break
+        end -= 1
+    return end
+
+
 def _merged_check(label: str, path: Path, header: dict, steps: list, nodes: list[Path],
                   max_steps: int) -> Check:
     """The merged check of one master run (``header``, ``steps``) with each
@@ -184,7 +211,12 @@ def _merged_check(label: str, path: Path, header: dict, steps: list, nodes: list
         return len(m.records)
 
     name = label + " merged"
-    k, why = longest_fit(min(len(steps), max_steps), model)   # each master step is a record
+    end = unheard_tail(steps, node_steps)
+    k, why = longest_fit(min(end, max_steps), model)   # each master step is a record
+    if end < len(steps):
+        why = "; ".join(filter(None, [why, f"the last {len(steps) - end} put_end(s) left "
+                                            "replicas no node recorded written (their marks "
+                                            "never reached it)"]))
     if k == 0:
         return Check(name, recorded, why=why or "no step recorded")
     verdict = mergetrace.check_steps(header, steps[:k],
