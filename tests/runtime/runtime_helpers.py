@@ -99,3 +99,25 @@ class Child:
     def stderr(self) -> str:
         return "".join(self.err)
 
+
+class Processes:
+    """Children and raw connections a module fixture starts (``child``,
+    ``raw``), closed and stopped, newest first, by ``close``."""
+
+    def __init__(self) -> None:
+        self.started: list[Child] = []
+        self.opened: list[Raw] = []
+
+    def child(self, code: str) -> Child:
+        self.started.append(Child(code))
+        return self.started[-1]
+
+    def raw(self, endpoint: str) -> Raw:
+        self.opened.append(Raw(endpoint))
+        return self.opened[-1]
+
+    def close(self) -> None:
+        for r in self.opened:
+            r.close()
+        for c in reversed(self.started):
+            c.stop()

@@ -30,7 +30,7 @@ from kvproto.checking import failtrace
 from kvproto.runtime import tracing
 
 import test_master_failover as failover
-from runtime_helpers import Child, Raw, wait_for
+from runtime_helpers import Processes, wait_for
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 pytestmark = [pytest.mark.tlc, pytest.mark.runtime]
@@ -58,20 +58,8 @@ def run(tmp_path_factory):
     """The directory of a takeover run's trace files (see the module docstring)."""
     out = tmp_path_factory.mktemp("failover")
     url = f"file://{out}/coordinator"
-    started: list = []
-
-    def children(code: str):
-        c = Child(code)
-        started.append(c)
-        return c
-
-    opened: list[Raw] = []
-
-    def raw(endpoint: str) -> Raw:
-        r = Raw(endpoint)
-        opened.append(r)
-        return r
-
+    procs = Processes()
+    children, raw = procs.child, procs.raw
     client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
     try:
         a, a_addr = start(children, url, str(out / "first.trace"), failover.start_master)
@@ -115,10 +103,7 @@ def run(tmp_path_factory):
         assert read.status == errors.StaleTerm.code
     finally:
         client.close()
-        for r in opened:
-            r.close()
-        for c in reversed(started):
-            c.stop()
+        procs.close()
     return out
 
 

@@ -31,7 +31,7 @@ from kvproto.checking import mergetrace, traces
 from kvproto.runtime import tracing
 
 import test_master_failover as failover
-from runtime_helpers import Child, Raw, wait_for
+from runtime_helpers import Processes, wait_for
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 
@@ -106,17 +106,8 @@ def successor(tmp_path_factory) -> Path:
     their start (``p``'s regions go in their purge)."""
     out = tmp_path_factory.mktemp("successor")
     url, path = f"file://{out}/coordinator", out / "second.trace"
-    started: list[Child] = []
-    opened: list[Raw] = []
-
-    def children(code: str) -> Child:
-        started.append(Child(code))
-        return started[-1]
-
-    def raw(endpoint: str) -> Raw:
-        opened.append(Raw(endpoint))
-        return opened[-1]
-
+    procs = Processes()
+    children, raw = procs.child, procs.raw
     client = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0)
     try:
         a, a_addr = failover.start_master(children, url, LEASE_TTL)
@@ -151,10 +142,7 @@ def successor(tmp_path_factory) -> Path:
         client.flush_releases()
     finally:
         client.close()
-        for r in opened:
-            r.close()
-        for c in reversed(started):
-            c.stop()
+        procs.close()
     return path
 
 
