@@ -155,21 +155,26 @@ class TenancyCore:
         ``Remove`` by its owner — those steps composed. Returns their effects
         in order (``effects``), or only the refusals (a pending object, one
         held for inspection: it stays)."""
-        objs, nss, readers = self._objects, self._ns, self._readers
+        objs, nss, readers, tenants = self._objects, self._ns, self._readers, self._tenants
         out: list = []
-        freed: dict[str, int] = {}
+        last, rec, fast, run = None, None, False, 0
         for o in objects:
-            size = objs.get(o)
+            size = objs.pop(o, None)
             if size is None:
                 continue
-            rec = nss[o[0]]
-            if size > 0 and rec.phase is not Phase.HELD and o not in readers:
-                del objs[o]              # the common case, judged here: accepted
-                freed[rec.owner] = freed.get(rec.owner, 0) + size
+            if o[0] is not last:     # runs of one namespace: judged once
+                if run:
+                    tenants[rec.owner].held -= run
+                    self.used -= run
+                last, rec, run = o[0], nss[o[0]], 0
+                fast = rec.phase is not Phase.HELD
+            if fast and size > 0 and not (readers and o in readers):
+                run += size              # accepted: a published, unread object
                 if effects:
                     why = "aged-out" if rec.phase is Phase.RETIRING else "removed"
                     out.append(Freed(o[0], o[1], rec.owner, size, why))
                 continue
+            objs[o] = size               # the steps one by one
             for holder in sorted(readers.get(o, ()), key=repr):
                 self._release(Release(holder))
                 if effects:
@@ -178,9 +183,9 @@ class TenancyCore:
             got = self.step(ev)
             if effects or type(got[0]) is Refused:
                 out += got
-        for owner, size in freed.items():
-            self._tenants[owner].held -= size
-            self.used -= size
+        if run:
+            tenants[rec.owner].held -= run
+            self.used -= run
         return tuple(out)
 
     # ------------------------------------------------------------------ queries

@@ -55,8 +55,8 @@ def fold(table: T.Tenancy, objects) -> tuple:
 class TenancyDiff(Differential):
     """tenancy.Tenancy + tenancy.step against TenancyCore."""
 
-    ACTIONS = ("tick", "grant", "grant", "revoke", "begin_read", "begin_read", "begin_read",
-               "fetch", "renew", "renew", "release", "write", "write", "write", "write", "end",
+    ACTIONS = ("tick", "grant", "grant", "revoke", "revoke", "begin_read", "begin_read",
+               "begin_read", "begin_read", "fetch", "renew", "renew", "renew", "release", "write", "write", "write", "write", "end",
                "end", "end", "abort", "remove", "evict",
                "age_out", "create", "pre_warm", "switch", "route_back", "drop", "add_object",
                "lose", "check", "settle")
@@ -71,6 +71,11 @@ class TenancyDiff(Differential):
             self.step(T.AddTenant(t, quota))
             for name in NAMES[:c.int(1, 2)]:
                 self.step(T.AddNamespace(t, (t, name)))
+        for ns in list(self.table.namespaces):    # as a tenants file and a takeover set up
+            for grantee in c.some(TENANTS, 0, 2):
+                self.step(T.GrantRead(ns[0], ns, grantee))
+            for key in c.some(KEYS, 0, 6):
+                self.step(T.AddObject(ns, key, c.int(1, 20)))
         if c.rare(3):
             self.step(T.AddTenant("bad", T.Quota(-1, 0, 0, 0)))
 
@@ -144,8 +149,11 @@ class TenancyDiff(Differential):
     def begin_read(self, c: Choose):
         ns, key = self.obj(c)
         rec = self.table.namespaces.get(ns)
-        readers = [rec.owner, *sorted(rec.grants)] if rec else []
-        self.step(T.Begin(self.holder(c, False), c.mostly(readers, TENANTS), ns, key))
+        if rec is None or c.rare(8):
+            tenant = c.one(TENANTS)
+        else:       # mostly a grantee, if there is one
+            tenant = c.one(sorted(rec.grants)) if rec.grants and not c.rare(3) else rec.owner
+        self.step(T.Begin(self.holder(c, False), tenant, ns, key))
 
     def fetch(self, c: Choose):
         holder = self.holder(c, True)
@@ -157,9 +165,11 @@ class TenancyDiff(Differential):
             self.step(T.Fetch(holder, self.tenant(c), ns, key))
 
     def renew(self, c: Choose):
+        """Mostly an unexpired read, one whose grant was revoked if any."""
         now = self.table.now
-        self.step(T.Renew(c.mostly([h for h, r in self.table.reads.items() if r.expires > now],
-                                   HOLDERS)))
+        live = [h for h, r in self.table.reads.items() if r.expires > now]
+        cut = [h for h in live if self.table.reads[h].cut is not None]
+        self.step(T.Renew(c.mostly(cut if cut and not c.rare(3) else live, HOLDERS)))
 
     def release(self, c: Choose):
         self.step(T.Release(self.holder(c, True)))
