@@ -227,10 +227,10 @@ class MasterCore:
     #: keys of objects forgotten in bulk (a lost segment's) taken out of the
     #: row index per tick (``Rows.sweep``): a bounded slice of the loop's time
     SWEEP_ROWS = 1 << 15
-    #: tenants' accounting of a lost segment's objects (``Tenants.removed``,
-    #: a step of the tenancy machine each) per turn of the loop, when more
-    #: objects went at once
-    TENANT_SLICE = 2048
+    #: tenants' accounting of a lost segment's objects: up to this many in
+    #: one bulk step (``Tenants.removed_many``, ``TenancyCore.drop_many``,
+    #: about a microsecond an object), more a slice per turn of the loop
+    TENANT_SLICE = 1 << 15
     #: a lease id is ``term << LEASE_ID_BITS | n``
     LEASE_ID_BITS = 32
     #: on top of one lease TTL, how long a new master keeps what it recovered
