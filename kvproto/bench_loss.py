@@ -142,5 +142,6 @@ def report(objects: int, repeat: int) -> None:
     print(f"  {'with tenants':>17}: segment_lost {r['lost_s'] * 1e3:8.1f} ms "
           f"({r['objects_s']:12,.0f} objects/s); the tenants' accounting settled after "
           f"{r['settled_s'] * 1e3:8.1f} ms in {r['turns']:g} turn(s) of the loop "
-          f"({objects / r['settled_s']:12,.0f} objects/s)   longest pause "
-          f"{r['longest_s'] * 1e3:8.1f} ms")
+          f"({objects / r['settled_s']:12,.0f} objects/s; raw dict deletes "
+          f"{r['raw_objects_s']:12,.0f}/s, ratio {objects / r['settled_s'] / r['raw_objects_s']:.2f})"
+          f"   longest pause {r['longest_s'] * 1e3:8.1f} ms")

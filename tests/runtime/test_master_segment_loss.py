@@ -232,3 +232,5 @@ def test_kvproto_bench_runs_its_segment_loss_section():
     assert "segment loss: 3,000 objects" in out.stdout
     assert "its only replica: segment_lost" in out.stdout
     assert "one of 2 replicas: segment_lost" in out.stdout and "longest pause" in out.stdout
+    assert "with tenants: segment_lost" in out.stdout
+    assert "the tenants' accounting settled after" in out.stdout
