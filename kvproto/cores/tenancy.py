@@ -200,14 +200,14 @@ class TenancyCore:
         reads = self._reads
         return any(reads[h].expires > now for h in self._readers.get(o, ()))
 
-    def owner(self, o: tuple) -> Optional[str]:
-        """The owner of object ``o`` (its namespace's), if the machine holds it."""
-        return self._ns[o[0]].owner if o in self._objects else None
-
-    def held(self, tenant: str) -> tuple[int, int]:
-        """``(held, reserve)`` of ``tenant``'s bytes."""
-        t = self._tenants[tenant]
-        return t.held, t.quota.reserve
+    def per_namespace(self) -> dict:
+        """``namespace -> (objects, bytes)`` of the namespaces holding objects
+        (one pass over the objects, no record built)."""
+        held: dict = {}
+        for (ns, _), size in self._objects.items():
+            count, total = held.get(ns, (0, 0))
+            held[ns] = (count + 1, total + abs(size))
+        return held
 
     # ------------------------------------------------------------------ judgements
 

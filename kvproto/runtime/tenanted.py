@@ -355,13 +355,10 @@ class Tenants:
         another's): phase, the namespace it upgrades, objects and bytes held,
         and, for its own, the tenants holding read grants."""
         state = self.registry.state
-        held: dict = {}
-        for (ns, _), obj in state.objects.items():
-            count, size = held.get(ns, (0, 0))
-            held[ns] = (count + 1, size + obj.size)
+        held = state.per_namespace()
         out = {}
         for ns, rec in state.namespaces.items():
-            if not tm.may_read(state, tenant, ns):
+            if not state.may_read(tenant, ns):
                 continue
             entry = {"phase": rec.phase.value, "objects": held.get(ns, (0, 0))[0],
                      "bytes": held.get(ns, (0, 0))[1],
@@ -385,9 +382,8 @@ class Tenants:
         write tokens, quota, and bytes held per namespace."""
         usage = self.registry.usage()
         per_ns: dict = {}
-        for (ns, _), obj in self.registry.state.objects.items():
-            held = per_ns.setdefault(obj.owner, {})
-            held[ns[1]] = held.get(ns[1], 0) + obj.size
+        for ns, (_, size) in self.registry.state.per_namespace().items():
+            per_ns.setdefault(ns[0], {})[ns[1]] = size
         for name, entry in usage.items():
             entry["namespaces"] = per_ns.get(name, {})
         return usage if tenant is None else {tenant: usage[tenant]}

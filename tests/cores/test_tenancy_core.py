@@ -90,6 +90,11 @@ class TenancyDiff(Differential):
             assert (type(expected_error), str(expected_error)) == \
                 (type(expected[0].error), str(expected[0].error))
         assert self.core.reference() == self.table
+        held: dict = {}
+        for (ns, _), obj in self.table.objects.items():
+            count, size = held.get(ns, (0, 0))
+            held[ns] = (count + 1, size + obj.size)
+        assert self.core.per_namespace() == held
         return expected
 
     # ------------------------------------------------------------------ choices
