@@ -125,21 +125,23 @@ class TenancyCore:
 
     def step(self, event) -> tuple:
         """Apply one event (those of ``tenancy.step``)."""
-        try:
-            judge = self._judges[type(event)]
-        except KeyError:
-            raise TypeError(f"not a tenancy event: {event!r}") from None
-        err = judge(event, self.now)
+        err = self._judge(event)(event, self.now)
         if err is not None:
             return (Refused(err),)
         return self._changes[type(event)](event)
+
+    def _judge(self, event):
+        try:
+            return self._judges[type(event)]
+        except KeyError:
+            raise TypeError(f"not a tenancy event: {event!r}") from None
 
     def refusal(self, event, now: Optional[float] = None) -> Optional[errors.KvError]:
         """The error :meth:`step` would refuse ``event`` with once the clock
         is at ``now`` (default: the core's; not earlier), or ``None``; changes
         nothing."""
         now = self.now if now is None or now < self.now else now
-        return self._judges[type(event)](event, now)
+        return self._judge(event)(event, now)
 
     def settle(self) -> None:
         """Every bucket counted up to ``now`` (``tenancy.settle``)."""

@@ -291,8 +291,9 @@ def test_a_core_copy_is_independent_and_refusals_change_nothing():
     (refused,) = core.step(T.WriteStart("a", ("a", "n"), b"k", 11))   # over the burst
     assert isinstance(refused.error, errors.QuotaExceeded) and core.reference() == before
     assert isinstance(core.refusal(T.Tick(-1)), errors.InvalidArgument)
-    with pytest.raises(TypeError):
-        core.step(object())
+    for probe in (core.step, core.refusal):
+        with pytest.raises(TypeError):
+            probe(object())
 
 
 # --------------------------------------------------------------------------
