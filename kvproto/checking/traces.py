@@ -251,6 +251,7 @@ class TraceModel:
     model_values: tuple
     numbers: tuple      # (recorded n, file line) per record
     opened: Fn          # the directory the run opened with (``Opened`` of the module)
+    end: Optional[Fn] = None    # the state a window must end in (``End``), or None
 
 
 def token_range(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, int]:
@@ -278,12 +279,32 @@ def run_mapping(header: dict, steps: list[tuple[int, dict]], held: frozenset = f
     return _Mapping(first, last, tuple(t for t in held if t < first))
 
 
+def _opened(m: _Mapping, header: dict) -> Fn:
+    """``Opened`` (or ``End``) of the module: the directory of an ``opened``
+    line (or of a window's start, :func:`kvproto.checking.windows.boundary`)
+    on model values, with the writers it lists busy."""
+    try:
+        objects = {m.keys(k): m.record(rec) for k, rec in opened_objects(header).items()}
+        writers = {m.writer(w["token"]): Fn.of({"key": m.keys(w["key"]),
+                                               "token": m.token(w["token"]),
+                                               "replicas": m.placement(w["replicas"]),
+                                               "written": frozenset()})
+                   for w in header.get("writers", ())}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
+            from None
+    return Fn.of({"dir": Fn.of(objects),
+                  "lost": frozenset(m.segments(s) for s in header.get("lost", ())),
+                  "next": m.counter(header["next_token"]), "writers": Fn.of(writers)})
+
+
 def to_model(header: dict, steps: list[tuple[int, dict]],
-             mapping: Optional[_Mapping] = None) -> TraceModel:
+             mapping: Optional[_Mapping] = None, end: Optional[dict] = None) -> TraceModel:
     """Map a run onto model values (see the module docstring); raise
     :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape.
     ``mapping`` (of :func:`run_mapping`) may already hold names of the run
-    that the master's steps do not (its storage nodes' steps)."""
+    that the master's steps do not (its storage nodes' steps). ``end``: the
+    state a window of a longer run must end in (the next window's header)."""
     if len(steps) > LIMITS["steps"]:
         raise TraceError(f"the run has {len(steps)} steps; at most {LIMITS['steps']} are "
                          "checked (record a shorter run)")
@@ -291,14 +312,8 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
     joined = set(header.get("segments", {}))
     for s in header.get("segments", {}):
         m.segments(s)
-    try:
-        objects = {m.keys(k): m.record(rec) for k, rec in opened_objects(header).items()}
-    except (KeyError, TypeError, AttributeError) as e:
-        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
-            from None
-    opened = Fn.of({"dir": Fn.of(objects),
-                    "lost": frozenset(m.segments(s) for s in header.get("lost", ())),
-                    "next": m.counter(header["next_token"])})
+    opened = _opened(m, header)
+    objects = opened["dir"]
     records, replica_counts = [], set()
     reads = max([1] + [rec["reads"] for rec in objects.values()])
     requested = max([0] + [rec["requested"] for rec in objects.values()])
@@ -316,6 +331,7 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
         for rec in step["after"]["objects"].values():
             if rec is not None:
                 reads = max(reads, rec["reads"])
+    closing = _opened(m, end) if end is not None else None
     if len(replica_counts) > 1:
         raise TraceError(f"the run puts objects with {sorted(replica_counts)} replicas; the spec "
                          "has one ReplicaCount (record a run with one replica count)")
@@ -341,7 +357,7 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
                  "MaxReads": reads, "None": NONE}
     values = tuple(dict.fromkeys([*keys, *writers, *segments]))
     return TraceModel(constants, tuple(records), values, tuple((s.get("n"), n) for n, s in steps),
-                      opened)
+                      opened, closing)
 
 
 # --- the trace module ------------------------------------------------------------
@@ -362,30 +378,48 @@ R == Trace[pos]
 \* The directory the run opened with (a takeover's, recovered; empty at a
 \* start): each object's record, the segments not live, the next token.
 Opened == %(opened)s
+End == %(end)s
 
-\* The spec's state of the opened directory: each object's regions on their
+\* The spec's state of the opened directory O: each object's regions on their
 \* nodes (a published object's replicas complete, holding its attempt's
 \* bytes; a pending object's regions and a repair's not yet written), the
-\* rest of each live segment free, no writer busy, and the readers of each
-\* object holding its descriptors. From an empty directory it is Init.
+\* rest of each live segment free, and the readers of each object holding
+\* its descriptors. From an empty directory it is Init. Writers apart.
 Listed(k, s, i) == s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i
-OpenedInit ==
-    /\ dir = [k \in Keys |-> IF k \in DOMAIN Opened.dir THEN Opened.dir[k] ELSE None]
-    /\ live = Segments \ Opened.lost
+DirectoryState(O) ==
+    /\ dir = [k \in Keys |-> IF k \in DOMAIN O.dir THEN O.dir[k] ELSE None]
+    /\ live = Segments \ O.lost
     /\ free = [s \in Segments |-> IF s \in live THEN SlotsPerSegment - UsedSlots(s) ELSE 0]
-    /\ nextToken = Opened.next
+    /\ nextToken = O.next
     /\ store = [s \in Segments |-> [i \in Slots |->
                   IF Allocated(s, i)
                   THEN LET k == CHOOSE k \in Keys : Exists(k) /\ <<s, i>> \in SlotsOf(k) IN
                        [key |-> k, token |-> dir[k].token,
                         done |-> Published(k) /\ Listed(k, s, i)]
                   ELSE None]]
-    /\ writer = [w \in Writers |-> None]
     /\ publishedToken = [k \in Keys |-> IF Published(k) THEN dir[k].token ELSE 0]
     /\ content = [s \in Segments |-> [i \in Slots |->
                     IF store[s][i] # None /\ store[s][i].done THEN store[s][i].token ELSE 0]]
     /\ handed = [k \in Keys |-> [t \in Tokens |->
                     IF Exists(k) /\ dir[k].token = t THEN dir[k].reads ELSE 0]]
+
+\* The run starts there, with the writers O lists busy with their attempts
+\* (none at a master's opening; a window's pending puts, nothing written).
+OpenedInit ==
+    /\ DirectoryState(Opened)
+    /\ writer = [w \in Writers |-> IF w \in DOMAIN Opened.writers THEN Opened.writers[w]
+                                   ELSE None]
+
+\* A window of a longer run (kvproto.checking.windows) ends in the state the
+\* next window starts from: End, built from the recorded steps. A writer End
+\* does not list is idle or holds an attempt whose token no longer owns its
+\* key (revoked or reclaimed under it), which no later step can take.
+WindowEnd ==
+    pos > Len(Trace) =>
+        /\ DirectoryState(End)
+        /\ \A w \in Writers :
+              IF w \in DOMAIN End.writers THEN writer[w] = End.writers[w]
+              ELSE writer[w] = None \/ ~TokenOwns(writer[w].key, writer[w].token)
 
 \* Every token the directory holds was issued, below nextToken: so in every
 \* state of the spec; checked here of the directory the run opened with.
@@ -512,7 +546,9 @@ TraceNext == Step \/ Write \/ Copy \/ Done
 
 def module(model) -> str:
     """The ``PublishTrace`` module of a run's model (:func:`to_model`)."""
-    return module_text(_MODULE, model, opened=format_value(model.opened))
+    end = getattr(model, "end", None)
+    return module_text(_MODULE, model, opened=format_value(model.opened),
+                       end=format_value(end if end is not None else model.opened))
 
 
 # --- checking --------------------------------------------------------------------
@@ -559,11 +595,14 @@ def check_each(path: "str | Path", *, keep: Optional[Path] = None,
 
 
 def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
-              on_output: Optional[Callable[[str], None]] = None) -> Verdict:
-    """Have TLC check one publish run (:func:`publish_run`) against ``spec/Publish.tla``."""
-    model = to_model(header, steps)
+              on_output: Optional[Callable[[str], None]] = None,
+              end: Optional[dict] = None) -> Verdict:
+    """Have TLC check one publish run (:func:`publish_run`) against
+    ``spec/Publish.tla``; with ``end``, a window of a longer run that must
+    end in that state (:mod:`kvproto.checking.windows`)."""
+    model = to_model(header, steps, end=end)
     result = run_module("Publish", "PublishTrace", module(model),
-                        cfg_text(model, INVARIANTS),
+                        cfg_text(model, INVARIANTS + (("WindowEnd",) if end is not None else ())),
                         keep=keep, on_output=on_output)
     n = len(steps)
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds)
