@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvproto.checking import traces, windows
+from kvproto.checking import traces
 from kvproto.cores.directory import DirectoryCore
 from kvproto.runtime import tracing
 from kvproto.statemachines import publish as pm
@@ -106,7 +106,7 @@ def test_a_boundary_is_the_directory_the_steps_left():
     grant = {"type": "PutGranted", "key": "a", "token": 1, "replicas": rec["replicas"]}
     steps = [(2, {"n": 1, "event": {"type": "PutStart", "key": "a"}, "effects": [grant],
                   "after": {"next_token": 2, "objects": {"a": rec}}})]
-    at = windows.boundary(header, steps)
+    at = traces.boundary(header, steps)
     assert at["next_token"] == 2 and at["directory"] == {"a": rec}
     assert at["writers"] == [{"key": "a", "token": 1, "replicas": rec["replicas"]}]
     published = {**rec, "status": "published"}
@@ -115,7 +115,7 @@ def test_a_boundary_is_the_directory_the_steps_left():
                    "after": {"next_token": 2, "objects": {"a": published}}}),
               (4, {"n": 3, "event": {"type": "SegmentLost", "segment": "s2"}, "effects": [],
                    "after": {"next_token": 2, "objects": {}}})]
-    at = windows.boundary(header, steps)
+    at = traces.boundary(header, steps)
     assert at["writers"] == [] and at["lost"] == ["s2"]
     assert at["directory"]["a"]["replicas"] == [{"segment": "s1", "offset": 0}]
     assert header["directory"] == {}                    # the header is left as it was
@@ -124,7 +124,7 @@ def test_a_boundary_is_the_directory_the_steps_left():
 @needs_java
 def test_a_long_run_is_checked_whole_in_windows(recorded, tmp_path):
     header, steps = run_of(recorded)
-    verdict = windows.check(header, steps, size=400, keep=tmp_path)
+    verdict = traces.check_windows(header, steps, size=400, keep=tmp_path)
     assert verdict.ok, verdict.message
     assert verdict.steps == len(steps)
     windows_run = -(-len(steps) // 400)
@@ -141,7 +141,7 @@ def test_a_long_run_is_checked_whole_in_windows(recorded, tmp_path):
 @needs_java
 def test_a_window_cap_is_said(recorded):
     header, steps = run_of(recorded)
-    verdict = windows.check(header, steps, size=300, max_windows=2)
+    verdict = traces.check_windows(header, steps, size=300, max_windows=2)
     assert verdict.ok and verdict.steps == 600, verdict.message
     n = steps[600][1]["n"]
     assert f"step {n} and after are not checked: at most 2 window(s) of 300 steps" \
@@ -153,15 +153,15 @@ def test_a_window_that_ends_elsewhere_than_the_next_starts_fails(recorded, monke
     """The chaining is checked: a start state for window 2 that is not where
     window 1 ended (a pending put's writer left out) fails window 1."""
     header, steps = run_of(recorded)
-    real = windows.boundary
+    real = traces.boundary
     size = next(k for k in range(100, 400) if real(header, steps[:k])["writers"])
 
     def forget_a_writer(start, part):
         at = real(start, part)
         return {**at, "writers": at["writers"][1:]}
 
-    monkeypatch.setattr(windows, "boundary", forget_a_writer)
-    verdict = windows.check(header, steps[:2 * size], size=size)
+    monkeypatch.setattr(traces, "boundary", forget_a_writer)
+    verdict = traces.check_windows(header, steps[:2 * size], size=size)
     assert not verdict.ok
     assert verdict.message.startswith(f"window 1 (steps 1 to {size}) did not end in the state"), \
         verdict.message
@@ -207,7 +207,7 @@ def test_a_step_changed_past_step_1000_is_rejected_with_its_number(recorded, tmp
     header, steps = run_of(bad)
     # the first 1,000 steps (all the old prefix check walked) pass
     assert traces.check_run(header, steps[:1000]).ok
-    verdict = windows.check(header, steps, size=400)
+    verdict = traces.check_windows(header, steps, size=400)
     assert not verdict.ok
     assert verdict.failed_step == n, verdict.message
     assert f"step {n} " in verdict.message

@@ -66,18 +66,20 @@ seconds.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import attrs
 
-from kvproto.checking import leasetrace
+from kvproto.checking import leasetrace, windows
 from kvproto.checking.tla import Fn, ModelValue, format_value
-from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
-                                       json_lines, module_text, outcome, run_module)
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
+                                       failure, json_lines, module_text, outcome, run_module)
 
-__all__ = ["TraceError", "Verdict", "check", "check_each", "check_run", "read", "publish_run", "describe"]
+__all__ = ["TraceError", "Verdict", "boundary", "check", "check_each", "check_run", "check_windows",
+           "read", "publish_run", "describe"]
 
 NONE = ModelValue("None")
 NOBODY = ModelValue("wr0")
@@ -360,6 +362,55 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
                       opened, closing)
 
 
+def boundary(header: dict, steps: list[tuple[int, dict]]) -> dict:
+    """The ``opened`` header of the state a run from ``header`` is in after
+    ``steps``: the directory (each step's ``after`` applied in order, and a
+    lost segment's replicas and repairs dropped from the objects that kept
+    others, which its step does not name), the segments joined and lost, the
+    next token, and ``writers``: each pending put's attempt, its writer busy
+    and nothing written yet (a writer writes just before its ``PutEnd``)."""
+    directory = copy.deepcopy(opened_objects(header))
+    segments = dict(header.get("segments", {}))
+    lost = list(header.get("lost", ()))
+    writers = {w["token"]: w for w in header.get("writers", ())}
+    next_token = header["next_token"]
+    for number, step in steps:
+        try:
+            ev, ok = step["event"], accepted(step)
+            kind = ev["type"]
+            if ok and kind == "AddSegment":
+                segments[ev["segment"]] = ev.get("capacity")
+            elif ok and kind == "SegmentLost":
+                lost.append(ev["segment"])
+                for rec in directory.values():
+                    rec["replicas"] = [r for r in rec["replicas"] if r["segment"] != ev["segment"]]
+                    if rec.get("repairs"):
+                        rec["repairs"] = [p for p in rec["repairs"]
+                                          if p["segment"] != ev["segment"]]
+            elif ok and kind == "PutStart":
+                (grant,) = [e for e in step["effects"] if e["type"] == "PutGranted"]
+                writers[grant["token"]] = {"key": ev["key"], "token": grant["token"],
+                                           "replicas": grant["replicas"]}
+            elif ok and kind in ("PutEnd", "PutRevoke"):
+                writers.pop(ev["token"], None)
+            for key, rec in step["after"]["objects"].items():
+                if rec is None:
+                    directory.pop(key, None)
+                else:
+                    directory[key] = copy.deepcopy(rec)
+            next_token = step["after"]["next_token"]
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise TraceError(f"line {number}: a step the checker cannot read ({e!r})") from None
+    busy = [w for t, w in sorted(writers.items())
+            if directory.get(w["key"], {}).get("status") == "pending"
+            and directory[w["key"]]["token"] == t]
+    out = {"next_token": next_token, "objects": len(directory), "directory": directory,
+           "segments": segments, "writers": busy}
+    if lost:
+        out["lost"] = lost
+    return out
+
+
 # --- the trace module ------------------------------------------------------------
 
 _MODULE = r"""---------------------------- MODULE PublishTrace ----------------------------
@@ -585,7 +636,7 @@ def check_each(path: "str | Path", *, keep: Optional[Path] = None,
         try:
             if machine == "publish":
                 header, steps = publish_run(lines[machine])
-                out[machine] = check_run(header, steps, keep=keep, on_output=on_output)
+                out[machine] = check_windows(header, steps, keep=keep, on_output=on_output)
             else:
                 out[machine] = leasetrace.check_lines(lines[machine], keep=keep,
                                                       on_output=on_output)
@@ -621,6 +672,19 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
         return Verdict(False, **common, message=f"invariant {result.violated} is violated "
                                                  f"({where} the spec forbids)")
     raise failure(result)
+
+
+def check_windows(header: dict, steps: list[tuple[int, dict]], *, size: int = windows.SIZE,
+                  max_windows: Optional[int] = None, keep: Optional[Path] = None,
+                  on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """:func:`check_run` of a run of any length: in windows of at most
+    ``size`` steps chained state to state (:mod:`kvproto.checking.windows`),
+    at most ``max_windows`` of them."""
+    return windows.check(
+        header, steps, spec="Publish", fits=to_model, boundary=boundary, size=size,
+        max_windows=max_windows, keep=keep,
+        run=lambda start, part, end, keep: check_run(start, part, end=end, keep=keep,
+                                                     on_output=on_output))
 
 
 def describe(step: dict) -> str:

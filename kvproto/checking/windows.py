@@ -7,7 +7,8 @@ run is split into consecutive windows, each checked by its own TLC run:
 
 * window 1 starts where the run opened (``OpenedInit`` of its ``opened``
   line); window ``i + 1`` starts in the state window ``i`` ended in, built
-  from the recorded steps by :func:`boundary` as an ``opened`` header (the
+  from the recorded steps (:func:`kvproto.checking.traces.boundary`) as an
+  ``opened`` header (the
   directory each step's ``after`` left, the segments joined and lost, the
   next token, and the writers still busy with a pending put), which the
   trace module starts from as a takeover's run starts from the directory it
@@ -32,12 +33,10 @@ for short CI runs).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvproto.checking import traces
-from kvproto.checking.tracerun import TraceError, Verdict, accepted
+from kvproto.checking.tracerun import TraceError, Verdict
 
 #: steps per window unless told: one TLC run of a window takes seconds
 SIZE = 1000
@@ -63,65 +62,23 @@ def longest_fit(n: int, fits: Callable[[int], None]) -> tuple[int, str]:
     return lo, why
 
 
-def boundary(header: dict, steps: list[tuple[int, dict]]) -> dict:
-    """The ``opened`` header of the state a run from ``header`` is in after
-    ``steps``: the directory (each step's ``after`` applied in order, and a
-    lost segment's replicas and repairs dropped from the objects that kept
-    others, which its step does not name), the segments joined and lost, the
-    next token, and ``writers``: each pending put's attempt, its writer busy
-    and nothing written yet (a writer writes just before its ``PutEnd``)."""
-    directory = copy.deepcopy(traces.opened_objects(header))
-    segments = dict(header.get("segments", {}))
-    lost = list(header.get("lost", ()))
-    writers = {w["token"]: w for w in header.get("writers", ())}
-    next_token = header["next_token"]
-    for number, step in steps:
-        try:
-            ev, ok = step["event"], accepted(step)
-            kind = ev["type"]
-            if ok and kind == "AddSegment":
-                segments[ev["segment"]] = ev.get("capacity")
-            elif ok and kind == "SegmentLost":
-                lost.append(ev["segment"])
-                for rec in directory.values():
-                    rec["replicas"] = [r for r in rec["replicas"] if r["segment"] != ev["segment"]]
-                    if rec.get("repairs"):
-                        rec["repairs"] = [p for p in rec["repairs"]
-                                          if p["segment"] != ev["segment"]]
-            elif ok and kind == "PutStart":
-                (grant,) = [e for e in step["effects"] if e["type"] == "PutGranted"]
-                writers[grant["token"]] = {"key": ev["key"], "token": grant["token"],
-                                           "replicas": grant["replicas"]}
-            elif ok and kind in ("PutEnd", "PutRevoke"):
-                writers.pop(ev["token"], None)
-            for key, rec in step["after"]["objects"].items():
-                if rec is None:
-                    directory.pop(key, None)
-                else:
-                    directory[key] = copy.deepcopy(rec)
-            next_token = step["after"]["next_token"]
-        except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise TraceError(f"line {number}: a step the checker cannot read ({e!r})") from None
-    busy = [w for t, w in sorted(writers.items())
-            if directory.get(w["key"], {}).get("status") == "pending"
-            and directory[w["key"]]["token"] == t]
-    out = {"next_token": next_token, "objects": len(directory), "directory": directory,
-           "segments": segments, "writers": busy}
-    if lost:
-        out["lost"] = lost
-    return out
-
-
-def check(header: dict, steps: list[tuple[int, dict]], *, size: int = SIZE,
-          max_windows: Optional[int] = None, keep: Optional[Path] = None,
-          on_output: Optional[Callable[[str], None]] = None) -> Verdict:
-    """Have TLC check a publish run (:func:`traces.publish_run`) against
-    ``spec/Publish.tla`` window by window (see the module docstring). The
-    verdict's ``steps`` are the steps checked; a run checked only in part
-    says where it stopped and why. ``keep``: each window's module and cfg in
-    ``keep/window-N`` (all in ``keep`` for a run of one window)."""
+def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
+          fits: Callable[[dict, list], object], run: Callable[..., Verdict],
+          boundary: Callable[[dict, list], dict], size: int = SIZE,
+          max_windows: Optional[int] = None, keep: Optional[Path] = None) -> Verdict:
+    """Check a run (its ``header`` and ``steps``) against ``spec/<spec>.tla``
+    window by window (see the module docstring): ``fits(start, part)`` raises
+    :class:`TraceError` for a window past the model's limits, ``run(start,
+    part, end=..., keep=...)`` is one window's TLC check (``end``: the state
+    it must end in, None for the last), ``boundary(start, part)`` the state
+    a window ends in. The verdict's ``steps`` are the steps checked; a run
+    checked only in part says where it stopped and why. ``keep``: each
+    window's module and cfg in ``keep/window-N`` (in ``keep`` for a run of
+    one window)."""
     if size < 1:
         raise TraceError("a window needs at least one step")
+    if not steps:                   # a run of its opening alone: one TLC run checks it
+        return run(header, steps, end=None, keep=keep)
     start, window, at = header, 0, 0
     states, seconds, stopped = 0, 0.0, ""
     while at < len(steps):
@@ -129,7 +86,7 @@ def check(header: dict, steps: list[tuple[int, dict]], *, size: int = SIZE,
             stopped = f"at most {max_windows} window(s) of {size} steps are checked"
             break
         k, why = longest_fit(min(size, len(steps) - at),
-                             lambda k, h=start, a=at: traces.to_model(h, steps[a:a + k]))
+                             lambda k, h=start, a=at: fits(h, steps[a:a + k]))
         if k == 0:
             stopped = why
             break
@@ -138,7 +95,7 @@ def check(header: dict, steps: list[tuple[int, dict]], *, size: int = SIZE,
         window += 1
         where = keep if keep is None or (window == 1 and end is None) \
             else Path(keep) / f"window-{window}"
-        verdict = traces.check_run(start, part, keep=where, on_output=on_output, end=end)
+        verdict = run(start, part, end=end, keep=where)
         states += verdict.distinct_states or 0
         seconds += verdict.seconds
         if not verdict.ok:
@@ -150,13 +107,15 @@ def check(header: dict, steps: list[tuple[int, dict]], *, size: int = SIZE,
             elif window > 1 or end is not None:
                 message += f" (window {window}, from step {part[0][1].get('n')})"
             return Verdict(False, steps=at + k, message=message, failed_step=verdict.failed_step,
-                           line=verdict.line, distinct_states=states, seconds=seconds)
+                           line=verdict.line, distinct_states=states, seconds=seconds,
+                           machine=verdict.machine, windows=window)
         at, start = at + k, end
     windows = f" in {window} windows" if window > 1 else ""
     if at == len(steps):
-        message = f"all {at} steps are steps of spec/Publish.tla{windows}"
+        message = f"all {at} steps are steps of spec/{spec}.tla{windows}"
     else:
         n = steps[at][1].get("n")
-        message = (f"the {at} steps before step {n} are steps of spec/Publish.tla{windows}; "
+        message = (f"the {at} steps before step {n} are steps of spec/{spec}.tla{windows}; "
                    f"step {n} and after are not checked: {stopped}")
-    return Verdict(True, steps=at, message=message, distinct_states=states, seconds=seconds)
+    return Verdict(True, steps=at, message=message, distinct_states=states, seconds=seconds,
+                   windows=window, stopped=stopped)
