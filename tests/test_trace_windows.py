@@ -1,10 +1,11 @@
-"""A long publish run checked whole, window by window (:mod:`kvproto.checking.windows`).
+"""Long runs checked whole, window by window (:mod:`kvproto.checking.windows`).
 
-A run of some 1,500 steps, recorded as the master records them, is checked
-in windows chained state to state: every step is checked, the last past
-step 1,000 too. One step changed by hand past step 1,000 (which a check of
-the first 1,000 steps passes) is rejected with its number, in whichever
-window it falls."""
+A publish run and a lease run of some 1,500 steps each, recorded as the
+master records them, are checked in windows chained state to state: every
+step is checked, those past step 1,000 too. One step changed by hand past
+step 1,000 (which a check of the first 1,000 steps passes) is rejected with
+its number, in whichever window it falls; a window whose end is not where
+the next one starts fails."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvproto.checking import traces
+from kvproto.checking import leasetrace, traces
+from kvproto.cores import leases as lease_core
 from kvproto.cores.directory import DirectoryCore
 from kvproto.runtime import tracing
+from kvproto.statemachines import lease as lm
 from kvproto.statemachines import publish as pm
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
@@ -212,3 +215,95 @@ def test_a_step_changed_past_step_1000_is_rejected_with_its_number(recorded, tmp
     assert verdict.failed_step == n, verdict.message
     assert f"step {n} " in verdict.message
     assert f"(window {(n - 1) // 400 + 1}, from step " in verdict.message
+
+
+# --- the lease table ---------------------------------------------------------------
+
+
+def long_lease_run(path: Path, rounds: int = 130) -> Path:
+    """A lease table's run (TTL 2 s) as the master records it, each round:
+    the clock read, an object put, two reads of it (one renewed, one
+    released after its lease expired), a miss, and the object of five rounds
+    before removed, or evicted every third round. About 11 steps a round."""
+    table = lease_core.new_table(2.0)
+    recorder = tracing.Recorder(str(path))
+    now = 0.0
+
+    def step(event):
+        return recorder.lease(table, event)
+
+    def tick(dt: float) -> None:
+        nonlocal now
+        now += dt
+        step(lm.Tick(now))
+
+    for r in range(rounds):
+        key = f"k{r % 40}"                          # put again 40 rounds on
+        tick(0.25)
+        step(lm.Put(key, (key, r + 1)))
+        step(lm.Grant(("c", 2 * r), key))
+        step(lm.Grant(("d", 2 * r + 1), key))
+        tick(0.5)
+        step(lm.Renew(("c", 2 * r)))
+        step(lm.Release(("c", 2 * r)))
+        tick(2.5)                                   # the other lease expired
+        step(lm.Release(("d", 2 * r + 1)))          # refused: a release of an ended lease
+        step(lm.Grant(("e", r), "gone"))            # a miss
+        if r >= 5:
+            old = f"k{(r - 5) % 40}"
+            step(lm.Evict(old) if r % 3 == 0 else lm.Remove(old))
+    recorder.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def leased(tmp_path_factory) -> Path:
+    return long_lease_run(tmp_path_factory.mktemp("windows") / "lease.trace")
+
+
+def lease_run_of(path: Path):
+    return leasetrace.lease_run(traces.read(path)["lease"])
+
+
+def test_a_lease_window_ends_only_where_no_read_is_in_progress(leased):
+    header, steps = lease_run_of(leased)
+    assert len(steps) > 1400
+    assert leasetrace.quiet_cut(header, steps[:5]) == 2       # then two reads in progress
+    k = leasetrace.quiet_cut(header, steps[:10])
+    assert k == 10 and steps[k - 1][1]["event"]["type"] == "Grant"    # after the miss
+    at = leasetrace.boundary(header, steps[:k])
+    assert at["cached"] == [["k0", ["k0", 1]]] and at["now"] == 3.25
+
+
+@needs_java
+def test_a_long_lease_run_is_checked_whole_in_windows(leased, tmp_path):
+    header, steps = lease_run_of(leased)
+    verdict = leasetrace.check_windows(header, steps, size=400, keep=tmp_path)
+    assert verdict.ok, verdict.message
+    assert verdict.steps == len(steps) and verdict.windows >= 4, verdict.message
+    assert f"all {len(steps)} steps are steps of spec/Lease.tla in {verdict.windows} windows" \
+        in verdict.message
+    # windows end where no read is in progress: within a few steps of 400
+    second = (tmp_path / "window-2" / "LeaseTrace.tla").read_text()
+    assert "Cached == (key1 :> slot" in second
+    assert "WindowEnd" in (tmp_path / "window-1" / "LeaseTrace.cfg").read_text()
+
+
+def _release_the_expired(row):
+    """A release of an expired lease recorded as accepted."""
+    if row["effects"][0]["type"] != "Refused":
+        return False
+    row["effects"] = [{"type": "LeaseReleased", "holder": row["event"]["holder"],
+                       "key": "k0"}]
+    return True
+
+
+@needs_java
+def test_a_lease_step_changed_past_step_1000_is_rejected_with_its_number(leased, tmp_path):
+    bad = tmp_path / "bad.trace"
+    n = corrupt_after(leased, bad, 1100, "Release", _release_the_expired)
+    header, steps = lease_run_of(bad)
+    assert leasetrace.check_run(header, steps[:1000]).ok     # all the old prefix walked
+    verdict = leasetrace.check_windows(header, steps, size=400)
+    assert not verdict.ok and verdict.failed_step == n, verdict.message
+    assert f"step {n} " in verdict.message and "(window " in verdict.message

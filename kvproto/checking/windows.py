@@ -64,14 +64,18 @@ def longest_fit(n: int, fits: Callable[[int], None]) -> tuple[int, str]:
 
 def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
           fits: Callable[[dict, list], object], run: Callable[..., Verdict],
-          boundary: Callable[[dict, list], dict], size: int = SIZE,
-          max_windows: Optional[int] = None, keep: Optional[Path] = None) -> Verdict:
+          boundary: Callable[[dict, list], dict],
+          cut: Optional[Callable[[dict, list], int]] = None, size: int = SIZE,
+          max_windows: Optional[int] = None, keep: Optional[Path] = None,
+          machine: str = "publish") -> Verdict:
     """Check a run (its ``header`` and ``steps``) against ``spec/<spec>.tla``
     window by window (see the module docstring): ``fits(start, part)`` raises
     :class:`TraceError` for a window past the model's limits, ``run(start,
     part, end=..., keep=...)`` is one window's TLC check (``end``: the state
     it must end in, None for the last), ``boundary(start, part)`` the state
-    a window ends in. The verdict's ``steps`` are the steps checked; a run
+    a window ends in; ``cut(start, part)`` (default: ``len(part)``) the
+    most steps of ``part`` after which a window may end. The verdict's
+    ``steps`` are the steps checked; a run
     checked only in part says where it stopped and why. ``keep``: each
     window's module and cfg in ``keep/window-N`` (in ``keep`` for a run of
     one window)."""
@@ -90,6 +94,12 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
         if k == 0:
             stopped = why
             break
+        if cut is not None and at + k < len(steps):
+            k = cut(start, steps[at:at + k])
+            if k == 0:
+                stopped = (f"no point in the {size} steps from step {steps[at][1].get('n')} "
+                           "where a window may end (a read in progress throughout)")
+                break
         part = steps[at:at + k]
         end = boundary(start, part) if at + k < len(steps) else None
         window += 1
@@ -109,6 +119,9 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
             return Verdict(False, steps=at + k, message=message, failed_step=verdict.failed_step,
                            line=verdict.line, distinct_states=states, seconds=seconds,
                            machine=verdict.machine, windows=window)
+        if verdict.steps < k:           # the checker stopped where the spec's world ends
+            at, stopped = at + verdict.steps, verdict.stopped or verdict.message
+            break
         at, start = at + k, end
     windows = f" in {window} windows" if window > 1 else ""
     if at == len(steps):
@@ -118,4 +131,4 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
         message = (f"the {at} steps before step {n} are steps of spec/{spec}.tla{windows}; "
                    f"step {n} and after are not checked: {stopped}")
     return Verdict(True, steps=at, message=message, distinct_states=states, seconds=seconds,
-                   windows=window, stopped=stopped)
+                   machine=machine, windows=window, stopped=stopped)

@@ -83,6 +83,12 @@ def run(tmp_path_factory):
         wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20,
                  what="the standby open")
         assert bytes(client.get(b"a")) == failover.value(b"a")
+        # and over the network: a read a node serves (and records)
+        remote = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0, local_reads=False)
+        try:
+            assert bytes(remote.get(b"a")) == failover.value(b"a")
+        finally:
+            remote.close()
         # a third node joins the new master
         start(children, url, str(out / "nodes.trace"), failover.start_storage)
         wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,

@@ -606,12 +606,12 @@ def add_arguments(parser) -> None:
     steps = _checked(lambda text: _number(text, int))
     steps.__name__ = "steps"
     parser.add_argument("--trace-steps", type=steps, default=1000, metavar="N",
-                        help="with --trace: at most N steps per TLC run (the publish check "
-                             "walks a longer run in windows of N steps, the lease and merged "
-                             "checks up to a prefix; default 1000)")
+                        help="with --trace: at most N steps per TLC run (the publish and "
+                             "lease checks walk a longer run in windows of N steps, the merged "
+                             "check up to a prefix; default 1000)")
     parser.add_argument("--trace-windows", type=steps, default=None, metavar="N",
-                        help="with --trace: at most N windows per publish check (the line "
-                             "says where checking stopped; default: the whole run)")
+                        help="with --trace: at most N windows per publish and lease check "
+                             "(the line says where checking stopped; default: the whole run)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write every figure per cell as JSON to PATH (default: none)")
 

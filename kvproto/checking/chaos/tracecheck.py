@@ -38,13 +38,13 @@ checkers that apply:
 A killed process leaves its file cut at its last line: the recorded prefix
 is checked (a partial last line is left out). The checkers map a run onto a
 bounded model (their ``LIMITS``: steps, keys, tokens, slots). The publish
-check walks the whole run, in windows of at most ``max_steps`` steps chained
-state to state (:mod:`kvproto.checking.windows`; ``max_windows`` caps their
-number, and the line says so); the lease and merged checks walk the longest
-prefix that fits and ``max_steps`` (a prefix of a behaviour of the spec is
-one too). The result says how many of the recorded steps were checked. A
-check that finds a step the spec does not allow fails the cell, as wrong
-bytes do.
+and lease checks walk the whole run, in windows of at most ``max_steps``
+steps chained state to state (:mod:`kvproto.checking.windows`; a lease
+window ends where no read is in progress; ``max_windows`` caps their number,
+and the line says so); the merged check walks the longest prefix that fits
+and ``max_steps`` (a prefix of a behaviour of the spec is one too). The
+result says how many of the recorded steps were checked. A check that finds
+a step the spec does not allow fails the cell, as wrong bytes do.
 """
 
 from __future__ import annotations
@@ -99,35 +99,15 @@ def whole_lines(path: Path) -> Path:
     return cut
 
 
-def _capped(n: int, max_steps: int) -> tuple[int, str]:
-    return (n, "") if n <= max_steps else (max_steps, f"at most {max_steps} steps per check")
-
-
-def _fit_and_check(name: str, steps: list, max_steps: int, fits: Callable[[int], None],
-                   run: Callable[[int], Verdict]) -> Check:
-    n, why = _capped(len(steps), max_steps)
-    k, limit = longest_fit(n, fits)
-    why = limit or why
-    if k == 0:
-        return Check(name, len(steps), why=why or "no step recorded")
-    try:
-        verdict = run(k)
-    except TraceError as e:
-        return Check(name, len(steps), why=" ".join(str(e).split()))
-    if verdict.ok and verdict.steps < k:     # the checker stopped where the spec's world ends
-        why = verdict.message
-    return Check(name, len(steps), verdict.steps if verdict.ok else k, verdict, why)
-
-
-def _windowed_check(name: str, header: dict, steps: list, max_steps: int,
-                    max_windows: Optional[int]) -> Check:
-    """The publish check of a whole run, in windows of at most ``max_steps``
-    steps (:func:`kvproto.checking.traces.check_windows`), at most
+def _windowed_check(name: str, check_windows: Callable[..., Verdict], header: dict,
+                    steps: list, max_steps: int, max_windows: Optional[int]) -> Check:
+    """The publish or lease check of a whole run, in windows of at most
+    ``max_steps`` steps (:mod:`kvproto.checking.windows`), at most
     ``max_windows`` of them."""
     if not steps:
         return Check(name, 0, why="no step recorded")
     try:
-        verdict = traces.check_windows(header, steps, size=max_steps, max_windows=max_windows)
+        verdict = check_windows(header, steps, size=max_steps, max_windows=max_windows)
     except TraceError as e:
         return Check(name, len(steps), why=" ".join(str(e).split()))
     why = verdict.stopped or (f"in {verdict.windows} windows" if verdict.windows > 1 else "")
@@ -138,7 +118,9 @@ def _master_checks(name: str, path: Path, max_steps: int,
                    max_windows: Optional[int] = None) -> list[Check]:
     out = []
     lines = traces.read(path)
-    for machine, read in (("publish", traces.publish_run), ("lease", leasetrace.lease_run)):
+    for machine, read, check_windows in (
+            ("publish", traces.publish_run, traces.check_windows),
+            ("lease", leasetrace.lease_run, leasetrace.check_windows)):
         split = runs(lines[machine])
         for i, run in enumerate(split, 1):
             label = f"{name} {machine}" + (f" run {i}" if len(split) > 1 else "")
@@ -147,13 +129,8 @@ def _master_checks(name: str, path: Path, max_steps: int,
             except TraceError as e:
                 out.append(Check(label, len(run) - 1, why=" ".join(str(e).split())))
                 continue
-            if machine == "publish":
-                out.append(_windowed_check(label, header, steps, max_steps, max_windows))
-                continue
-            out.append(_fit_and_check(
-                label, steps, max_steps,
-                lambda k, h=header, s=steps: leasetrace.to_model(h, s[:k]),
-                lambda k, h=header, s=steps: leasetrace.check_run(h, s[:k])))
+            out.append(_windowed_check(label, check_windows, header, steps, max_steps,
+                                       max_windows))
     return out
 
 
@@ -254,9 +231,9 @@ def judge(report, checks: list[Check]) -> None:
 def check_cell(folder: Path, cell: str, max_steps: int = 1000,
                max_windows: Optional[int] = None) -> list[Check]:
     """Run the checkers that apply to a cell run whose processes recorded to
-    ``folder`` (see the module docstring): the publish check of each master
-    run whole, in windows of at most ``max_steps`` steps (at most
-    ``max_windows`` of them), the others each up to ``max_steps``."""
+    ``folder`` (see the module docstring): the publish and lease checks of
+    each master run whole, in windows of at most ``max_steps`` steps (at most
+    ``max_windows`` of them), the merged one up to ``max_steps``."""
     folder = Path(folder)
     masters = sorted((p for p in folder.glob("master-*.trace") if p.stat().st_size),
                      key=lambda p: int(p.stem.split("-")[1]))
