@@ -1,9 +1,10 @@
-r"""A long publish run checked whole, in windows chained state to state.
+r"""A long recorded run checked whole, in windows chained state to state.
 
 One TLC run walks at most a window of a run's steps (each checker maps a run
 onto a bounded model, :data:`kvproto.checking.traces.LIMITS`, and TLC
 re-evaluates the spec's invariants over all of it in every state). A longer
-run is split into consecutive windows, each checked by its own TLC run:
+run is split into consecutive windows, each checked by its own TLC run; for
+the publish machine (:func:`kvproto.checking.traces.check_windows`):
 
 * window 1 starts where the run opened (``OpenedInit`` of its ``opened``
   line); window ``i + 1`` starts in the state window ``i`` ended in, built
@@ -24,11 +25,17 @@ run is split into consecutive windows, each checked by its own TLC run:
   tokens: those its start state holds first), so the model of a window is as
   small as its own steps, however long the run.
 
+The lease table's windows (:func:`kvproto.checking.leasetrace.check_windows`)
+chain the same way, and end only where the table is quiet (no read in
+progress, so no lease held), where its state is the objects cached.
+
 A window is the longest run of steps from its start that fits the model's
-limits, up to ``size`` steps (:func:`longest_fit`). Checking stops early,
-and the verdict says where and why, when a window of even one step does not
-fit (a directory past the limits) or after ``max_windows`` windows (a cap
-for short CI runs).
+limits, up to ``size`` steps (:func:`longest_fit`), cut back to the last
+point where a window may end. Checking stops early, and the verdict says
+where and why, when a window of even one step does not fit (a directory past
+the limits), where no window may end, where the checker's world ends (a
+lease ended by an operator's forced remove), or after ``max_windows``
+windows (a cap for short CI runs).
 """
 
 from __future__ import annotations
@@ -97,8 +104,8 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
         if cut is not None and at + k < len(steps):
             k = cut(start, steps[at:at + k])
             if k == 0:
-                stopped = (f"no point in the {size} steps from step {steps[at][1].get('n')} "
-                           "where a window may end (a read in progress throughout)")
+                stopped = (f"no point where a window may end in the {size} steps from step "
+                           f"{steps[at][1].get('n')}")
                 break
         part = steps[at:at + k]
         end = boundary(start, part) if at + k < len(steps) else None
