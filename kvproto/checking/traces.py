@@ -60,7 +60,10 @@ in the spec's ``Init``: a segment joins with ``AddSegment``, and the trace
 requires a placement to use joined segments only (those the directory
 opened with, and those joined since). One run per file; the constants are
 derived from the run and bounded (:data:`LIMITS`) so that TLC checks it in
-seconds.
+seconds. A longer run is checked whole in windows (:func:`check_windows`,
+:mod:`kvproto.checking.windows`): each window starts from the state the one
+before ended in (:func:`boundary`, an ``opened`` header with the writers of
+pending puts busy) and must end in the next one's (``WindowEnd``).
 """
 
 from __future__ import annotations
@@ -704,7 +707,8 @@ def add_arguments(parser: argparse.ArgumentParser):
         "Check a trace recorded by 'kvproto master --trace FILE' (or KVPROTO_TRACE=FILE): "
         "TLC walks the recorded steps of each of the master's machines in the file (publish, "
         "lease) and reports whether each is a step of its spec (spec/Publish.tla, "
-        "spec/Lease.tla), or the first that is not.")
+        "spec/Lease.tla), or the first that is not. A long run is checked whole, in windows "
+        "of 1,000 steps, each its own TLC run from the state the one before ended in.")
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     check_parser = sub.add_parser("check", help="check one recorded run with TLC",
                                   description="check one recorded run with TLC")
