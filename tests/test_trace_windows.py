@@ -124,6 +124,20 @@ def test_a_boundary_is_the_directory_the_steps_left():
     assert header["directory"] == {}                    # the header is left as it was
 
 
+def test_a_run_not_one_step_of_which_fits_cannot_be_checked():
+    """A directory past the bounds (40 objects) from its first step: an error,
+    as a run too large for one TLC run was before windows."""
+    directory = {f"k{i}": {"status": "published", "token": i + 1, "requested": 1,
+                           "replicas": [{"segment": "s1", "offset": i}], "repairs": [],
+                           "reads": 0} for i in range(40)}
+    header = {"next_token": 41, "objects": 40, "segments": {"s1": 1}, "directory": directory}
+    steps = [(2, {"n": 1, "event": {"type": "Remove", "key": "k0"},
+                  "effects": [{"type": "Removed", "key": "k0", "token": 1}],
+                  "after": {"next_token": 41, "objects": {"k0": None}}})]
+    with pytest.raises(traces.TraceError, match="the run has 40 keys; at most 32"):
+        traces.check_windows(header, steps)
+
+
 @needs_java
 def test_a_long_run_is_checked_whole_in_windows(recorded, tmp_path):
     header, steps = run_of(recorded)

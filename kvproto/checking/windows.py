@@ -99,6 +99,8 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
         k, why = longest_fit(min(size, len(steps) - at),
                              lambda k, h=start, a=at: fits(h, steps[a:a + k]))
         if k == 0:
+            if window == 0:     # not one step fits: the run cannot be checked, as before
+                raise TraceError(why)
             stopped = why
             break
         if cut is not None and at + k < len(steps):
