@@ -589,7 +589,7 @@ def test_a_run_from_a_recovered_directory_is_a_behaviour_of_the_spec(tmp_path):
     # tokens 3 and 5 are the spec's 1 and 2; the run's from 6 on follow them
     opened = next(l for l in module.splitlines() if l.startswith("Opened == "))
     assert opened.count('status |-> "published"') == 2, opened
-    assert "token |-> 1]" in opened and "token |-> 2]" in opened and "next |-> 3]" in opened
+    assert "token |-> 1]" in opened and "token |-> 2]" in opened and "next |-> 3," in opened
 
 
 def _opened_with(path: Path, out: Path, change) -> Path:

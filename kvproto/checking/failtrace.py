@@ -29,6 +29,13 @@ recorded at a node     step of ``spec/Failover.tla``
 ``PurgeUnpublished``   the node's part of ``Recover(m)``: it must drop
                        exactly the entries the spec's ``Recover`` purged
                        at that node
+``ReadReplica``        a read the node served: the spec's ``Lookup(r, m,
+accepted               k)`` at an open master ``m`` that lists the
+                       replica, then ``Read(r)``, not a miss (the node is
+                       live, accepts ``m``'s term and has ``k``'s entry);
+                       ``k`` is the allocation holding the region and
+                       token read (its ``StampedAllocate``), and
+                       ``ReadsReturnPublishedBytesOrMiss`` judges the entry
 refused ``StaleTerm``  the node's fence is above the request's term, and
                        the master of that term steps down (also a
                        ``StaleRequest``: any request refused at the fence
@@ -55,8 +62,10 @@ with two replicas is two spec keys, and a repair's copy a third), and a
 spec node is one segment of a node file (a node that starts over opens a new
 one). Dropped: offsets, lengths, tokens, checksums and requested replica
 counts of the index (the publish protocol's, checked by ``kvproto trace
-merge``); readers (a node's read is recorded only where its term is refused,
-a ``StaleRequest``; lookups are the master's).
+merge``). A read served is one reader's lookup and read (``rd1``: the spec's
+``Read`` drops the descriptor, so one reader serves every read); a read
+refused at the fence is a ``StaleRequest``, and one the region table refused
+is a miss that changes nothing (the merged check's).
 
 Joining and leaving, which the spec does not model (its nodes are all there
 from ``Init`` and only ``NodeLost`` leaves), are placed before each
@@ -111,7 +120,8 @@ MASTER_OPS = ("assign", "free", "publish", "fence", "purge", "repair")
 #: the spec's invariants checked in every state (spec/Failover.cfg)
 INVARIANTS = ("TypeOK", "NoSplitBrainAllocation", "NoStaleTermWriteAccepted",
               "DirectoryOnlyListsLiveBytes", "UnpublishedPurgedAfterRecovery",
-              "AcknowledgedChangesSurvive", "NoPublishedCopyOrphaned")
+              "AcknowledgedChangesSurvive", "NoPublishedCopyOrphaned",
+              "ReadsReturnPublishedBytesOrMiss")
 #: at most this many merged steps are checked
 MAX_STEPS = 5000
 NONE = ModelValue("None")
@@ -119,8 +129,11 @@ NONE = ModelValue("None")
 
 def read_node(path: "str | Path") -> list[tuple[dict, list[tuple[int, dict]]]]:
     """A node file's segments: each one's ``opened`` header and its fence and
-    index steps (each with its line). A node that starts over opens a new
-    segment in the same file."""
+    index steps (each with its line), and the reads it served: each accepted
+    ``ReadReplica`` as a step ``Read`` of the key whose allocation (its
+    ``StampedAllocate``) holds that region and token, at the term the node
+    held (``"?offset/token"`` where no allocation of the segment did). A node
+    that starts over opens a new segment in the same file."""
     lines = machine_lines(path, "storage")
     if not lines or "opened" not in lines[0][1]:
         raise TraceError(f"{path} does not start where a storage node opened its segment")
@@ -128,14 +141,27 @@ def read_node(path: "str | Path") -> list[tuple[dict, list[tuple[int, dict]]]]:
     for number, obj in lines:
         if "opened" in obj:
             segments.append((obj["opened"], []))
+            held, allocated = obj["opened"].get("term", 0), {}
             continue
         if "asked" in obj:
             continue
         ev = obj.get("event")
         if not isinstance(ev, dict) or not isinstance(obj.get("effects"), list):
             raise TraceError(f"{path}:{number}: a step needs 'event' and 'effects'")
-        if ev.get("type") in STEPS:
-            segments[-1][1].append((number, obj))
+        kind, ok = ev.get("type"), accepted(obj)
+        if kind == "ReadReplica" and ok:
+            where = (ev.get("offset"), ev.get("token"))
+            key = allocated.get(where, f"?{where[0]}/{where[1]}")
+            segments[-1][1].append((number, {**obj, "event": {
+                "type": "Read", "key": key, "term": held, "offset": where[0],
+                "token": where[1]}}))
+        if kind not in STEPS:
+            continue
+        if ok and kind == "StampedAllocate":
+            allocated[(ev.get("offset"), ev.get("token"))] = ev["key"]
+        if ok and (kind == "Fence" or kind in KEYED):
+            held = max(held, ev["term"])
+        segments[-1][1].append((number, obj))
     return segments
 
 
@@ -201,9 +227,10 @@ def merge(nodes: list[tuple[dict, list]], rank: dict) -> list[tuple[int, int]]:
 
 
 def _needs_open(step: dict) -> bool:
-    """A step only a serving master of its term causes."""
+    """A step only a serving master of its term causes (a read served: its
+    reader looked the object up at an open master)."""
     kind = step["event"]["type"]
-    return kind == "PurgeUnpublished" or (kind in KEYED and _error(step) != "StaleTerm")
+    return kind in ("PurgeUnpublished", "Read") or (kind in KEYED and _error(step) != "StaleTerm")
 
 
 class FailoverModel:
@@ -212,7 +239,8 @@ class FailoverModel:
     def __init__(self, nodes: list[tuple[dict, list]], files: list[Path],
                  masters: list[dict]) -> None:
         terms = {opened.get("term", 0) for opened, _ in nodes} - {0}
-        terms |= {_term(step["event"]) for _, steps in nodes for _, step in steps}
+        terms |= {_term(step["event"]) for _, steps in nodes for _, step in steps
+                  if step["event"]["type"] != "Read"}
         terms |= {o["term"] for o in masters}
         terms |= {step["event"]["by"] for _, steps in nodes for _, step in steps
                   if step["event"]["type"] == "StampedPublish" and step["event"].get("by")}
@@ -288,12 +316,12 @@ class FailoverModel:
         for n, i in merge(nodes, rank):
             line, step = nodes[n][1][i]
             ev = step["event"]
-            t = rank[_term(ev)]
+            t = rank.get(_term(ev), 1) if ev["type"] == "Read" else rank[_term(ev)]
             why = f"before {files[n].name} step {step.get('n')}"
             obtain(t, why)
             if _needs_open(step):
                 open_(t, why)
-            k = key(n, ev["key"]) if ev["type"] in KEYED else NONE
+            k = key(n, ev["key"]) if ev["type"] in KEYED + ("Read",) else NONE
             purged = frozenset(key(n, name) for name in step["effects"][0]["keys"]) \
                 if ev["type"] == "PurgeUnpublished" and accepted(step) else frozenset()
             by = ev.get("by") if ev["type"] == "StampedPublish" else None
@@ -327,9 +355,10 @@ class FailoverModel:
             replicas[rank[o["term"]]] = frozenset(key(segments[s], k) for k, s in o["replicas"])
         self.replicas = Fn.of(replicas)
         self.objects = Fn.of(objects)
-        self.model_values = list(self.masters) + node_names + keys.values()
+        readers = [ModelValue("rd1")] if any(r["act"] == "Read" for r in self.records) else []
+        self.model_values = list(self.masters) + node_names + keys.values() + readers
         self.constants = {"Masters": frozenset(self.masters), "Nodes": frozenset(node_names),
-                          "Keys": frozenset(keys.values()), "Readers": frozenset(),
+                          "Keys": frozenset(keys.values()), "Readers": frozenset(readers),
                           "MaxTerm": len(rank), "MaxCopies": 1, "None": NONE}
 
 
@@ -412,6 +441,20 @@ PublishCopy(m, k, n, b) ==
     /\ told' = [told EXCEPT ![k] = [what |-> "published", node |-> n]]
     /\ UNCHANGED <<coordTerm, phase, mterm, acked, live, desc, got, promised>>
 
+\* A read the node served (an accepted ReadReplica of k's region): a reader
+\* looked k up at an open master listing the replica on n (Lookup) and read
+\* it there (Read), and the node had the entry under a term it accepts: not
+\* the spec's miss. The entry returned is the reader's (got), which
+\* ReadsReturnPublishedBytesOrMiss judges.
+ReadServed(n, k) ==
+    \E r \in Readers, m \in Masters :
+        /\ desc[r] = None
+        /\ phase[m] = "open" /\ dir[m][k] # None /\ dir[m][k].pub /\ n \in dir[m][k].nodes
+        /\ n \in live /\ NodeAccepts(n, mterm[m]) /\ idx[n][k] # None
+        /\ got' = [got EXCEPT ![r] = idx[n][k]]
+        /\ UNCHANGED <<coordTerm, phase, mterm, acked, dir, live, nodeTerm, idx, desc, promised,
+                       staleAccepted, told>>
+
 NodeStep ==
     LET n == R.n  t == R.t  k == R.k  m == M(R.t) IN
     \/ /\ R.act = "Fence" /\ R.ok
@@ -441,6 +484,7 @@ NodeStep ==
                   ELSE R.err = "StaleToken" /\ UNCHANGED vars
        /\ UNCHANGED Others
     \/ R.act = "IndexRequest" /\ R.ok /\ NodeAccepts(n, t) /\ UNCHANGED <<vars, Others>>
+    \/ R.act = "Read" /\ ReadServed(n, k) /\ UNCHANGED Others
     \/ /\ R.act = "PurgeUnpublished" /\ R.ok
        /\ t \in recoveredTerms
        /\ R.keys = pending[n]

@@ -69,7 +69,8 @@ from typing import Callable, Optional
 
 import attrs
 
-from kvproto.checking.tla import Fn, ModelValue
+from kvproto.checking import windows
+from kvproto.checking.tla import Fn, ModelValue, format_value
 from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
                                        failure, module_text, outcome, run_module)
 
@@ -237,6 +238,8 @@ class TraceModel:
     ticks: dict         # the run's time -> the spec's tick
     stopped: Optional[tuple] = None   # (recorded n, line, why) of the first step not checked
     taken: int = 0      # records before the recorded steps: a takeover's Puts and Takeover
+    cached: Fn = Fn.of({})          # a window's objects at its start: key -> slot
+    end: Optional[Fn] = None        # the objects a window must end with (``End``), or None
 
 
 def _times(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, dict]:
@@ -257,9 +260,13 @@ def _times(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, dict]:
     return abstract_times(header["now"], points, links)
 
 
-def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
+def to_model(header: dict, steps: list[tuple[int, dict]], end: Optional[dict] = None
+             ) -> TraceModel:
     """Map a lease run onto model values (see the module docstring); raise
-    :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape."""
+    :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape.
+    A window of a longer run (:func:`boundary`) starts with the objects its
+    header lists ``cached``, and ``end`` is the next window's header: the
+    state it must end in."""
     stopped = None
     try:
         cut = first_outside(header, steps)
@@ -276,6 +283,11 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
     except (KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"a lease step the checker cannot read ({e!r})") from None
     m = _Mapping(ticks)
+    try:
+        cached = Fn.of({m.keys(k): m.slots(_region(r)) for k, r in header.get("cached", ())})
+        m.cached |= {_region(r) for _, r in header.get("cached", ())}
+    except (TypeError, ValueError) as e:
+        raise TraceError(f"the cached objects the checker cannot read ({e!r})") from None
     # a takeover: the spec's Put of each recovered object, then its Takeover
     taken = [{"event": {"type": "Put", "key": k, "region": r},
               "effects": [{"type": "Cached", "key": k, "region": r}]}
@@ -292,6 +304,11 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
         except (KeyError, TypeError, AttributeError, IndexError) as e:
             raise TraceError(f"line {number}: a lease step the checker cannot read "
                              f"({e!r})") from None
+    try:
+        closing = None if end is None else \
+            Fn.of({m.keys(k): m.slots.active[_region(r)] for k, r in end["cached"]})
+    except (KeyError, TypeError) as e:
+        raise TraceError(f"a window end the checker cannot map ({e!r})") from None
     keys, slots, readers = m.keys, m.slots, m.readers
     sizes = {"keys": len(keys.values()), "slots": len(slots.values()),
              "readers": len(readers.values())}
@@ -308,7 +325,8 @@ def to_model(header: dict, steps: list[tuple[int, dict]]) -> TraceModel:
                  "None": NONE}
     values = tuple(dict.fromkeys([*key_values, *slot_values, *reader_values]))
     return TraceModel(constants, tuple(records), values,
-                      tuple((s.get("n"), n) for n, s in steps), ticks, stopped, len(taken))
+                      tuple((s.get("n"), n) for n, s in steps), ticks, stopped, len(taken),
+                      cached, closing)
 
 
 class _Pool:
@@ -495,7 +513,34 @@ ReaderSteps ==
 
 Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos>>
 
-TraceInit == Init /\ pos = 1
+\* Where the run starts: the spec's Init, with the objects Cached holds (a
+\* window of a longer run starts where the window before it ended, at a
+\* point where no read was in progress and no inherited lease left).
+Cached == %(cached)s
+TraceInit ==
+    /\ now = 0
+    /\ dir = [k \in Keys |-> IF k \in DOMAIN Cached THEN Cached[k] ELSE None]
+    /\ lease = [r \in Readers |-> None]
+    /\ reader = [r \in Readers |-> None]
+    /\ dropped = Keys \ DOMAIN Cached
+    /\ inherited = {}
+    /\ quietUntil = 0
+    /\ takeovers = 0
+    /\ pos = 1
+
+\* A window ends where the next one starts: the objects End holds cached in
+\* their slots, no lease, no reader, no inherited object leased any more;
+\* the clock apart (the next window's starts at 0: from such a state only
+\* times after it are compared).
+End == %(end)s
+WindowEnd ==
+    pos > Len(Trace) =>
+        /\ dir = [k \in Keys |-> IF k \in DOMAIN End THEN End[k] ELSE None]
+        /\ dropped = Keys \ DOMAIN End
+        /\ lease = [r \in Readers |-> None]
+        /\ reader = [r \in Readers |-> None]
+        /\ now >= quietUntil
+
 TraceNext == Step \/ ReaderSteps \/ Done
 =============================================================================
 """
@@ -507,16 +552,24 @@ TraceNext == Step \/ ReaderSteps \/ Done
 def check_lines(lines: list[tuple[int, dict]], *, keep: Optional[Path] = None,
                 on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """Have TLC check the lease run in ``lines`` (a trace file's lease lines,
-    with their line numbers) against ``spec/Lease.tla``."""
+    with their line numbers) against ``spec/Lease.tla``, the whole run, in
+    windows (:func:`check_windows`)."""
     header, steps = lease_run(lines)
-    return check_run(header, steps, keep=keep, on_output=on_output)
+    return check_windows(header, steps, keep=keep, on_output=on_output)
 
 
 def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
-              on_output: Optional[Callable[[str], None]] = None) -> Verdict:
-    model = to_model(header, steps)
-    result = run_module("Lease", "LeaseTrace", module_text(_MODULE, model),
-                        cfg_text(model, INVARIANTS, ("Pressure <- TracePressure",)),
+              on_output: Optional[Callable[[str], None]] = None,
+              end: Optional[dict] = None) -> Verdict:
+    """Have TLC check one lease run (:func:`lease_run`) against
+    ``spec/Lease.tla``; with ``end``, a window of a longer run that must end
+    in that state (:func:`check_windows`)."""
+    model = to_model(header, steps, end=end)
+    text = module_text(_MODULE, model, cached=format_value(model.cached),
+                       end=format_value(model.end if model.end is not None else model.cached))
+    result = run_module("Lease", "LeaseTrace", text,
+                        cfg_text(model, INVARIANTS + (("WindowEnd",) if end is not None else ()),
+                                 ("Pressure <- TracePressure",)),
                         keep=keep, on_output=on_output)
     n = len(model.records) - model.taken
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
@@ -527,6 +580,7 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
             recorded, line, why = model.stopped
             message = (f"the {n} steps before step {recorded} are steps of spec/Lease.tla; "
                        f"step {recorded} (line {line}) and after are not checked: {why}")
+            return Verdict(True, message=message, stopped=why, **common)
         return Verdict(True, message=message, **common)
     if result.verdict == "deadlock" and result.trace:
         i = result.trace[-1].state["pos"] - model.taken
@@ -543,6 +597,79 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
         return Verdict(False, **common, message=f"invariant {result.violated} is violated "
                                                  "(the trace reached a state the spec forbids)")
     raise failure(result)
+
+
+def _reads_over(step: dict) -> bool:
+    """Whether ``step`` ends its holder's read at the master (its own
+    release, or a grant that missed), as :class:`_Mapping` gives its reader back."""
+    act = step["event"]["type"]
+    return not step.get("by") and (act == "Release" or (
+        act == "Grant" and not accepted(step)
+        and step["effects"][0]["error"]["type"] == "KeyNotFound"))
+
+
+def quiet_cut(header: dict, steps: list[tuple[int, dict]]) -> int:
+    """The largest ``k <= len(steps)`` after whose first ``k`` steps the table
+    is quiet: no read in progress (so no lease held) and, after a takeover,
+    one TTL past it (no inherited object counts as leased); 0 if none is.
+    Only there may a window end (:func:`boundary`)."""
+    reading: set = set()
+    now, until = header["now"], header["now"] + header["ttl"] if header.get("inherited") else 0
+    best = 0
+    for i, (number, step) in enumerate(steps, 1):
+        try:
+            ev = step["event"]
+            if ev["type"] == "Tick" and accepted(step):
+                now = ev["now"]
+            if "holder" in ev:
+                holder = _holder(ev["holder"])
+                reading.add(holder)
+                if _reads_over(step):
+                    reading.discard(holder)
+        except (KeyError, TypeError, IndexError) as e:
+            raise TraceError(f"line {number}: a lease step the checker cannot read ({e!r})") \
+                from None
+        if not reading and now >= until:
+            best = i
+    return best
+
+
+def boundary(header: dict, steps: list[tuple[int, dict]]) -> dict:
+    """The header of a window that starts after ``steps`` (which end where
+    the table is quiet, :func:`quiet_cut`): the table's clock then, its TTL,
+    and the objects cached (``[key, region]`` each, as recorded)."""
+    cached = {_key(k): (k, r) for k, r in header.get("cached", ())}
+    cached.update({_key(k): (k, r) for k, r in header.get("inherited", ())})
+    now = header["now"]
+    for number, step in steps:
+        try:
+            if step["event"]["type"] == "Tick" and accepted(step):
+                now = step["event"]["now"]
+            for e in step["effects"] if accepted(step) else ():
+                if e["type"] == "Cached":
+                    cached[_key(e["key"])] = (e["key"], e["region"])
+                elif e["type"] == "Reclaimed":
+                    cached.pop(_key(e["key"]), None)
+        except (KeyError, TypeError) as e:
+            raise TraceError(f"line {number}: a lease step the checker cannot read ({e!r})") \
+                from None
+    return {"ttl": header["ttl"], "now": now, "quiet_until": 0, "objects": 0,
+            "cached": [list(kr) for kr in cached.values()]}
+
+
+def check_windows(header: dict, steps: list[tuple[int, dict]], *, size: int = windows.SIZE,
+                  max_windows: Optional[int] = None, keep: Optional[Path] = None,
+                  on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """:func:`check_run` of a lease run of any length, in windows of at most
+    ``size`` steps chained state to state (:mod:`kvproto.checking.windows`),
+    each ending where the table is quiet (:func:`quiet_cut`): there the
+    spec's state is the objects cached and the clock, which the next window
+    starts from (its clock at 0)."""
+    return windows.check(
+        header, steps, spec="Lease", fits=to_model, boundary=boundary, cut=quiet_cut,
+        size=size, max_windows=max_windows, keep=keep, machine="lease",
+        run=lambda start, part, end, keep: check_run(start, part, end=end, keep=keep,
+                                                     on_output=on_output))
 
 
 def describe(step: dict) -> str:

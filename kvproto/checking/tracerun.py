@@ -65,6 +65,8 @@ class Verdict:
     distinct_states: Optional[int] = None
     seconds: float = 0.0
     machine: str = "publish"
+    windows: int = 1                    # TLC runs the run was checked in (kvproto.checking.windows)
+    stopped: str = ""                   # why steps after ``steps`` were not checked
 
 
 class Numbered:

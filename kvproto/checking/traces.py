@@ -60,24 +60,29 @@ in the spec's ``Init``: a segment joins with ``AddSegment``, and the trace
 requires a placement to use joined segments only (those the directory
 opened with, and those joined since). One run per file; the constants are
 derived from the run and bounded (:data:`LIMITS`) so that TLC checks it in
-seconds.
+seconds. A longer run is checked whole in windows (:func:`check_windows`,
+:mod:`kvproto.checking.windows`): each window starts from the state the one
+before ended in (:func:`boundary`, an ``opened`` header with the writers of
+pending puts busy) and must end in the next one's (``WindowEnd``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import attrs
 
-from kvproto.checking import leasetrace
+from kvproto.checking import leasetrace, windows
 from kvproto.checking.tla import Fn, ModelValue, format_value
-from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, cfg_text, failure,
-                                       json_lines, module_text, outcome, run_module)
+from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
+                                       failure, json_lines, module_text, outcome, run_module)
 
-__all__ = ["TraceError", "Verdict", "check", "check_each", "check_run", "read", "publish_run", "describe"]
+__all__ = ["TraceError", "Verdict", "boundary", "check", "check_each", "check_run", "check_windows",
+           "read", "publish_run", "describe"]
 
 NONE = ModelValue("None")
 NOBODY = ModelValue("wr0")
@@ -251,6 +256,7 @@ class TraceModel:
     model_values: tuple
     numbers: tuple      # (recorded n, file line) per record
     opened: Fn          # the directory the run opened with (``Opened`` of the module)
+    end: Optional[Fn] = None    # the state a window must end in (``End``), or None
 
 
 def token_range(header: dict, steps: list[tuple[int, dict]]) -> tuple[int, int]:
@@ -278,12 +284,32 @@ def run_mapping(header: dict, steps: list[tuple[int, dict]], held: frozenset = f
     return _Mapping(first, last, tuple(t for t in held if t < first))
 
 
+def _opened(m: _Mapping, header: dict) -> Fn:
+    """``Opened`` (or ``End``) of the module: the directory of an ``opened``
+    line (or of a window's start, :func:`kvproto.checking.windows.boundary`)
+    on model values, with the writers it lists busy."""
+    try:
+        objects = {m.keys(k): m.record(rec) for k, rec in opened_objects(header).items()}
+        writers = {m.writer(w["token"]): Fn.of({"key": m.keys(w["key"]),
+                                               "token": m.token(w["token"]),
+                                               "replicas": m.placement(w["replicas"]),
+                                               "written": frozenset()})
+                   for w in header.get("writers", ())}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
+            from None
+    return Fn.of({"dir": Fn.of(objects),
+                  "lost": frozenset(m.segments(s) for s in header.get("lost", ())),
+                  "next": m.counter(header["next_token"]), "writers": Fn.of(writers)})
+
+
 def to_model(header: dict, steps: list[tuple[int, dict]],
-             mapping: Optional[_Mapping] = None) -> TraceModel:
+             mapping: Optional[_Mapping] = None, end: Optional[dict] = None) -> TraceModel:
     """Map a run onto model values (see the module docstring); raise
     :class:`TraceError` for a run outside :data:`LIMITS` or the spec's shape.
     ``mapping`` (of :func:`run_mapping`) may already hold names of the run
-    that the master's steps do not (its storage nodes' steps)."""
+    that the master's steps do not (its storage nodes' steps). ``end``: the
+    state a window of a longer run must end in (the next window's header)."""
     if len(steps) > LIMITS["steps"]:
         raise TraceError(f"the run has {len(steps)} steps; at most {LIMITS['steps']} are "
                          "checked (record a shorter run)")
@@ -291,14 +317,8 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
     joined = set(header.get("segments", {}))
     for s in header.get("segments", {}):
         m.segments(s)
-    try:
-        objects = {m.keys(k): m.record(rec) for k, rec in opened_objects(header).items()}
-    except (KeyError, TypeError, AttributeError) as e:
-        raise TraceError(f"an object of the opened directory the checker cannot read ({e!r})") \
-            from None
-    opened = Fn.of({"dir": Fn.of(objects),
-                    "lost": frozenset(m.segments(s) for s in header.get("lost", ())),
-                    "next": m.counter(header["next_token"])})
+    opened = _opened(m, header)
+    objects = opened["dir"]
     records, replica_counts = [], set()
     reads = max([1] + [rec["reads"] for rec in objects.values()])
     requested = max([0] + [rec["requested"] for rec in objects.values()])
@@ -316,6 +336,7 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
         for rec in step["after"]["objects"].values():
             if rec is not None:
                 reads = max(reads, rec["reads"])
+    closing = _opened(m, end) if end is not None else None
     if len(replica_counts) > 1:
         raise TraceError(f"the run puts objects with {sorted(replica_counts)} replicas; the spec "
                          "has one ReplicaCount (record a run with one replica count)")
@@ -341,7 +362,56 @@ def to_model(header: dict, steps: list[tuple[int, dict]],
                  "MaxReads": reads, "None": NONE}
     values = tuple(dict.fromkeys([*keys, *writers, *segments]))
     return TraceModel(constants, tuple(records), values, tuple((s.get("n"), n) for n, s in steps),
-                      opened)
+                      opened, closing)
+
+
+def boundary(header: dict, steps: list[tuple[int, dict]]) -> dict:
+    """The ``opened`` header of the state a run from ``header`` is in after
+    ``steps``: the directory (each step's ``after`` applied in order, and a
+    lost segment's replicas and repairs dropped from the objects that kept
+    others, which its step does not name), the segments joined and lost, the
+    next token, and ``writers``: each pending put's attempt, its writer busy
+    and nothing written yet (a writer writes just before its ``PutEnd``)."""
+    directory = copy.deepcopy(opened_objects(header))
+    segments = dict(header.get("segments", {}))
+    lost = list(header.get("lost", ()))
+    writers = {w["token"]: w for w in header.get("writers", ())}
+    next_token = header["next_token"]
+    for number, step in steps:
+        try:
+            ev, ok = step["event"], accepted(step)
+            kind = ev["type"]
+            if ok and kind == "AddSegment":
+                segments[ev["segment"]] = ev.get("capacity")
+            elif ok and kind == "SegmentLost":
+                lost.append(ev["segment"])
+                for rec in directory.values():
+                    rec["replicas"] = [r for r in rec["replicas"] if r["segment"] != ev["segment"]]
+                    if rec.get("repairs"):
+                        rec["repairs"] = [p for p in rec["repairs"]
+                                          if p["segment"] != ev["segment"]]
+            elif ok and kind == "PutStart":
+                (grant,) = [e for e in step["effects"] if e["type"] == "PutGranted"]
+                writers[grant["token"]] = {"key": ev["key"], "token": grant["token"],
+                                           "replicas": grant["replicas"]}
+            elif ok and kind in ("PutEnd", "PutRevoke"):
+                writers.pop(ev["token"], None)
+            for key, rec in step["after"]["objects"].items():
+                if rec is None:
+                    directory.pop(key, None)
+                else:
+                    directory[key] = copy.deepcopy(rec)
+            next_token = step["after"]["next_token"]
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise TraceError(f"line {number}: a step the checker cannot read ({e!r})") from None
+    busy = [w for t, w in sorted(writers.items())
+            if directory.get(w["key"], {}).get("status") == "pending"
+            and directory[w["key"]]["token"] == t]
+    out = {"next_token": next_token, "objects": len(directory), "directory": directory,
+           "segments": segments, "writers": busy}
+    if lost:
+        out["lost"] = lost
+    return out
 
 
 # --- the trace module ------------------------------------------------------------
@@ -362,30 +432,48 @@ R == Trace[pos]
 \* The directory the run opened with (a takeover's, recovered; empty at a
 \* start): each object's record, the segments not live, the next token.
 Opened == %(opened)s
+End == %(end)s
 
-\* The spec's state of the opened directory: each object's regions on their
+\* The spec's state of the opened directory O: each object's regions on their
 \* nodes (a published object's replicas complete, holding its attempt's
 \* bytes; a pending object's regions and a repair's not yet written), the
-\* rest of each live segment free, no writer busy, and the readers of each
-\* object holding its descriptors. From an empty directory it is Init.
+\* rest of each live segment free, and the readers of each object holding
+\* its descriptors. From an empty directory it is Init. Writers apart.
 Listed(k, s, i) == s \in DOMAIN dir[k].replicas /\ dir[k].replicas[s] = i
-OpenedInit ==
-    /\ dir = [k \in Keys |-> IF k \in DOMAIN Opened.dir THEN Opened.dir[k] ELSE None]
-    /\ live = Segments \ Opened.lost
+DirectoryState(O) ==
+    /\ dir = [k \in Keys |-> IF k \in DOMAIN O.dir THEN O.dir[k] ELSE None]
+    /\ live = Segments \ O.lost
     /\ free = [s \in Segments |-> IF s \in live THEN SlotsPerSegment - UsedSlots(s) ELSE 0]
-    /\ nextToken = Opened.next
+    /\ nextToken = O.next
     /\ store = [s \in Segments |-> [i \in Slots |->
                   IF Allocated(s, i)
                   THEN LET k == CHOOSE k \in Keys : Exists(k) /\ <<s, i>> \in SlotsOf(k) IN
                        [key |-> k, token |-> dir[k].token,
                         done |-> Published(k) /\ Listed(k, s, i)]
                   ELSE None]]
-    /\ writer = [w \in Writers |-> None]
     /\ publishedToken = [k \in Keys |-> IF Published(k) THEN dir[k].token ELSE 0]
     /\ content = [s \in Segments |-> [i \in Slots |->
                     IF store[s][i] # None /\ store[s][i].done THEN store[s][i].token ELSE 0]]
     /\ handed = [k \in Keys |-> [t \in Tokens |->
                     IF Exists(k) /\ dir[k].token = t THEN dir[k].reads ELSE 0]]
+
+\* The run starts there, with the writers O lists busy with their attempts
+\* (none at a master's opening; a window's pending puts, nothing written).
+OpenedInit ==
+    /\ DirectoryState(Opened)
+    /\ writer = [w \in Writers |-> IF w \in DOMAIN Opened.writers THEN Opened.writers[w]
+                                   ELSE None]
+
+\* A window of a longer run (kvproto.checking.windows) ends in the state the
+\* next window starts from: End, built from the recorded steps. A writer End
+\* does not list is idle or holds an attempt whose token no longer owns its
+\* key (revoked or reclaimed under it), which no later step can take.
+WindowEnd ==
+    pos > Len(Trace) =>
+        /\ DirectoryState(End)
+        /\ \A w \in Writers :
+              IF w \in DOMAIN End.writers THEN writer[w] = End.writers[w]
+              ELSE writer[w] = None \/ ~TokenOwns(writer[w].key, writer[w].token)
 
 \* Every token the directory holds was issued, below nextToken: so in every
 \* state of the spec; checked here of the directory the run opened with.
@@ -512,7 +600,9 @@ TraceNext == Step \/ Write \/ Copy \/ Done
 
 def module(model) -> str:
     """The ``PublishTrace`` module of a run's model (:func:`to_model`)."""
-    return module_text(_MODULE, model, opened=format_value(model.opened))
+    end = getattr(model, "end", None)
+    return module_text(_MODULE, model, opened=format_value(model.opened),
+                       end=format_value(end if end is not None else model.opened))
 
 
 # --- checking --------------------------------------------------------------------
@@ -549,7 +639,7 @@ def check_each(path: "str | Path", *, keep: Optional[Path] = None,
         try:
             if machine == "publish":
                 header, steps = publish_run(lines[machine])
-                out[machine] = check_run(header, steps, keep=keep, on_output=on_output)
+                out[machine] = check_windows(header, steps, keep=keep, on_output=on_output)
             else:
                 out[machine] = leasetrace.check_lines(lines[machine], keep=keep,
                                                       on_output=on_output)
@@ -559,11 +649,14 @@ def check_each(path: "str | Path", *, keep: Optional[Path] = None,
 
 
 def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Path] = None,
-              on_output: Optional[Callable[[str], None]] = None) -> Verdict:
-    """Have TLC check one publish run (:func:`publish_run`) against ``spec/Publish.tla``."""
-    model = to_model(header, steps)
+              on_output: Optional[Callable[[str], None]] = None,
+              end: Optional[dict] = None) -> Verdict:
+    """Have TLC check one publish run (:func:`publish_run`) against
+    ``spec/Publish.tla``; with ``end``, a window of a longer run that must
+    end in that state (:mod:`kvproto.checking.windows`)."""
+    model = to_model(header, steps, end=end)
     result = run_module("Publish", "PublishTrace", module(model),
-                        cfg_text(model, INVARIANTS),
+                        cfg_text(model, INVARIANTS + (("WindowEnd",) if end is not None else ())),
                         keep=keep, on_output=on_output)
     n = len(steps)
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds)
@@ -584,6 +677,19 @@ def check_run(header: dict, steps: list[tuple[int, dict]], *, keep: Optional[Pat
     raise failure(result)
 
 
+def check_windows(header: dict, steps: list[tuple[int, dict]], *, size: int = windows.SIZE,
+                  max_windows: Optional[int] = None, keep: Optional[Path] = None,
+                  on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """:func:`check_run` of a run of any length: in windows of at most
+    ``size`` steps chained state to state (:mod:`kvproto.checking.windows`),
+    at most ``max_windows`` of them."""
+    return windows.check(
+        header, steps, spec="Publish", fits=to_model, boundary=boundary, size=size,
+        max_windows=max_windows, keep=keep,
+        run=lambda start, part, end, keep: check_run(start, part, end=end, keep=keep,
+                                                     on_output=on_output))
+
+
 def describe(step: dict) -> str:
     """A recorded step in one line: ``PutEnd(key='k', token=3) -> Published``."""
     ev = step["event"]
@@ -601,7 +707,8 @@ def add_arguments(parser: argparse.ArgumentParser):
         "Check a trace recorded by 'kvproto master --trace FILE' (or KVPROTO_TRACE=FILE): "
         "TLC walks the recorded steps of each of the master's machines in the file (publish, "
         "lease) and reports whether each is a step of its spec (spec/Publish.tla, "
-        "spec/Lease.tla), or the first that is not.")
+        "spec/Lease.tla), or the first that is not. A long run is checked whole, in windows "
+        "of 1,000 steps, each its own TLC run from the state the one before ended in.")
     sub = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
     check_parser = sub.add_parser("check", help="check one recorded run with TLC",
                                   description="check one recorded run with TLC")

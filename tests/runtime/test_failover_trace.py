@@ -83,6 +83,12 @@ def run(tmp_path_factory):
         wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20,
                  what="the standby open")
         assert bytes(client.get(b"a")) == failover.value(b"a")
+        # and over the network: a read a node serves (and records)
+        remote = kvproto.Client(url, timeout=5.0, lookup_timeout=1.0, local_reads=False)
+        try:
+            assert bytes(remote.get(b"a")) == failover.value(b"a")
+        finally:
+            remote.close()
         # a third node joins the new master
         start(children, url, str(out / "nodes.trace"), failover.start_storage)
         wait_for(lambda: sum(s["live"] for s in client.stats()["segments"].values()) == 3,
@@ -121,6 +127,9 @@ def test_every_node_records_the_takeover_steps(run):
     stale = [r["event"]["op"] for f in nodes for r in rows(f)
              if r.get("event", {}).get("type") == "StaleRequest"]
     assert stale == ["assign", "read"]
+    served = [r for f in nodes for r in rows(f)
+              if r.get("event", {}).get("type") == "ReadReplica" and r["effects"][0]["type"] != "Refused"]
+    assert served, "no read served"       # the get of a after the takeover
     purged = [k for f in nodes for r in rows(f)
               if r.get("event", {}).get("type") == "PurgeUnpublished"
               for k in r["effects"][0]["keys"]]
@@ -199,9 +208,19 @@ def _purge_less(r):
     return True
 
 
+def _serve_an_unheld_region(r):
+    """A node serves a read of a region under a token no allocation of its
+    index holds (the spec's Read of it is a miss)."""
+    ev = r.get("event", {})
+    if ev.get("type") != "ReadReplica" or r["effects"][0]["type"] == "Refused":
+        return False
+    ev["token"] = r["effects"][0]["token"] = 99
+    return True
+
+
 @needs_java
 @pytest.mark.parametrize("change", [_accept_stale, _refuse_current, _refuse_current_read,
-                                    _purge_less])
+                                    _purge_less, _serve_an_unheld_region])
 def test_a_node_step_changed_by_hand_is_rejected_at_that_step(run, tmp_path, change):
     nodes, masters, (where, n) = edit(run, tmp_path / "bad", change)
     verdict = failtrace.check(nodes, masters)
@@ -263,6 +282,44 @@ def _alloc(n: int, key: str, term: int) -> dict:
 def _publish(n: int, key: str, term: int) -> dict:
     return _step(n, {"type": "StampedPublish", "key": key, "term": term},
                  [{"type": "StorageAccepted", "key": key, "term": term}])
+
+
+def _read(n: int, offset: int, token: int) -> dict:
+    return _step(n, {"type": "ReadReplica", "segment": "a1", "offset": offset, "token": token},
+                 [{"type": "Accepted", "segment": "a1", "offset": offset, "token": token}])
+
+
+@needs_java
+@pytest.mark.parametrize("where, rejected", [("published", False), ("before its publish", True),
+                                             ("after its free", True), ("after a takeover", True)])
+def test_a_read_the_node_served_is_a_read_of_the_spec(tmp_path, where, rejected):
+    """A read node A served of ``x`` (its region at offset 0, token 1) is the
+    spec's lookup and read of that replica: served once ``x`` is published,
+    it is; served before ``x`` is published, after its free, or after a
+    master took over and purged ``x`` (never published) it is not, and the
+    run is rejected at the read."""
+    a, b = tmp_path / "a.trace", tmp_path / "b.trace"
+    alloc = _step(2, {"type": "StampedAllocate", "key": "x", "term": 1, "offset": 0,
+                      "length": 100, "token": 1},
+                  [{"type": "StorageAccepted", "key": "x", "term": 1}])
+    free = _step(5, {"type": "StampedFree", "key": "x", "term": 1, "token": 1},
+                 [{"type": "StorageAccepted", "key": "x", "term": 1}])
+    steps = {"published": [alloc, _publish(3, "x", 1), _read(4, 0, 1), free],
+             "before its publish": [alloc, _read(4, 0, 1), _publish(3, "x", 1), free],
+             "after its free": [alloc, _publish(3, "x", 1), free, _read(4, 0, 1)],
+             "after a takeover": [alloc, _fence(3, 2),
+                                  _step(5, {"type": "PurgeUnpublished", "below": 2},
+                                        [{"type": "Purged", "keys": ["x"], "freed": 100}]),
+                                  _read(4, 0, 1)]}[where]
+    a.write_text(_lines({"opened": {"segment": "a1", "term": 0}}, _fence(1, 1), *steps))
+    b.write_text(_lines({"opened": {"segment": "b", "term": 0}}, _fence(1, 1)))
+    verdict = failtrace.check([a, b])
+    if not rejected:
+        assert verdict.ok, verdict.message
+        return
+    assert not verdict.ok and verdict.failed_step == 4, verdict.message
+    assert verdict.message.startswith("a.trace step 4 "), verdict.message
+    assert "Read(key='x'" in verdict.message, verdict.message
 
 
 @needs_java

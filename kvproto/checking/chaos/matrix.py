@@ -206,12 +206,14 @@ class Matrix:
 
 def run_traced(workdir: Path, cells: "Iterable[Cell | str]", seconds: float, seed: int = 0,
                log: Optional[TextIO] = None, until: Optional[float] = None, first: int = 0,
-               max_steps: int = 1000, **settings) -> list[Report]:
+               max_steps: int = 1000, max_windows: Optional[int] = None,
+               **settings) -> list[Report]:
     """Run ``cells`` with tracing on, each on a cluster of its own (in
     ``workdir/run-N-CELL``, ``N`` counting from ``first``), so that each
     master's trace is one run from an empty directory or from its takeover;
     then check its traces (:func:`kvproto.checking.chaos.tracecheck.check_cell`,
-    each checker at most ``max_steps`` steps). None is started after the
+    windows or prefixes of at most ``max_steps`` steps, at most
+    ``max_windows`` windows). None is started after the
     monotonic time ``until``."""
     from kvproto.checking.chaos import tracecheck
     reports = []
@@ -224,7 +226,8 @@ def run_traced(workdir: Path, cells: "Iterable[Cell | str]", seconds: float, see
         with matrix:
             report = matrix.run(cell, seconds)
         began = time.monotonic()
-        tracecheck.judge(report, tracecheck.check_cell(matrix.cluster.traces, cell.name, max_steps))
+        tracecheck.judge(report, tracecheck.check_cell(matrix.cluster.traces, cell.name, max_steps,
+                                                     max_windows))
         report.phases["trace check"] = round(time.monotonic() - began, 2)
         for line in report.traces:
             matrix.say(f"  {cell.name}: trace: {line}")
@@ -603,21 +606,26 @@ def add_arguments(parser) -> None:
     steps = _checked(lambda text: _number(text, int))
     steps.__name__ = "steps"
     parser.add_argument("--trace-steps", type=steps, default=1000, metavar="N",
-                        help="with --trace: at most N steps per check (a longer run is checked "
-                             "up to a prefix; default 1000)")
+                        help="with --trace: at most N steps per TLC run (the publish and "
+                             "lease checks walk a longer run in windows of N steps, the merged "
+                             "check up to a prefix; default 1000)")
+    parser.add_argument("--trace-windows", type=steps, default=None, metavar="N",
+                        help="with --trace: at most N windows per publish and lease check "
+                             "(the line says where checking stopped; default: the whole run)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write every figure per cell as JSON to PATH (default: none)")
 
 
 def soak_traced(workdir: Path, minutes: float, cells: list[str], seconds: float, seed: int,
-                log: Optional[TextIO], max_steps: int, **settings) -> dict[str, Report]:
+                log: Optional[TextIO], max_steps: int, max_windows: Optional[int] = None,
+                **settings) -> dict[str, Report]:
     """:meth:`Matrix.soak` with tracing on (:func:`run_traced`)."""
     totals: dict[str, Report] = {}
     end = time.monotonic() + minutes * 60
     runs = 0
     while time.monotonic() < end:
         for report in run_traced(workdir, cells, seconds, seed, log, until=end, first=runs,
-                                 max_steps=max_steps, **settings):
+                                 max_steps=max_steps, max_windows=max_windows, **settings):
             totals.setdefault(report.cell, Report(report.cell)).add(report)
             runs += 1
     return totals
@@ -647,7 +655,8 @@ def main(args) -> int:
     try:
         if args.trace:
             totals = soak_traced(matrix.workdir, args.minutes, args.cells, args.seconds, args.seed,
-                                 out, args.trace_steps, coordinator=args.coordinator)
+                                 out, args.trace_steps, args.trace_windows,
+                                 coordinator=args.coordinator)
         else:
             with matrix:
                 totals = matrix.soak(args.minutes, args.cells, args.seconds)

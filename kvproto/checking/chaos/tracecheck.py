@@ -37,11 +37,14 @@ checkers that apply:
 
 A killed process leaves its file cut at its last line: the recorded prefix
 is checked (a partial last line is left out). The checkers map a run onto a
-bounded model (their ``LIMITS``: steps, keys, tokens, slots): a run past them
-is checked up to the longest prefix that fits and ``max_steps`` (a prefix of
-a behaviour of the spec is one too), and the result says how many of the
-recorded steps that was. A check that finds a step the spec does not allow
-fails the cell, as wrong bytes do.
+bounded model (their ``LIMITS``: steps, keys, tokens, slots). The publish
+and lease checks walk the whole run, in windows of at most ``max_steps``
+steps chained state to state (:mod:`kvproto.checking.windows`; a lease
+window ends where no read is in progress; ``max_windows`` caps their number,
+and the line says so); the merged check walks the longest prefix that fits
+and ``max_steps`` (a prefix of a behaviour of the spec is one too). The
+result says how many of the recorded steps were checked. A check that finds
+a step the spec does not allow fails the cell, as wrong bytes do.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from typing import Callable, Optional
 from kvproto.checking import failtrace, leasetrace, mergetrace, traces
 from kvproto.checking.traces import runs
 from kvproto.checking.tracerun import TraceError, Verdict, accepted
+from kvproto.checking.windows import longest_fit
 
 #: cells whose proxy faults drop, delay or reorder the master's commands to its nodes
 UNORDERED = ("net-drop", "net-delay", "net-reorder", "net-partition")
@@ -95,52 +99,28 @@ def whole_lines(path: Path) -> Path:
     return cut
 
 
-def longest_fit(n: int, fits: Callable[[int], None]) -> tuple[int, str]:
-    """The largest ``k <= n`` for which ``fits(k)`` raises no :class:`TraceError`
-    (fits is monotone: a prefix of a run that fits fits), and the error of
-    ``k + 1`` ("" when ``k == n``)."""
+def _windowed_check(name: str, check_windows: Callable[..., Verdict], header: dict,
+                    steps: list, max_steps: int, max_windows: Optional[int]) -> Check:
+    """The publish or lease check of a whole run, in windows of at most
+    ``max_steps`` steps (:mod:`kvproto.checking.windows`), at most
+    ``max_windows`` of them."""
+    if not steps:
+        return Check(name, 0, why="no step recorded")
     try:
-        fits(n)
-        return n, ""
-    except TraceError as e:
-        why = " ".join(str(e).split())
-    lo, hi = 0, n - 1          # fits(lo) is taken to hold for lo == 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        try:
-            fits(mid)
-            lo = mid
-        except TraceError as e:
-            hi, why = mid - 1, " ".join(str(e).split())
-    return lo, why
-
-
-def _capped(n: int, max_steps: int) -> tuple[int, str]:
-    return (n, "") if n <= max_steps else (max_steps, f"at most {max_steps} steps per check")
-
-
-def _fit_and_check(name: str, steps: list, max_steps: int, fits: Callable[[int], None],
-                   run: Callable[[int], Verdict]) -> Check:
-    n, why = _capped(len(steps), max_steps)
-    k, limit = longest_fit(n, fits)
-    why = limit or why
-    if k == 0:
-        return Check(name, len(steps), why=why or "no step recorded")
-    try:
-        verdict = run(k)
+        verdict = check_windows(header, steps, size=max_steps, max_windows=max_windows)
     except TraceError as e:
         return Check(name, len(steps), why=" ".join(str(e).split()))
-    if verdict.ok and verdict.steps < k:     # the checker stopped where the spec's world ends
-        why = verdict.message
-    return Check(name, len(steps), verdict.steps if verdict.ok else k, verdict, why)
+    why = verdict.stopped or (f"in {verdict.windows} windows" if verdict.windows > 1 else "")
+    return Check(name, len(steps), verdict.steps, verdict, why)
 
 
-def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
+def _master_checks(name: str, path: Path, max_steps: int,
+                   max_windows: Optional[int] = None) -> list[Check]:
     out = []
     lines = traces.read(path)
-    for machine, read, to_model, check_run in (
-            ("publish", traces.publish_run, traces.to_model, traces.check_run),
-            ("lease", leasetrace.lease_run, leasetrace.to_model, leasetrace.check_run)):
+    for machine, read, check_windows in (
+            ("publish", traces.publish_run, traces.check_windows),
+            ("lease", leasetrace.lease_run, leasetrace.check_windows)):
         split = runs(lines[machine])
         for i, run in enumerate(split, 1):
             label = f"{name} {machine}" + (f" run {i}" if len(split) > 1 else "")
@@ -149,10 +129,8 @@ def _master_checks(name: str, path: Path, max_steps: int) -> list[Check]:
             except TraceError as e:
                 out.append(Check(label, len(run) - 1, why=" ".join(str(e).split())))
                 continue
-            out.append(_fit_and_check(
-                label, steps, max_steps,
-                lambda k, h=header, s=steps, m=to_model: m(h, s[:k]),
-                lambda k, h=header, s=steps, c=check_run: c(h, s[:k])))
+            out.append(_windowed_check(label, check_windows, header, steps, max_steps,
+                                       max_windows))
     return out
 
 
@@ -250,9 +228,12 @@ def judge(report, checks: list[Check]) -> None:
             report.trace_steps += c.checked
 
 
-def check_cell(folder: Path, cell: str, max_steps: int = 1000) -> list[Check]:
+def check_cell(folder: Path, cell: str, max_steps: int = 1000,
+               max_windows: Optional[int] = None) -> list[Check]:
     """Run the checkers that apply to a cell run whose processes recorded to
-    ``folder`` (see the module docstring); each checker at most ``max_steps``."""
+    ``folder`` (see the module docstring): the publish and lease checks of
+    each master run whole, in windows of at most ``max_steps`` steps (at most
+    ``max_windows`` of them), the merged one up to ``max_steps``."""
     folder = Path(folder)
     masters = sorted((p for p in folder.glob("master-*.trace") if p.stat().st_size),
                      key=lambda p: int(p.stem.split("-")[1]))
@@ -262,7 +243,7 @@ def check_cell(folder: Path, cell: str, max_steps: int = 1000) -> list[Check]:
     nodes = [whole_lines(p) for p in nodes]
     checks: list[Check] = []
     for path in masters:
-        checks += _master_checks(path.name.split(".")[0], path, max_steps)
+        checks += _master_checks(path.name.split(".")[0], path, max_steps, max_windows)
     if nodes and cell not in UNORDERED:
         for path in masters:
             checks += _merged_checks(path.name.split(".")[0], path, nodes, max_steps)

@@ -1,0 +1,323 @@
+"""Long runs checked whole, window by window (:mod:`kvproto.checking.windows`).
+
+A publish run and a lease run of some 1,500 steps each, recorded as the
+master records them, are checked in windows chained state to state: every
+step is checked, those past step 1,000 too. One step changed by hand past
+step 1,000 (which a check of the first 1,000 steps passes) is rejected with
+its number, in whichever window it falls; a window whose end is not where
+the next one starts fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvproto.checking import leasetrace, traces
+from kvproto.cores import leases as lease_core
+from kvproto.cores.directory import DirectoryCore
+from kvproto.runtime import tracing
+from kvproto.statemachines import lease as lm
+from kvproto.statemachines import publish as pm
+
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
+pytestmark = [pytest.mark.tlc]
+
+KEYS = 12
+
+
+def _r(segment: str, offset: int, length: int = 100) -> pm.Replica:
+    return pm.Replica(segment, offset, length)
+
+
+def long_run(path: Path, rounds: int = 26) -> Path:
+    """A master's run of ``rounds`` rounds on three segments, each: a put of
+    every key (one revoked and put again, one left pending past the round's
+    end), a read of each, a stale ``PutEnd`` refused, and each published key
+    removed; s3 lost in the last round. About 60 steps a round."""
+    core = DirectoryCore.restored({"s1": 1 << 20, "s2": 1 << 20, "s3": 1 << 20}, [], 1)
+    recorder = tracing.Recorder(str(path))
+    recorder.opened(core, 1)
+
+    def step(event):
+        effects = core.step(event)
+        recorder.publish(event, effects, core)
+        return effects
+
+    def put(key: bytes, slot: int) -> int:
+        segments = ("s1", "s2") if slot % 2 else ("s2", "s3")
+        (granted, *_) = step(pm.PutStart(key, 100, tuple(_r(s, slot * 4096) for s in segments)))
+        return granted.token
+
+    pending = None
+    for r in range(rounds):
+        for j in range(KEYS):
+            key = f"k{j}".encode()
+            if pending is not None and pending[0] == key:
+                step(pm.PutEnd(key, pending[1]))       # the put left pending last round
+                pending = None
+                continue
+            token = put(key, j)
+            if j == 3:
+                step(pm.PutRevoke(key, token))
+                token = put(key, j)
+            if j == 5 and r % 2 == 0:
+                pending = (key, token)                 # ended next round
+                continue
+            step(pm.PutEnd(key, token))
+            if j == 7:
+                step(pm.PutEnd(key, token))            # again: refused, it is published
+        if r == rounds - 1:
+            step(pm.SegmentLost("s3"))      # the objects on s2 and s3 keep their s2 replica
+        for j in range(KEYS):
+            key = f"k{j}".encode()
+            if pending is not None and pending[0] == key:
+                continue
+            step(pm.ReadBegin(key))
+            step(pm.ReadEnd(key, core.objects[key].token))
+            step(pm.Remove(key))
+    recorder.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    return long_run(tmp_path_factory.mktemp("windows") / "long.trace")
+
+
+def run_of(path: Path):
+    return traces.publish_run(traces.read(path)["publish"])
+
+
+def test_the_run_is_longer_than_one_window(recorded):
+    header, steps = run_of(recorded)
+    assert len(steps) > 1400
+    kinds = {s["event"]["type"] for _, s in steps[1000:]}
+    assert kinds >= {"PutStart", "PutEnd", "PutRevoke", "ReadBegin", "Remove", "SegmentLost"}
+
+
+def test_a_boundary_is_the_directory_the_steps_left():
+    """The state after some steps as a header: the objects, the lost segment
+    dropped from the objects that kept other replicas (their records are not
+    in its step), the busy writers of pending puts."""
+    header = {"next_token": 1, "objects": 0, "segments": {"s1": 1, "s2": 1}, "directory": {}}
+    rec = {"status": "pending", "token": 1, "replicas": [{"segment": "s1", "offset": 0},
+                                                         {"segment": "s2", "offset": 0}],
+           "requested": 2, "repairs": [], "reads": 0}
+    grant = {"type": "PutGranted", "key": "a", "token": 1, "replicas": rec["replicas"]}
+    steps = [(2, {"n": 1, "event": {"type": "PutStart", "key": "a"}, "effects": [grant],
+                  "after": {"next_token": 2, "objects": {"a": rec}}})]
+    at = traces.boundary(header, steps)
+    assert at["next_token"] == 2 and at["directory"] == {"a": rec}
+    assert at["writers"] == [{"key": "a", "token": 1, "replicas": rec["replicas"]}]
+    published = {**rec, "status": "published"}
+    steps += [(3, {"n": 2, "event": {"type": "PutEnd", "key": "a", "token": 1},
+                   "effects": [{"type": "Published", "key": "a", "token": 1}],
+                   "after": {"next_token": 2, "objects": {"a": published}}}),
+              (4, {"n": 3, "event": {"type": "SegmentLost", "segment": "s2"}, "effects": [],
+                   "after": {"next_token": 2, "objects": {}}})]
+    at = traces.boundary(header, steps)
+    assert at["writers"] == [] and at["lost"] == ["s2"]
+    assert at["directory"]["a"]["replicas"] == [{"segment": "s1", "offset": 0}]
+    assert header["directory"] == {}                    # the header is left as it was
+
+
+def test_a_run_not_one_step_of_which_fits_cannot_be_checked():
+    """A directory past the bounds (40 objects) from its first step: an error,
+    as a run too large for one TLC run was before windows."""
+    directory = {f"k{i}": {"status": "published", "token": i + 1, "requested": 1,
+                           "replicas": [{"segment": "s1", "offset": i}], "repairs": [],
+                           "reads": 0} for i in range(40)}
+    header = {"next_token": 41, "objects": 40, "segments": {"s1": 1}, "directory": directory}
+    steps = [(2, {"n": 1, "event": {"type": "Remove", "key": "k0"},
+                  "effects": [{"type": "Removed", "key": "k0", "token": 1}],
+                  "after": {"next_token": 41, "objects": {"k0": None}}})]
+    with pytest.raises(traces.TraceError, match="the run has 40 keys; at most 32"):
+        traces.check_windows(header, steps)
+
+
+@needs_java
+def test_a_long_run_is_checked_whole_in_windows(recorded, tmp_path):
+    header, steps = run_of(recorded)
+    verdict = traces.check_windows(header, steps, size=400, keep=tmp_path)
+    assert verdict.ok, verdict.message
+    assert verdict.steps == len(steps)
+    windows_run = -(-len(steps) // 400)
+    assert f"all {len(steps)} steps are steps of spec/Publish.tla in {windows_run} windows" \
+        in verdict.message
+    # each window after the first starts where the one before it ended,
+    # writers busy with the puts left pending there
+    second = (tmp_path / "window-2" / "PublishTrace.tla").read_text()
+    assert "WindowEnd" in (tmp_path / "window-1" / "PublishTrace.cfg").read_text()
+    assert "WindowEnd" not in (tmp_path / f"window-{windows_run}" / "PublishTrace.cfg").read_text()
+    assert "writers |->" in second
+
+
+@needs_java
+def test_a_window_cap_is_said(recorded):
+    header, steps = run_of(recorded)
+    verdict = traces.check_windows(header, steps, size=150, max_windows=2)
+    assert verdict.ok and verdict.steps == 300, verdict.message
+    n = steps[300][1]["n"]
+    assert f"step {n} and after are not checked: at most 2 window(s) of 150 steps" \
+        in verdict.message
+
+
+@needs_java
+def test_a_window_that_ends_elsewhere_than_the_next_starts_fails(recorded, monkeypatch):
+    """The chaining is checked: a start state for window 2 that is not where
+    window 1 ended (a pending put's writer left out) fails window 1."""
+    header, steps = run_of(recorded)
+    real = traces.boundary
+    size = next(k for k in range(100, 400) if real(header, steps[:k])["writers"])
+
+    def forget_a_writer(start, part):
+        at = real(start, part)
+        return {**at, "writers": at["writers"][1:]}
+
+    monkeypatch.setattr(traces, "boundary", forget_a_writer)
+    verdict = traces.check_windows(header, steps[:2 * size], size=size)
+    assert not verdict.ok
+    assert verdict.message.startswith(f"window 1 (steps 1 to {size}) did not end in the state"), \
+        verdict.message
+
+
+def corrupt_after(path: Path, out: Path, after: int, kind: str, change) -> int:
+    """``path`` to ``out`` with ``change`` applied to the first step of
+    ``kind`` numbered above ``after`` for which it returns True; its number."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    n = None
+    for row in rows:
+        if n is None and row.get("n", 0) > after and row.get("event", {}).get("type") == kind \
+                and change(row):
+            n = row["n"]
+    assert n is not None
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return n
+
+
+def _publish_the_refused(row):
+    if row["effects"][0]["type"] != "Refused":
+        return False
+    ev = row["event"]
+    row["effects"] = [{"type": "Published", "key": ev["key"], "token": ev["token"]}]
+    return True
+
+
+def _keep_a_region(row):
+    frees = [e for e in row["effects"] if e["type"] == "FreeRegion"]
+    if not frees:
+        return False
+    row["effects"].remove(frees[0])
+    return True
+
+
+@needs_java
+@pytest.mark.parametrize("kind, change, prefix", [("PutEnd", _publish_the_refused, True),
+                                                  ("Remove", _keep_a_region, False)])
+def test_a_step_changed_past_step_1000_is_rejected_with_its_number(recorded, tmp_path,
+                                                                   kind, change, prefix):
+    bad = tmp_path / "bad.trace"
+    n = corrupt_after(recorded, bad, 1100, kind, change)
+    header, steps = run_of(bad)
+    if prefix:      # the first 1,000 steps (all the old prefix check walked) pass
+        assert traces.check_run(header, steps[:1000]).ok
+    verdict = traces.check_windows(header, steps, size=400)
+    assert not verdict.ok
+    assert verdict.failed_step == n, verdict.message
+    assert f"step {n} " in verdict.message
+    assert f"(window {(n - 1) // 400 + 1}, from step " in verdict.message
+
+
+# --- the lease table ---------------------------------------------------------------
+
+
+def long_lease_run(path: Path, rounds: int = 130) -> Path:
+    """A lease table's run (TTL 2 s) as the master records it, each round:
+    the clock read, an object put, two reads of it (one renewed, one
+    released after its lease expired), a miss, and the object of five rounds
+    before removed, or evicted every third round. About 11 steps a round."""
+    table = lease_core.new_table(2.0)
+    recorder = tracing.Recorder(str(path))
+    now = 0.0
+
+    def step(event):
+        return recorder.lease(table, event)
+
+    def tick(dt: float) -> None:
+        nonlocal now
+        now += dt
+        step(lm.Tick(now))
+
+    for r in range(rounds):
+        key = f"k{r % 40}"                          # put again 40 rounds on
+        tick(0.25)
+        step(lm.Put(key, (key, r + 1)))
+        step(lm.Grant(("c", 2 * r), key))
+        step(lm.Grant(("d", 2 * r + 1), key))
+        tick(0.5)
+        step(lm.Renew(("c", 2 * r)))
+        step(lm.Release(("c", 2 * r)))
+        tick(2.5)                                   # the other lease expired
+        step(lm.Release(("d", 2 * r + 1)))          # refused: a release of an ended lease
+        step(lm.Grant(("e", r), "gone"))            # a miss
+        if r >= 5:
+            old = f"k{(r - 5) % 40}"
+            step(lm.Evict(old) if r % 3 == 0 else lm.Remove(old))
+    recorder.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def leased(tmp_path_factory) -> Path:
+    return long_lease_run(tmp_path_factory.mktemp("windows") / "lease.trace")
+
+
+def lease_run_of(path: Path):
+    return leasetrace.lease_run(traces.read(path)["lease"])
+
+
+def test_a_lease_window_ends_only_where_no_read_is_in_progress(leased):
+    header, steps = lease_run_of(leased)
+    assert len(steps) > 1400
+    assert leasetrace.quiet_cut(header, steps[:5]) == 2       # then two reads in progress
+    k = leasetrace.quiet_cut(header, steps[:10])
+    assert k == 10 and steps[k - 1][1]["event"]["type"] == "Grant"    # after the miss
+    at = leasetrace.boundary(header, steps[:k])
+    assert at["cached"] == [["k0", ["k0", 1]]] and at["now"] == 3.25
+
+
+@needs_java
+def test_a_long_lease_run_is_checked_whole_in_windows(leased, tmp_path):
+    header, steps = lease_run_of(leased)
+    verdict = leasetrace.check_windows(header, steps, size=400, keep=tmp_path)
+    assert verdict.ok, verdict.message
+    assert verdict.steps == len(steps) and verdict.windows >= 4, verdict.message
+    assert f"all {len(steps)} steps are steps of spec/Lease.tla in {verdict.windows} windows" \
+        in verdict.message
+    # windows end where no read is in progress: within a few steps of 400
+    second = (tmp_path / "window-2" / "LeaseTrace.tla").read_text()
+    assert "Cached == (key1 :> slot" in second
+    assert "WindowEnd" in (tmp_path / "window-1" / "LeaseTrace.cfg").read_text()
+
+
+def _release_the_expired(row):
+    """A release of an expired lease recorded as accepted."""
+    if row["effects"][0]["type"] != "Refused":
+        return False
+    row["effects"] = [{"type": "LeaseReleased", "holder": row["event"]["holder"],
+                       "key": "k0"}]
+    return True
+
+
+@needs_java
+def test_a_lease_step_changed_past_step_1000_is_rejected_with_its_number(leased, tmp_path):
+    bad = tmp_path / "bad.trace"
+    n = corrupt_after(leased, bad, 1100, "Release", _release_the_expired)
+    header, steps = lease_run_of(bad)
+    assert leasetrace.check_run(header, steps[:1000]).ok     # all the old prefix walked
+    verdict = leasetrace.check_windows(header, steps, size=400)
+    assert not verdict.ok and verdict.failed_step == n, verdict.message
+    assert f"step {n} " in verdict.message and "(window " in verdict.message
