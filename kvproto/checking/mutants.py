@@ -67,6 +67,7 @@ def _one(path: str, original: str, replacement: str) -> tuple[Edit, ...]:
 SHM = "kvproto/runtime/shm.py"
 CLIENT = "kvproto/runtime/client.py"
 MASTER = "kvproto/runtime/master.py"
+REQUESTS = "kvproto/runtime/master_requests.py"
 STORAGE = "kvproto/runtime/storage.py"
 LEASE_CORE = "kvproto/cores/leases.py"
 LEASES = "tests/runtime/test_leases.py"
@@ -144,7 +145,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",
-        _one(MASTER, "            err, _ = self._step(event_type(key, token, *checksum))\n",
+        _one(REQUESTS, "            err, _ = self._step(event_type(key, token, *checksum))\n",
              "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
              "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
              "                                           *checksum))\n"),
@@ -237,7 +238,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "route-back-keeps-writes",
         "a route back leaves the held namespace's writes in progress pending, "
         "so they still publish into a namespace that takes no writes",
-        _one(MASTER, "                    self._step(PutRevoke(key, record.token))\n",
+        _one(REQUESTS, "                    self._step(PutRevoke(key, record.token))\n",
              "                    pass\n"),
         (f"{TENANCY}::test_an_upgrade_canary_prewarm_switch_route_back_and_drop",)),
 )
