@@ -145,10 +145,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",
-        _one(REQUESTS, "            err, _ = self._step(event_type(key, token, *checksum))\n",
-             "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
-             "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
-             "                                           *checksum))\n"),
+        (Edit(REQUESTS, "            err, _ = self._step(event_type(key, token, *checksum))\n",
+              "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
+              "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
+              "                                           *checksum))\n"),
+         Edit(REQUESTS, "        ends = [(key, token, checksum[0] if checksum else 0) "
+                        "for key, token, *checksum in given]\n",
+              "        objects = self.directory.objects\n"
+              "        ends = [(key, token if (rec := objects.get(key)) is None else rec.token,\n"
+              "                 checksum[0] if checksum else 0) for key, token, *checksum in given]\n")),
         ("tests/runtime/test_embedded.py::test_a_revoked_writer_cannot_publish_the_next_attempt",)),
     Mutant(
         "new-master-restarts-tokens",

@@ -58,7 +58,7 @@ def _refused(error: errors.KvError) -> tuple:
     return (Refused(error),)
 
 
-class _Refusal:
+class Refusal:
     """A refused step's error, where an accepted step's value may be any key."""
 
     __slots__ = ("error",)
@@ -232,15 +232,15 @@ class LeaseCore:
     def _release(self, ev: Release) -> tuple:
         """Spec ``Release``: the lease ends; the object is not touched."""
         key = self._end(ev.holder)
-        return (LeaseReleased(ev.holder, key),) if type(key) is not _Refusal \
+        return (LeaseReleased(ev.holder, key),) if type(key) is not Refusal \
             else (Refused(key.error),)
 
     def _end(self, holder):
         """``Release(holder)`` without its effect: the key of the lease ended,
-        or a :class:`_Refusal` (nothing changed)."""
+        or a :class:`Refusal` (nothing changed)."""
         lease = self._leases.get(holder)
         if lease is None:
-            return _Refusal(errors.LeaseExpired(f"{holder!r} holds no lease"))
+            return Refusal(errors.LeaseExpired(f"{holder!r} holds no lease"))
         self._forget(holder, lease)
         return lease.key
 
@@ -266,7 +266,7 @@ class LeaseCore:
 
     def release_many(self, holders: Iterable) -> list:
         """``Release(holder)`` of each holder, in order: the fold of the single
-        steps. Per holder the key of its lease, or a :class:`_Refusal` (its
+        steps. Per holder the key of its lease, or a :class:`Refusal` (its
         ``error`` the step's); :func:`release_effects` gives the effects."""
         end = self._end
         return [end(holder) for holder in holders]
@@ -599,7 +599,7 @@ def grant_effects(core: LeaseCore, items, results) -> tuple:
 
 def release_effects(holders, results) -> tuple:
     """The effects of the steps :meth:`LeaseCore.release_many` folded."""
-    return tuple(Refused(r.error) if type(r) is _Refusal else LeaseReleased(holder, r)
+    return tuple(Refused(r.error) if type(r) is Refusal else LeaseReleased(holder, r)
                  for holder, r in zip(holders, results))
 
 

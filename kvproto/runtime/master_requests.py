@@ -25,6 +25,7 @@ import re
 from typing import Any, Optional
 
 from kvproto import errors
+from kvproto.cores.leases import Refusal
 from kvproto.runtime import wire
 from kvproto.statemachines import failover as fm, lease as lm
 from kvproto.statemachines.publish import (
@@ -102,6 +103,10 @@ class MasterRequests:
     """The request handlers of :class:`~kvproto.runtime.master.MasterCore`
     (``handle`` and one ``_op_<request>`` each); they use its state and its
     stepping (``_step``, ``_lstep``, ``_ltick``, ``_flush``)."""
+
+    #: batched requests take the cores' batch steps where they may
+    #: (:meth:`_batched`); off, every request is handled one key at a time
+    batched = True
 
     def _session(self, client: str, create: bool = False) -> Optional[ClientSession]:
         session = self.sessions.get(client)
@@ -239,7 +244,8 @@ class MasterRequests:
         session = self._session(client, create=True)
         self._writing = (body["writer"], body["host"]) if "writer" in body and "host" in body else None
         try:
-            self._put_start_items(body, client, replicas, items, session)
+            fill = self._put_start_batch if self._batched() else self._put_start_items
+            fill(body, client, replicas, items, session)
         finally:
             self._writing = None
         if session.empty():
@@ -268,19 +274,7 @@ class MasterRequests:
                     continue
             placement = place(length, replicas)
             if placement is None:
-                # The allocator refuses before the machine sees anything; name the
-                # error the machine would have given for a taken key.
-                live = len(self.segments)
-                if key in self.directory.objects:
-                    err: errors.KvError = errors.KeyExists(f"key {key!r} exists or is being put")
-                elif not live:
-                    err = errors.NoStorage("no storage node has registered with this master")
-                elif replicas > live:
-                    err = errors.NoSpace(f"{replicas} replicas need {replicas} live storage nodes; "
-                                         f"only {live} registered")
-                else:
-                    err = errors.NoSpace(f"no {replicas} live segment(s) can hold {length} bytes")
-                items[i] = wire.error_item(err)
+                items[i] = wire.error_item(self._unplaced(key, length, replicas))
                 continue
             err, effects = step(PutStart(key, length, placement))
             if err is not None:
@@ -301,6 +295,73 @@ class MasterRequests:
                 item["direct"] = direct
             items[i] = [0, item]
 
+    def _put_start_batch(self, body, client, replicas, items, session) -> None:
+        """:meth:`_put_start_items` with the directory's batch step
+        (``put_start_many``): each key placed, then stepped, a refused
+        placement given back before the next key is placed; the assigns
+        queued as the effects' ``AssignRegion`` would be, in order."""
+        now, place, release, owner, tokens = (self.clock(), self.placer.place,
+                                              self.placer.release, self._owner, session.tokens)
+        taken: list = []
+
+        def placed():
+            for i, (key, length) in enumerate(body["items"]):
+                placement = place(length, replicas)
+                if placement is None:
+                    items[i] = wire.error_item(self._unplaced(key, length, replicas))
+                    continue
+                item = (key, length, placement)
+                taken.append((i, item))
+                yield item
+
+        results = self.directory.put_start_many(placed(), lambda item: release(item[2]))
+        writing, direct, queue, started = self._writing, self._direct, self._queue, 0
+        # a direct writer writes its replicas on its own host's segments
+        # itself (spec/DirectWrite.tla Grant)
+        near = {s for s, info in self.segments.items() if info.host == writing[1]} \
+            if writing is not None else ()
+        for (i, (key, length, placement)), token in zip(taken, results):
+            if type(token) is not int:
+                items[i] = wire.error_item(token)
+                continue
+            started += 1
+            tokens[token] = [key, now]
+            owner[token] = client
+            grant = {"token": token, "replicas": [[r.segment, r.offset, length] for r in placement]}
+            mine = None
+            for r in placement:
+                segment = r.segment
+                if segment in near:
+                    direct[(segment, r.offset)] = token
+                    queue.append((segment, "assign", [r.offset, length, key, token, writing[0]]))
+                    mine = [segment] if mine is None else mine + [segment]
+                else:
+                    queue.append((segment, "assign", [r.offset, length, key, token]))
+            if mine is not None:
+                grant["direct"] = mine
+            items[i] = [0, grant]
+        self.counters["puts_started"] += started
+        self.counters["refused"] += len(taken) - started
+
+    def _unplaced(self, key, length: int, replicas: int) -> errors.KvError:
+        """Why no placement: the allocator refuses before the machine sees
+        anything, so name the error the machine would have given for a taken key."""
+        live = len(self.segments)
+        if key in self.directory.objects:
+            return errors.KeyExists(f"key {key!r} exists or is being put")
+        if not live:
+            return errors.NoStorage("no storage node has registered with this master")
+        if replicas > live:
+            return errors.NoSpace(f"{replicas} replicas need {replicas} live storage nodes; "
+                                  f"only {live} registered")
+        return errors.NoSpace(f"no {replicas} live segment(s) can hold {length} bytes")
+
+    def _batched(self) -> bool:
+        """Whether a batched request takes the cores' batch steps (not with
+        tenants, whose checks interleave with each key's steps, nor while
+        every step is traced)."""
+        return self.batched and self.tenants is None and self.trace is None
+
     def _complete(self, parked: Parked) -> tuple[int, dict]:
         if parked.op != "put_start":
             return 0, {"items": parked.items}
@@ -320,6 +381,8 @@ class MasterRequests:
         if session is not None:
             self._refresh(session, [item[1] for item in body["items"]])
         self._ltick()     # once: a publish's lease Put is at the request's time
+        if event_type is PutEnd and self._batched():
+            return 0, {"items": self._put_end_batch(body["items"])}
         items = []
         for key, token, *checksum in body["items"]:
             err, _ = self._step(event_type(key, token, *checksum))
@@ -327,6 +390,32 @@ class MasterRequests:
                 self.counters["puts_revoked"] += 1
             items.append(wire.ok_item() if err is None else wire.error_item(err))
         return 0, {"items": items}
+
+    def _put_end_batch(self, given: list) -> list:
+        """``PutEnd`` of each ``[key, token, checksum?]`` with the directory's
+        batch step (``put_end_many``); each publish carried out as its
+        ``Published`` effect is, in bulk: the lease table's ``Put``
+        (``put_many``), the publish marks queued in order. The reply's items."""
+        ends = [(key, token, checksum[0] if checksum else 0) for key, token, *checksum in given]
+        results = self.directory.put_end_many(ends)
+        items, puts, queue, forget = [], [], self._queue, self._forget_pending
+        for (key, token, _), r in zip(ends, results):
+            if type(r) is not tuple:
+                items.append(wire.error_item(r))
+                continue
+            length, checksum, requested, placed = r
+            forget(token)
+            puts.append((key, (key, token), length * max(len(placed), 1)))
+            # the storage nodes' index learns the publish (StampedPublish)
+            for segment, offset in placed:
+                queue.append((segment, "publish", [offset, key, token, checksum, requested]))
+            items.append([0, None])
+        self.counters["puts_published"] += len(puts)
+        self.counters["refused"] += len(ends) - len(puts)
+        for (key, _, _), err in zip(puts, self.leases.put_many(puts)):
+            if err is not None:   # cannot happen while the tables agree
+                log.error("lease table refused Put(%r): %s", key, err)
+        return items
 
     def _op_put_end(self, body, reply_to, request_id):
         """``PutEnd``; the reply waits until every replica's node has recorded
@@ -377,11 +466,23 @@ class MasterRequests:
         if body.get("release"):
             self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
         session = self._session(client, create=True)
-        items, segments = [], {}
         # one tick for the request: each grant expires at its time plus the
         # TTL, which is after the reader sent it (what the reader's check
         # counts from), so no later than a tick per key would make it
         self._ltick()
+        if self._batched():
+            items, segments = self._read_batch(body["keys"], client, leased, session)
+        else:
+            items, segments = self._read_items(body, client, leased, session)
+        if session.empty():
+            del self.sessions[client]
+        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4,
+                   "term": self.failover.term}
+
+    def _read_items(self, body, client, leased, session) -> tuple[list, dict]:
+        """The reads of :meth:`_op_read_begin` one key at a time: the reply's
+        items and the segments they name."""
+        items, segments = [], {}
         tenants, step, counters, touch = self.tenants, self._step, self.counters, self.leases.touch
         infos, ok_item = self.segments, wire.ok_item
         for key in body["keys"]:
@@ -436,10 +537,57 @@ class MasterRequests:
                     if info is not None:
                         segments[r.segment] = info.wire()
             items.append(ok_item(item))
-        if session.empty():
-            del self.sessions[client]
-        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4,
-                   "term": self.failover.term}
+        return items, segments
+
+    def _read_batch(self, keys, client, leased, session) -> tuple[list, dict]:
+        """:meth:`_read_items` with the cores' batch steps: the directory's
+        ``read_many`` (a leased read's pin ended at once) and the lease
+        table's ``grant_many``. Lease ids are taken in order by the reads
+        granted (a grant the lease table refuses, which the tables' agreement
+        rules out, leaves its id unused)."""
+        results = self.directory.read_many(keys, pin=not leased)
+        items, segments, infos, wanted = [], {}, self.segments, []
+        for key, r in zip(keys, results):
+            if type(r) is not tuple:
+                items.append(wire.error_item(r))
+                continue
+            token, length, checksum, placed = r
+            item = {"token": token, "length": length,
+                    "replicas": [[segment, offset, length] for segment, offset in placed]}
+            if checksum:
+                item["checksum"] = checksum
+            for segment, _ in placed:
+                if segment not in segments:
+                    info = infos.get(segment)
+                    if info is not None:
+                        segments[segment] = info.wire()
+            wanted.append((key, token, item, len(items)))
+            items.append([0, item])
+        counters = self.counters
+        counters["reads"] += len(wanted)
+        counters["misses"] += len(items) - len(wanted)
+        counters["refused"] += len(items) - len(wanted)
+        if not leased:
+            touch, pins = self.leases.touch, session.pins
+            for key, token, _, _ in wanted:
+                touch(key)
+                pin = (key, token)
+                pins[pin] = pins.get(pin, 0) + 1
+            return items, segments
+        first, ttl = self._next_lease, self.leases.ttl
+        grants = self.leases.grant_many(
+            [((client, first + n), key) for n, (key, _, _, _) in enumerate(wanted)])
+        self._next_lease = first + len(wanted)
+        for n, ((key, _, item, at), expires) in enumerate(zip(wanted, grants)):
+            if isinstance(expires, errors.KvError):   # the tables disagree: a bug; answer it typed
+                self.leases.touch(key)
+                log.error("lease grant of %r refused: %s", key, expires)
+                items[at] = wire.error_item(expires)
+                continue
+            item["lease"] = first + n
+            item["ttl"] = ttl
+        counters["lease_grants"] += sum(not isinstance(g, errors.KvError) for g in grants)
+        return items, segments
 
     def _op_read_end(self, body, reply_to, request_id):
         client = body["client"]
@@ -494,6 +642,12 @@ class MasterRequests:
     def _op_release(self, body, reply_to, request_id):
         client, items = body["client"], []
         self._ltick()     # once: the releases are at the request's time
+        if self._batched():
+            holders = [(client, lease_id) for lease_id in body["leases"]]
+            for r in self.leases.release_many(holders):
+                items.append(wire.error_item(r.error) if type(r) is Refusal else [0, None])
+            self.counters["lease_releases"] += sum(item[0] == 0 for item in items)
+            return 0, {"items": items}
         for lease_id in body["leases"]:
             err, _ = self._lstep(lm.Release((client, lease_id)), tick=False)
             if err is None:
