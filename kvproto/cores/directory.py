@@ -313,6 +313,14 @@ class DirectoryCore:
             out.append(placed(row) if type(row) is int else row)
         return out
 
+    def remove_many(self, keys: Iterable) -> list:
+        """``Remove(key)`` of each key, in order: the fold of the single
+        steps. Per key ``(token, length, [(segment, offset), ...] freed,
+        [(segment, offset, repair id, freed), ...] cancelled)``, or the error
+        its step is refused with; :func:`remove_effects` gives the effects."""
+        take = self._take
+        return [take(key) for key in keys]
+
     def read_many(self, keys: Iterable, pin: bool = True) -> list:
         """``ReadBegin(key)`` of each key, in order; with ``pin`` false each
         accepted one followed at once by its ``ReadEnd(key, token)`` (a read
@@ -341,17 +349,25 @@ class DirectoryCore:
 
     def _remove(self, ev: Remove) -> tuple:
         """Spec ``Remove``: published and unpinned only."""
-        key = ev.key
+        got = self._take(ev.key)
+        if type(got) is not tuple:
+            return (Refused(got),)
+        return (Removed(ev.key, got[0]),) + _dropped(ev.key, *got)
+
+    def _take(self, key) -> "tuple | errors.KvError":
+        """``Remove(key)`` without its effects: ``(token, length, freed,
+        repairs)`` as :meth:`_unhold` gives them, or the error it is refused
+        with (nothing changed)."""
         row = self.rows.index.get(key)
         status = 0 if row is None else self._st[row]
         if not status:
-            return _refused(errors.KeyNotFound(f"{key!r}"))
+            return errors.KeyNotFound(f"{key!r}")
         if status != PUBLISHED:
-            return _refused(errors.NotPublished(f"{key!r} is being put"))
+            return errors.NotPublished(f"{key!r} is being put")
         reads = self._reads[row]
         if reads:
-            return _refused(errors.ObjectBusy(f"{key!r} has {reads} reader(s)"))
-        return (Removed(key, self._tok[row]),) + self._drop(row, key)
+            return errors.ObjectBusy(f"{key!r} has {reads} reader(s)")
+        return (self._tok[row], self._len[row]) + self._unhold(row)
 
     def _segment_lost(self, ev: SegmentLost) -> tuple:
         """Spec ``SegmentLost`` (:meth:`lose`, its effects as a tuple)."""
@@ -563,21 +579,27 @@ class DirectoryCore:
     def _drop(self, row: int, key, skip: int = -1) -> tuple:
         """Free the object's replicas and repair regions (spec ``FreeObjects``;
         none on segment id ``skip``) and its row; the repairs are cancelled."""
-        token, length, by_id = self._tok[row], self._len[row], self._by_id
-        frees = []
+        token, length = self._tok[row], self._len[row]
+        return _dropped(key, token, length, *self._unhold(row, skip))
+
+    def _unhold(self, row: int, skip: int = -1) -> tuple[list, list]:
+        """:meth:`_drop` without its effects: ``[(segment, offset), ...]`` of
+        the replicas freed and ``[(segment, offset, repair id, freed), ...]``
+        of the repairs cancelled (their region freed unless on ``skip``)."""
+        length, by_id = self._len[row], self._by_id
+        freed, repairs = [], []
         for s, o in self._placed(row):
             if s != skip:
                 ledger = by_id[s]
                 ledger.free += length
-                frees.append(FreeRegion(ledger.name, o, token, length))
+                freed.append((ledger.name, o))
         for s, o, rid in self._repairs.get(row, ()):
             ledger = by_id[s]
-            frees.append(RepairCancelled(key, token, rid, ledger.name))
             if s != skip:
                 ledger.free += length
-                frees.append(FreeRegion(ledger.name, o, token, length))
+            repairs.append((ledger.name, o, rid, s != skip))
         self._clear(row)
-        return tuple(frees)
+        return freed, repairs
 
     def _clear(self, row: int) -> None:
         self._st[row] = 0
@@ -846,6 +868,28 @@ def put_end_effects(items: Sequence[tuple], results: Sequence) -> tuple:
     """The effects of the steps :meth:`DirectoryCore.put_end_many` folded."""
     return tuple(Published(key, token) if type(r) is tuple else Refused(r)
                  for (key, token, _), r in zip(items, results))
+
+
+def _dropped(key, token: int, length: int, freed: list, repairs: list) -> tuple:
+    """The effects of freeing an object (:meth:`DirectoryCore._unhold`)."""
+    out = [FreeRegion(segment, offset, token, length) for segment, offset in freed]
+    for segment, offset, rid, free in repairs:
+        out.append(RepairCancelled(key, token, rid, segment))
+        if free:
+            out.append(FreeRegion(segment, offset, token, length))
+    return tuple(out)
+
+
+def remove_effects(keys: Sequence, results: Sequence) -> tuple:
+    """The effects of the steps :meth:`DirectoryCore.remove_many` folded."""
+    out: list = []
+    for key, r in zip(keys, results):
+        if type(r) is not tuple:
+            out.append(Refused(r))
+            continue
+        out.append(Removed(key, r[0]))
+        out.extend(_dropped(key, *r))
+    return tuple(out)
 
 
 def read_effects(keys: Sequence, results: Sequence) -> tuple:

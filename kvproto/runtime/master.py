@@ -373,24 +373,26 @@ class MasterCore(MasterRequests):
         effects per segment, preserving order per segment."""
         if not self._queue:
             return
-        per_segment: dict[str, list[tuple[str, list]]] = defaultdict(list)
-        room: dict[str, int] = {}
-        for segment, op, region in self._queue:
-            runs = per_segment[segment]
+        queue, self._queue = self._queue, []
+        per_segment: dict[str, list] = {}    # segment -> runs [op, regions, bytes left]
+        most, full = self.COMMAND_MAX_REGIONS, self.COMMAND_MAX_BYTES
+        for segment, op, region in queue:
             cost = 48 + (len(region[2]) if op == "assign" else len(region[1]) if op == "publish" else 0)
-            if runs and runs[-1][0] == op and room[segment] >= cost \
-                    and len(runs[-1][1]) < self.COMMAND_MAX_REGIONS:
-                runs[-1][1].append(region)
+            runs = per_segment.get(segment)
+            if runs is None:
+                per_segment[segment] = [[op, [region], full - cost]]
+                continue
+            run = runs[-1]
+            if run[0] == op and run[2] >= cost and len(run[1]) < most:
+                run[1].append(region)
+                run[2] -= cost
             else:
-                runs.append((op, [region]))
-                room[segment] = self.COMMAND_MAX_BYTES
-            room[segment] -= cost
-        self._queue = []
+                runs.append([op, [region], full - cost])
         now = self.clock()
         for segment, runs in per_segment.items():
             if segment not in self.segments:
                 continue  # lost: nothing to tell
-            for op, regions in runs:
+            for op, regions, _ in runs:
                 cmd_id = self._next_cmd
                 self._next_cmd += 1
                 owner = parked if parked is not None and Parked.WAITS_FOR[parked.op] == op else None
@@ -632,6 +634,11 @@ class MasterCore(MasterRequests):
             # an accepted assign or publish, while no repaired replica's mark is
             # out, needs nothing but counting
             plain = not self._repair_marks and op in ("assign", "publish")
+            if plain and all(type(r) is list and len(r) == 2 and type(r[0]) is int and not r[0]
+                             for r in results):
+                if op == "publish":
+                    self.counters["publish_marks"] += len(results)
+                return
             for region, result in zip(cmd.regions, results):
                 err, value = item_result(result)
                 if plain and err is None:

@@ -683,8 +683,20 @@ class MasterRequests:
         inherited one) first, and is logged. The reply waits until every
         replica's node recorded the free under this term (spec ``Remove``)."""
         force = body.get("force", False)
+        if self._batched() and not force:
+            items = self._remove_batch(body["keys"])
+        else:
+            items = self._remove_items(body["keys"], body, force)
+        parked = Parked(reply_to, request_id, items, "remove")
+        self._flush(parked)
+        if parked.waiting:
+            return None
+        return self._complete(parked)
+
+    def _remove_items(self, keys, body, force: bool) -> list:
+        """The removes of :meth:`_op_remove` one key at a time: the reply's items."""
         items = []
-        for key in body["keys"]:
+        for key in keys:
             self._ltick()
             if self.tenants is not None:
                 # spec Remove by the owner, before the lease machine's
@@ -711,11 +723,52 @@ class MasterRequests:
                     self.counters["removes_forced"] += 1
             err, _ = self._step(Remove(key))
             items.append(wire.ok_item() if err is None else wire.error_item(err))
-        parked = Parked(reply_to, request_id, items, "remove")
-        self._flush(parked)
-        if parked.waiting:
-            return None
-        return self._complete(parked)
+        return items
+
+    def _remove_batch(self, keys) -> list:
+        """:meth:`_remove_items` with the cores' batch steps: the lease table
+        asked first for each key, the directory's ``remove_many`` of the
+        others, each removal carried out as its effects are (``Removed``: the
+        lease table's ``drop_many``, one step for all; ``FreeRegion``: the
+        region back to the allocator unless a direct writer's, and a ``free``
+        queued; ``RepairCancelled``: the repair ended)."""
+        self._ltick()
+        leases, counters = self.leases, self.counters
+        cached, reclaimable = leases.objects, leases.reclaimable
+        items: list = [None] * len(keys)
+        asked, taken = [], []
+        for i, key in enumerate(keys):
+            if key in cached:
+                err = reclaimable(key)
+                if err is not None:
+                    counters["leased_refusals"] += 1
+                    items[i] = wire.error_item(err)
+                    continue
+            asked.append(i)
+            taken.append(key)
+        queue, direct, free, gone = self._queue, self._direct, self.placer.free, []
+        for i, key, r in zip(asked, taken, self.directory.remove_many(taken)):
+            if type(r) is not tuple:
+                items[i] = wire.error_item(r)
+                continue
+            token, length, freed, repairs = r
+            gone.append(key)
+            for segment, offset, rid, was in repairs:
+                counters["repairs_cancelled"] += 1
+                self.repairs.ended(rid)
+                self.repairs.stale = True
+                if was:
+                    freed.append((segment, offset))
+            for segment, offset in freed:
+                if direct.get((segment, offset)) != token:
+                    free(segment, offset, length)
+                queue.append((segment, "free", [offset, token, length]))
+            items[i] = [0, None]
+        counters["refused"] += len(taken) - len(gone)
+        counters["evictions" if self._evicting else "removes"] += len(gone)
+        if gone:
+            leases.drop_many(gone, evicted=self._evicting)
+        return items
 
     def _op_stats(self, body, reply_to, request_id):
         stats = self.stats()

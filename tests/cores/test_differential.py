@@ -272,10 +272,10 @@ class DirectoryDiff(Differential):
 
     def batch(self, c: Choose):
         """A batch of one kind of step (``put_start_many``, ``put_end_many``,
-        ``read_many`` with and without pins) equals the reference's single
+        ``remove_many``, ``read_many`` with and without pins) equals the reference's single
         steps folded: the same effects in order, the same state after; a
         refused ``PutStart`` is reported at once, before the next is taken."""
-        kind, n = c.one(["put_start", "put_end", "read", "read"]), c.int(0, 12)
+        kind, n = c.one(["put_start", "put_end", "read", "read", "remove"]), c.int(0, 12)
         if kind == "put_start":
             events = [self.put_start_event(c) for _ in range(n)]
             items = [(e.key, e.length, e.placement) for e in events]
@@ -297,6 +297,11 @@ class DirectoryDiff(Differential):
                 events.append(P.PutEnd(key, self.token_for(c, key), c.one(CHECKSUMS)))
             results = self.core.put_end_many([(e.key, e.token, e.checksum) for e in events])
             got = D_core.put_end_effects([(e.key, e.token, e.checksum) for e in events], results)
+        elif kind == "remove":
+            keys = [self.key_in(c, c.one([P.Status.PUBLISHED, P.Status.PENDING]))
+                    for _ in range(n)]
+            events = [P.Remove(key) for key in keys]
+            got = D_core.remove_effects(keys, self.core.remove_many(keys))
         else:
             pin = c.one([True, False])
             keys = [self.key_in(c, P.Status.PUBLISHED) for _ in range(n)]
@@ -1029,3 +1034,20 @@ def test_a_release_batch_that_skips_repeated_holders_is_caught(monkeypatch):
     monkeypatch.setattr(LeaseCore, "release_many", once)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(LeaseDiff, settings=HUNT)
+
+
+def test_a_remove_batch_that_frees_a_pinned_object_is_caught(monkeypatch):
+    """``remove_many`` takes no notice of the readers' pins (spec ``Remove``
+    refuses an object being read)."""
+    def unpinned(self, keys):
+        out = []
+        for key in keys:
+            row = self.rows.index.get(key)
+            if row is not None:
+                self._reads[row] = 0
+            out.append(self._take(key))
+        return out
+
+    monkeypatch.setattr(DirectoryCore, "remove_many", unpinned)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectoryDiff, settings=HUNT)
