@@ -196,7 +196,8 @@ class DirectoryCore:
         if length <= 0 or not placement:
             return errors.InvalidArgument("empty object or placement")
         n = len(placement)
-        if n > 1 and len({r.segment for r in placement}) != n:
+        if (placement[0].segment == placement[1].segment if n == 2 else
+                n > 1 and len({r.segment for r in placement}) != n):
             return errors.InvalidArgument("two replicas on one segment")
         if n > 0xFFFF:
             return errors.InvalidArgument(f"{n} replicas is more than {0xFFFF}")

@@ -327,16 +327,17 @@ class MasterRequests:
             started += 1
             tokens[token] = [key, now]
             owner[token] = client
-            grant = {"token": token, "replicas": [[r.segment, r.offset, length] for r in placement]}
-            mine = None
+            granted, mine = [], None
+            grant = {"token": token, "replicas": granted}
             for r in placement:
-                segment = r.segment
+                segment, offset = r.segment, r.offset
+                granted.append([segment, offset, length])
                 if segment in near:
-                    direct[(segment, r.offset)] = token
-                    queue.append((segment, "assign", [r.offset, length, key, token, writing[0]]))
+                    direct[(segment, offset)] = token
+                    queue.append((segment, "assign", [offset, length, key, token, writing[0]]))
                     mine = [segment] if mine is None else mine + [segment]
                 else:
-                    queue.append((segment, "assign", [r.offset, length, key, token]))
+                    queue.append((segment, "assign", [offset, length, key, token]))
             if mine is not None:
                 grant["direct"] = mine
             items[i] = [0, grant]
