@@ -331,7 +331,8 @@ class DirectoryCore:
         :func:`read_effects` gives the effects."""
         index, st, reads, tok, length, sums = (self.rows.index, self._st, self._reads,
                                                self._tok, self._len, self._sum)
-        nrep, names, s0, o0, s1, o1 = self._nrep, self._names, self._s0, self._o0, self._s1, self._o1
+        nrep, names = self._nrep, self._names
+        s0, o0, s1, o1 = self._s0, self._o0, self._s1, self._o1
         out = []
         for key in keys:
             row = index.get(key)
