@@ -101,7 +101,8 @@ class SegmentAllocator:
         """Offset of a fresh region of ``length`` bytes, or ``None`` if none fits."""
         if length <= 0:
             raise ValueError("length must be positive")
-        need = self.rounded(length)
+        mask = self.page_size - 1
+        need = (length + mask) & ~mask      # rounded(length)
         if need > self._extent_bytes:
             return None
         lengths = self._lengths
