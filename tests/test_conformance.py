@@ -121,3 +121,26 @@ def test_a_weakened_fast_pool_is_caught(tlc_graph, monkeypatch):
     report = compare(graph, FAST_BINDINGS["Timeout"].graph(tlc.cfg_constants(model.cfg.read_text())))
     assert not report.ok
     assert "Complete" in report.describe()
+
+
+@pytest.mark.tlc
+def test_a_weakened_fast_tenancy_is_caught(tlc_graph, monkeypatch):
+    """The fast tenancy core renews a read whose grant was revoked (the
+    Tenancy_Weak_RenewIgnoresRevoke flaw, in the core): its graph has Renew
+    edges TLC's has not."""
+    from kvproto import errors
+    from kvproto.cores.tenancy import TenancyCore
+    from kvproto.statemachines.tenancy import ReadPhase
+
+    def renew_ignores_revoke(self, ev, now):
+        read = self._reads.get(ev.holder)
+        if read is None or read.phase is not ReadPhase.GRANTED or read.expires <= now:
+            return errors.LeaseExpired(f"{ev.holder!r} holds no unexpired read")
+        return None
+
+    model = next(m for m in MODELS if m.name == "Tenancy_Grants")
+    graph = tlc_graph(model)
+    monkeypatch.setattr(TenancyCore, "_judge_renew", renew_ignores_revoke)
+    report = compare(graph, FAST_BINDINGS["Tenancy"].graph(tlc.cfg_constants(model.cfg.read_text())))
+    assert not report.ok
+    assert "Renew" in report.describe()

@@ -10,6 +10,7 @@ from kvproto.checking.tla import (
     ModelValue,
     ParseError,
     describe_changes,
+    function,
     format_state,
     format_value,
     parse_dot,
@@ -75,6 +76,12 @@ def test_format_value():
     assert format_value(value) == '(k1 :> {-1, none} @@ k2 :> <<1, "a\\"b">>)'
     assert format_value(Fn.of({"b": True, "a": ()})) == "[a |-> <<>>, b |-> TRUE]"
     assert format_value(Fn.of({"not a field": 1})) == '("not a field" :> 1)'
+
+
+def test_a_function_over_an_empty_domain_is_the_empty_sequence_tlc_prints():
+    assert function({}) == parse_value("<<>>") == ()
+    assert function({k1: 1}) == parse_value("(k1 :> 1)")
+    assert Fn.of({}) != parse_value("<<>>")
 
 
 def test_fn_mapping_interface():

@@ -70,10 +70,12 @@ MASTER = "kvproto/runtime/master.py"
 REQUESTS = "kvproto/runtime/master_requests.py"
 STORAGE = "kvproto/runtime/storage.py"
 LEASE_CORE = "kvproto/cores/leases.py"
+TENANCY_CORE = "kvproto/cores/tenancy.py"
 LEASES = "tests/runtime/test_leases.py"
 SAME_HOST = "tests/runtime/test_same_host_reads.py"
 FAILOVER = "tests/runtime/test_failover_cores.py"
 TENANCY = "tests/runtime/test_tenancy_runtime.py"
+TENANCY_DIFF = "tests/cores/test_tenancy_core.py"
 REPAIR = "tests/runtime/test_repair_runtime.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -246,6 +248,26 @@ MUTANTS: tuple[Mutant, ...] = (
         _one(REQUESTS, "                    self._step(PutRevoke(key, record.token))\n",
              "                    pass\n"),
         (f"{TENANCY}::test_an_upgrade_canary_prewarm_switch_route_back_and_drop",)),
+    Mutant(
+        "tenancy-renew-ignores-revoke",
+        "the master's tenancy core renews a read whose tenant's grant on the "
+        "namespace was revoked",
+        _one(TENANCY_CORE,
+             "        if not self.may_read(read.tenant, read.ns):\n"
+             "            return errors.AccessDenied(\n"
+             "                f\"tenant {read.tenant!r}'s grant on namespace {read.ns!r} was revoked\")\n",
+             ""),
+        (f"{TENANCY}::test_a_grant_then_its_revocation", f"{TENANCY_DIFF}::TestTenancy"),
+        twin="Tenancy_Weak_RenewIgnoresRevoke"),
+    Mutant(
+        "tenancy-lost-keeps-reads",
+        "the tenancy core's bulk drop of a lost segment's objects frees a read "
+        "object without ending its reads (their bytes stay in flight, the reads "
+        "name an object that is gone)",
+        _one(TENANCY_CORE, "            if fast and size > 0 and not (readers and o in readers):\n",
+             "            if fast and size > 0:\n"),
+        ("tests/runtime/test_master_segment_loss.py::test_a_lost_segment_leaves_in_bulk_as_one_by_one",
+         f"{TENANCY_DIFF}::TestTenancy")),
 )
 
 

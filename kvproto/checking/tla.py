@@ -168,6 +168,12 @@ _KEYWORDS = {"TRUE": True, "FALSE": False}
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\f": "\\f"}
 
 
+def function(mapping: Mapping[Value, Value]) -> Value:
+    """A TLA+ function as TLC prints it: over an empty domain it is ``<<>>``,
+    which reads back as ``()``."""
+    return Fn.of(mapping) if mapping else ()
+
+
 def _is_field_name(key: Value) -> bool:
     return isinstance(key, str) and bool(_IDENT.match(key))
 

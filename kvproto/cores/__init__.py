@@ -9,6 +9,8 @@
   ``failover.StorageNode`` + ``failover.storage_step``);
 * :mod:`kvproto.cores.pool` — the client's pool of destination buffers
   (reference: ``timeout.Pool`` + ``timeout.pool_step``);
+* :mod:`kvproto.cores.tenancy` — the master's tenants, namespaces, grants and
+  quotas (reference: ``tenancy.Tenancy`` + ``tenancy.step``);
 * :mod:`kvproto.cores.rows` — the key -> row numbering the cores share;
 * :mod:`kvproto.cores.bindings` — the cores inside the specs' closed systems
   (``FAST_BINDINGS``), for the conformance graphs.

@@ -28,7 +28,9 @@ master's failover phase machine stays the reference), DirectWrite (the
 storage node's regions granted to direct writers,
 :class:`~kvproto.cores.direct.DirectCore`) and Timeout (the client's pool,
 :class:`~kvproto.cores.pool.PoolCore`; the storage node's transfers stay the
-reference).
+reference), and Tenancy (the master's tenants, namespaces, grants and quotas,
+:class:`~kvproto.cores.tenancy.TenancyCore`; the lambdas of the spec's
+actions run as they are, through the rebound ``System``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.pool import PoolCore
 from kvproto.cores.storage import StorageNodeCore
-from kvproto.statemachines import directwrite, failover, lease, publish, timeout
+from kvproto.cores.tenancy import TenancyCore
+from kvproto.statemachines import directwrite, failover, lease, publish, tenancy_system, timeout
 from kvproto.statemachines.refusal import Refused
 
 
@@ -124,7 +127,7 @@ def fast_binding(module, overrides: dict) -> SpecBinding:
         initial=_clone(ref.initial, ns),
         successors=ns["successors"],
         to_tla=ns["to_tla"],
-        actions={name: ns[fn.__name__] for name, fn in ref.actions.items()},
+        actions={name: ns.get(fn.__name__, fn) for name, fn in ref.actions.items()},
         invariants={name: ns[fn.__name__] for name, fn in ref.invariants.items()},
     )
 
@@ -139,6 +142,16 @@ def _region_table(segment: str, regions=None) -> Snapshot:
     if regions:
         raise ValueError("a fast region table starts empty")
     return Snapshot(StorageNodeCore(segment))
+
+
+def _settled(snapshot: Snapshot) -> Snapshot:
+    """``tenancy.settle`` of a snapshot: a settled copy, or itself."""
+    now = snapshot.core.now
+    if all(t.bucket.at == now for t in snapshot.core.tenants.values()):
+        return snapshot
+    core = snapshot.core.copy()
+    core.settle()
+    return Snapshot(core)
 
 
 FAST_BINDINGS: dict[str, SpecBinding] = {
@@ -161,5 +174,9 @@ FAST_BINDINGS: dict[str, SpecBinding] = {
     "Timeout": fast_binding(timeout, {
         "pool_step": stepped,
         "new_pool": lambda buffers, **limits: Snapshot(PoolCore(buffers, **limits)),
+    }),
+    "Tenancy": fast_binding(tenancy_system, {
+        "step": stepped, "add_tenant": stepped, "add_namespace": stepped, "settle": _settled,
+        "new_tenancy": lambda ttl, capacity: Snapshot(TenancyCore(ttl, capacity)),
     }),
 }

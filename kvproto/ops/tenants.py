@@ -57,9 +57,9 @@ import attrs
 import msgpack
 
 from kvproto import errors
+from kvproto.cores.tenancy import TenancyCore
 from kvproto.runtime.units import parse_size
 from kvproto.statemachines import tenancy as tm
-from kvproto.statemachines.refusal import Refused
 
 UNLIMITED = 1 << 62
 DEFAULT_NAMESPACE = "default"
@@ -246,17 +246,18 @@ class Credentials:
 
 
 class Registry:
-    """A store's tenants: their credentials, and the tenancy machine's state
-    (:class:`~kvproto.statemachines.tenancy.Tenancy`), which it replaces only
-    with what the machine returns. Time is an argument of every step."""
+    """A store's tenants: their credentials, and the tenancy machine's state,
+    a :class:`~kvproto.cores.tenancy.TenancyCore` (``state``: read it as the
+    frozen :class:`~kvproto.statemachines.tenancy.Tenancy`; ``reference()``
+    gives that value), changed only by its steps. Time is an argument of
+    every step."""
 
     def __init__(self, configs: Sequence[TenantConfig], *, capacity: int, ttl: float,
                  now: float = 0) -> None:
         self.credentials = Credentials(configs)
-        state = tm.new_tenancy(ttl, capacity)
+        self.state = TenancyCore(ttl, capacity)
         if now:
-            state, _ = tm.step(state, tm.Tick(now))
-        self.state = state
+            self.state.step(tm.Tick(now))
         set_up: list = []
         for c in configs:
             set_up.append(tm.AddTenant(c.name, c.quota))
@@ -283,23 +284,28 @@ class Registry:
 
     def step(self, event: tm.Event, now: float) -> tuple:
         """Bring the machine's clock to ``now``, apply ``event`` and return its
-        effects; a refusal raises its typed error and changes nothing."""
-        state, effects = self._next(event, now)
-        self.state = state
-        return effects
+        effects; a refusal raises its typed error and changes nothing (the
+        clock included)."""
+        self.check(event, now)
+        if now > self.state.now:
+            self.state.step(tm.Tick(now))
+        return self.state.step(event)
 
-    def check(self, event: tm.Event, now: float) -> tuple:
-        """What :meth:`step` would return, changing nothing: the refusal's
-        typed error is raised. For a check that must pass before another
-        machine's step, committed (:meth:`step`) only once that one is."""
-        return self._next(event, now)[1]
+    def check(self, event: tm.Event, now: float) -> None:
+        """Raise the typed error :meth:`step` would refuse ``event`` with,
+        changing nothing. For a check that must pass before another machine's
+        step, committed (:meth:`step`) only once that one is."""
+        err = self.state.refusal(event, now)
+        if err is not None:
+            raise err
 
-    def _next(self, event: tm.Event, now: float) -> tuple:
-        state = tm.step(self.state, tm.Tick(now))[0] if now > self.state.now else self.state
-        state, effects = tm.step(state, event)
-        if effects and isinstance(effects[0], Refused):
-            raise effects[0].error
-        return state, effects
+    def drop_many(self, objects: Iterable[tuple], now: float) -> tuple:
+        """:meth:`TenancyCore.drop_many <kvproto.cores.tenancy.TenancyCore.drop_many>`
+        of ``objects`` (``(namespace, key)``) at ``now``: its refusals (each
+        of those objects stays)."""
+        if now > self.state.now:
+            self.state.step(tm.Tick(now))
+        return self.state.drop_many(objects)
 
     def usage(self) -> dict[str, dict[str, Any]]:
         """Per tenant: bytes held and in flight, and its quota (no secrets)."""

@@ -164,10 +164,10 @@ class MasterCore(MasterRequests):
     #: keys of objects forgotten in bulk (a lost segment's) taken out of the
     #: row index per tick (``Rows.sweep``): a bounded slice of the loop's time
     SWEEP_ROWS = 1 << 15
-    #: tenants' accounting of a lost segment's objects (``Tenants.removed``,
-    #: a step of the tenancy machine each) per turn of the loop, when more
-    #: objects went at once
-    TENANT_SLICE = 2048
+    #: tenants' accounting of a lost segment's objects: up to this many in
+    #: one bulk step (``Tenants.removed_many``, ``TenancyCore.drop_many``,
+    #: about a microsecond an object), more a slice per turn of the loop
+    TENANT_SLICE = 1 << 15
     #: a lease id is ``term << LEASE_ID_BITS | n``
     LEASE_ID_BITS = 32
     #: on top of one lease TTL, how long a new master keeps what it recovered
@@ -953,20 +953,19 @@ class MasterCore(MasterRequests):
         if self.tenants is not None:
             keys = keys.tolist()
             if len(keys) <= self.TENANT_SLICE and not self._tenant_drops:
-                for key in keys:
-                    self.tenants.removed(key)
+                self.tenants.removed_many(keys)
             else:     # a slice a turn (tick): the loop keeps serving meanwhile
                 self._tenant_drops.extend(keys)
                 self._tenant_dropping.update(keys)
 
     def _tenant_drop(self, limit: int) -> None:
-        """Carry out the tenants' accounting of up to ``limit`` lost objects."""
-        drops, dropping, removed = self._tenant_drops, self._tenant_dropping, self.tenants.removed
-        for _ in range(min(limit, len(drops))):
-            key = drops.popleft()
-            if key in dropping:
-                dropping.discard(key)
-                removed(key)
+        """Carry out the tenants' accounting of up to ``limit`` lost objects
+        (one ``Tenants.removed_many``)."""
+        drops, dropping = self._tenant_drops, self._tenant_dropping
+        keys = [drops.popleft() for _ in range(min(limit, len(drops)))]
+        keys = [key for key in keys if key in dropping]
+        dropping.difference_update(keys)
+        self.tenants.removed_many(keys)
 
     def tick(self) -> None:
         """Expire silent clients and storage nodes (cheap when nothing is due);

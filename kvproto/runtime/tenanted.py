@@ -103,7 +103,7 @@ class Tenants:
         if op in OWNER_OPS and ns[0] != tenant:
             raise errors.AccessDenied(f"tenant {tenant!r} does not own namespace "
                                       f"{'/'.join(ns)!r}: only its owner writes or removes in it")
-        if op in LOOKUP_OPS and not tm.may_read(reg.state, tenant, ns):
+        if op in LOOKUP_OPS and not reg.state.may_read(tenant, ns):
             raise errors.AccessDenied(f"tenant {tenant!r} holds no grant on namespace "
                                       f"{'/'.join(ns)!r}")
         if "keys" in body:
@@ -258,18 +258,17 @@ class Tenants:
 
     def removed(self, dkey: bytes) -> None:
         """A published object left the directory (removed, evicted or lost):
-        its reads end (``Release``) and its owner's bytes are freed (``Remove``)."""
-        o = _split(dkey)
-        state = self.registry.state
-        obj = state.objects.get(o) if o is not None else None
-        if obj is None:     # an orphan (see recovered)
-            return
-        for holder in sorted(state.readers.get(o, ()), key=repr):
-            self.commit(tm.Release(holder))
-        if state.namespaces[o[0]].phase is tm.Phase.RETIRING:
-            self.commit(tm.AgeOut(*o))       # the master's age-out pass (or its owner)
-        else:
-            self.commit(tm.Remove(obj.owner, *o))
+        :meth:`removed_many` of it alone."""
+        self.removed_many((dkey,))
+
+    def removed_many(self, dkeys: Iterable[bytes]) -> None:
+        """Published objects left the directory (removed, evicted or a lost
+        segment's): for each, its reads end (``Release``) and its owner's
+        bytes are freed (``AgeOut`` in a retiring namespace, else ``Remove``
+        by its owner), in one pass (``TenancyCore.drop_many``). Keys of no
+        tenant's object (orphans, see :meth:`recovered`) are passed over."""
+        for refused in self.registry.drop_many(_objects(dkeys), self.clock()):
+            log.error("tenancy machine refused a drop: %s", refused.error)
 
     # ------------------------------------------------------------------ the upgrade lifecycle
 
@@ -356,13 +355,10 @@ class Tenants:
         another's): phase, the namespace it upgrades, objects and bytes held,
         and, for its own, the tenants holding read grants."""
         state = self.registry.state
-        held: dict = {}
-        for (ns, _), obj in state.objects.items():
-            count, size = held.get(ns, (0, 0))
-            held[ns] = (count + 1, size + obj.size)
+        held = state.per_namespace()
         out = {}
         for ns, rec in state.namespaces.items():
-            if not tm.may_read(state, tenant, ns):
+            if not state.may_read(tenant, ns):
                 continue
             entry = {"phase": rec.phase.value, "objects": held.get(ns, (0, 0))[0],
                      "bytes": held.get(ns, (0, 0))[1],
@@ -386,12 +382,36 @@ class Tenants:
         write tokens, quota, and bytes held per namespace."""
         usage = self.registry.usage()
         per_ns: dict = {}
-        for (ns, _), obj in self.registry.state.objects.items():
-            held = per_ns.setdefault(obj.owner, {})
-            held[ns[1]] = held.get(ns[1], 0) + obj.size
+        for ns, (_, size) in self.registry.state.per_namespace().items():
+            per_ns.setdefault(ns[0], {})[ns[1]] = size
         for name, entry in usage.items():
             entry["namespaces"] = per_ns.get(name, {})
         return usage if tenant is None else {tenant: usage[tenant]}
+
+
+def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
+    """:func:`_split` of each of ``dkeys`` that names an object of a
+    namespace, in order; each distinct namespace prefix is decoded once."""
+    prefixes: dict = {}
+    prefix, ns, end = None, None, 0
+    for dkey in dkeys:
+        if prefix is not None and dkey.startswith(prefix):   # the previous key's namespace
+            yield ns, dkey[end:]
+            continue
+        try:
+            end = 2 + dkey[0] + dkey[1 + dkey[0]]
+        except IndexError:
+            prefix = None
+            continue
+        prefix = dkey[:end]
+        ns = prefixes.get(prefix)
+        if ns is None:
+            o = _split(dkey)
+            if o is None:
+                prefix = None
+                continue
+            ns = prefixes[prefix] = o[0]
+        yield ns, dkey[end:]
 
 
 def _split(dkey: bytes) -> Optional[tuple[Namespace, bytes]]:

@@ -39,7 +39,7 @@ from kvproto import errors
 from kvproto.checking.conformance import SpecBinding, emit
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
-from kvproto.checking.tla import Fn, ModelValue, model_names
+from kvproto.checking.tla import Fn, ModelValue, function, model_names
 
 # --------------------------------------------------------------------------
 # Values
@@ -1245,8 +1245,8 @@ def to_tla(sys: System, c: Constants) -> Fn:
         "nodeTerm": Fn.of({ModelValue(n): sys.nodes[n].term for n in c.nodes}),
         "idx": Fn.of({ModelValue(n): Fn.of({ModelValue(k): idx_entry(sys.nodes[n].index.get(k))
                                             for k in c.keys}) for n in c.nodes}),
-        "desc": Fn.of({ModelValue(r): descriptor(sys.desc[r]) for r in c.readers}),
-        "got": Fn.of({ModelValue(r): idx_entry(sys.got[r]) for r in c.readers}),
+        "desc": function({ModelValue(r): descriptor(sys.desc[r]) for r in c.readers}),
+        "got": function({ModelValue(r): idx_entry(sys.got[r]) for r in c.readers}),
         "promised": Fn.of({ModelValue(n): sys.promised.get(n, 0) for n in c.nodes}),
         "staleAccepted": frozenset(ModelValue(n) for n in sys.stale_accepted),
         "told": Fn.of({ModelValue(k): Fn.of({"what": what, "node": NONE if n is None else ModelValue(n)})

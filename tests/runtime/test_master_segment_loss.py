@@ -20,6 +20,7 @@ from kvproto.ops.tenants import parse_tenants
 from kvproto.runtime import wire
 from kvproto.runtime.master import MasterCore
 from kvproto.statemachines.publish import Status
+from kvproto.statemachines.tenancy_system import INVARIANTS, System
 
 PAGE = 512
 OBJECTS = 900
@@ -110,7 +111,7 @@ def loaded_master(path, traced: bool, tenants: bool = True, quiet: bool = False)
 def state(core: MasterCore) -> dict:
     return {
         "directory": core.directory.reference(), "leases": core.leases.reference(),
-        "tenants": core.tenants.registry.state, "counters": dict(core.counters),
+        "tenants": core.tenants.registry.state.reference(), "counters": dict(core.counters),
         "sessions": {c: (dict(s.tokens), dict(s.pins)) for c, s in core.sessions.items()},
         "owner": dict(core._owner),
         "outbox": [(s, op, body) for s, op, _, body in core.outbox],
@@ -148,6 +149,11 @@ def test_a_lost_segment_leaves_in_bulk_as_one_by_one(tmp_path, monkeypatch, lost
     assert set(after.objects) == set(before.objects) - gone
     assert all(lost not in [p.segment for p in r.replicas] for r in after.objects.values())
     assert bulk.counters["removes"] == sum(on_it[k].status is Status.PUBLISHED for k in gone)
+    # the tenants' state keeps the spec's invariants: no read is left on a lost object
+    # (NoReclaimUnderLease), the sums and the readers' index agree (TypeOK)
+    tenancy = System(bulk.tenants.registry.state.reference())
+    assert any(r.expires > tenancy.table.now for r in tenancy.table.reads.values())
+    assert all(check(tenancy) for check in INVARIANTS.values())
 
 
 def test_the_lost_keys_leave_the_index_a_slice_per_tick_and_can_be_put_again(tmp_path):
@@ -192,7 +198,8 @@ def test_the_tenants_accounting_of_a_large_loss_is_carried_out_a_slice_per_turn(
     for core in (bulk, one):
         core.segment_lost("seg-1", "deregistered")
     owed = len(bulk._tenant_drops)
-    assert owed > 100 and bulk.tenants.registry.state != one.tenants.registry.state
+    assert owed > 100 and \
+        bulk.tenants.registry.state.reference() != one.tenants.registry.state.reference()
     again = next(k for k in (b"obj-%06d" % i for i in range(OBJECTS))
                  if bulk._tenant_drops[-1].endswith(k))
     for core in (bulk, one):
@@ -225,3 +232,5 @@ def test_kvproto_bench_runs_its_segment_loss_section():
     assert "segment loss: 3,000 objects" in out.stdout
     assert "its only replica: segment_lost" in out.stdout
     assert "one of 2 replicas: segment_lost" in out.stdout and "longest pause" in out.stdout
+    assert "with tenants: segment_lost" in out.stdout
+    assert "the tenants' accounting settled after" in out.stdout
