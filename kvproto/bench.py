@@ -70,6 +70,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -171,6 +172,23 @@ def _start_store(segment: str) -> tuple[list[subprocess.Popen], str]:
                 raise RuntimeError("storage node did not register")
             time.sleep(0.05)
     return [storage, master], address
+
+
+def _cpu_seconds(pid: int) -> Optional[float]:
+    """CPU time process ``pid`` has used, all its threads (its ZeroMQ I/O
+    threads too), from ``/proc`` in nanoseconds (None where there is none)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        total = 0
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass    # a thread that ended meanwhile
+    except OSError:
+        return None
+    return total / 1e9
 
 
 def _start_raw():
@@ -324,12 +342,20 @@ def metadata_bench(keys: int) -> list[dict]:
     raw, sock = _start_raw()
     procs, address = _start_store("256MiB")
     rows = []
+    spent: dict = {}
 
-    def rate(fn, rounds: int) -> float:
+    def rate(fn, rounds: int, name: str = "") -> float:
+        """Keys/s of ``rounds`` calls; with ``name``, also the CPU time the
+        master and the storage node spent per key (``spent``)."""
+        before = [_cpu_seconds(p.pid) for p in procs] if name else []
         t0 = time.perf_counter()
         for i in range(rounds):
             fn(i)
-        return keys / (time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        if name and None not in before:
+            for side, proc, was in zip(("node", "master"), procs, before):
+                spent[f"{name}_{side}_us"] = (_cpu_seconds(proc.pid) - was) / keys * 1e6
+        return keys / elapsed
 
     try:
         client = Client(address, timeout=60.0)
@@ -367,12 +393,13 @@ def metadata_bench(keys: int) -> list[dict]:
                 sock.send_multipart([b"get", str(len(keyblob)).encode(), keyblob])
                 sock.recv(copy=False)
 
-            row = {"batch": batch, "put_keys_s": rate(put, rounds),
-                   "get_keys_s": rate(get, rounds),
-                   "exists_keys_s": rate(exists, rounds),
+            spent.clear()
+            row = {"batch": batch, "put_keys_s": rate(put, rounds, "put"),
+                   "get_keys_s": rate(get, rounds, "get"),
+                   "exists_keys_s": rate(exists, rounds, "exists"),
                    "raw_put_keys_s": rate(raw_put, rounds),
                    "raw_get_keys_s": rate(raw_get, rounds),
-                   "raw_exists_keys_s": rate(raw_exists, rounds)}
+                   "raw_exists_keys_s": rate(raw_exists, rounds), **spent}
             for k in names:
                 client.remove(k)
             rows.append(row)
@@ -739,6 +766,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"  batch {r['batch']:>3}:" + "".join(
                 f"   {op} {r[op + '_keys_s']:,.0f} (raw {r['raw_' + op + '_keys_s']:,.0f}, "
                 f"{r[op + '_keys_s'] / r['raw_' + op + '_keys_s']:.3f})" for op in ("put", "get", "exists")))
+            if "put_master_us" in r:
+                print("             CPU per key, master / storage node:" + "".join(
+                    f"   {op} {r[op + '_master_us']:.1f} / {r[op + '_node_us']:.1f} µs"
+                    for op in ("put", "get", "exists")))
     if args.xfer_count and "transfers" in only:
         x = transfer_bench(args.xfer_count, args.xfer_repeat)
         print(f"\n64 KiB gets/s over loopback TCP (medians of {args.xfer_repeat} runs of "

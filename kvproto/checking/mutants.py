@@ -67,6 +67,7 @@ def _one(path: str, original: str, replacement: str) -> tuple[Edit, ...]:
 SHM = "kvproto/runtime/shm.py"
 CLIENT = "kvproto/runtime/client.py"
 MASTER = "kvproto/runtime/master.py"
+REQUESTS = "kvproto/runtime/master_requests.py"
 STORAGE = "kvproto/runtime/storage.py"
 LEASE_CORE = "kvproto/cores/leases.py"
 TENANCY_CORE = "kvproto/cores/tenancy.py"
@@ -146,10 +147,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "put-end-record-token",
         "the master ends a put with the token its record holds now, not the "
         "token the writer named",
-        _one(MASTER, "            err, _ = self._step(event_type(key, token, *checksum))\n",
-             "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
-             "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
-             "                                           *checksum))\n"),
+        (Edit(REQUESTS, "            err, _ = self._step(event_type(key, token, *checksum))\n",
+              "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
+              "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
+              "                                           *checksum))\n"),
+         Edit(REQUESTS, "        ends = [(key, token, checksum[0] if checksum else 0) "
+                        "for key, token, *checksum in given]\n",
+              "        objects = self.directory.objects\n"
+              "        ends = [(key, token if (rec := objects.get(key)) is None else rec.token,\n"
+              "                 checksum[0] if checksum else 0) for key, token, *checksum in given]\n")),
         ("tests/runtime/test_embedded.py::test_a_revoked_writer_cannot_publish_the_next_attempt",)),
     Mutant(
         "new-master-restarts-tokens",
@@ -239,7 +245,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "route-back-keeps-writes",
         "a route back leaves the held namespace's writes in progress pending, "
         "so they still publish into a namespace that takes no writes",
-        _one(MASTER, "                    self._step(PutRevoke(key, record.token))\n",
+        _one(REQUESTS, "                    self._step(PutRevoke(key, record.token))\n",
              "                    pass\n"),
         (f"{TENANCY}::test_an_upgrade_canary_prewarm_switch_route_back_and_drop",)),
     Mutant(

@@ -180,28 +180,36 @@ class DirectoryCore:
 
     def _put_start(self, ev: PutStart) -> tuple:
         """Spec ``PutStart``: the key is absent and every replica fits on a live segment."""
-        key = ev.key
+        key, length, placement = ev.key, ev.length, ev.placement
+        token = self._start(key, length, placement)
+        if type(token) is not int:
+            return (Refused(token),)
+        return (PutGranted(key, token, tuple(placement)),) + tuple(
+            AssignRegion(r.segment, r.offset, length, key, token) for r in placement)
+
+    def _start(self, key, length: int, placement) -> "int | errors.KvError":
+        """``PutStart(key, length, placement)`` without its effects: the token
+        granted, or the error it is refused with (nothing changed)."""
         row = self.rows.index.get(key)
         if row is not None and self._st[row]:
-            return _refused(errors.KeyExists(f"key {key!r} exists or is being put"))
-        length, placement = ev.length, ev.placement
+            return errors.KeyExists(f"key {key!r} exists or is being put")
         if length <= 0 or not placement:
-            return _refused(errors.InvalidArgument("empty object or placement"))
+            return errors.InvalidArgument("empty object or placement")
         n = len(placement)
-        if n > 1 and len({r.segment for r in placement}) != n:
-            return _refused(errors.InvalidArgument("two replicas on one segment"))
+        if (placement[0].segment == placement[1].segment if n == 2 else
+                n > 1 and len({r.segment for r in placement}) != n):
+            return errors.InvalidArgument("two replicas on one segment")
         if n > 0xFFFF:
-            return _refused(errors.InvalidArgument(f"{n} replicas is more than {0xFFFF}"))
+            return errors.InvalidArgument(f"{n} replicas is more than {0xFFFF}")
         ledgers, chosen = self._ledgers, []
         for r in placement:
             ledger = ledgers.get(r.segment)
             if ledger is None or not ledger.live:
-                return _refused(errors.SegmentUnavailable(f"segment {r.segment!r} is not live"))
+                return errors.SegmentUnavailable(f"segment {r.segment!r} is not live")
             # r.length == length from here on, as the first test says
             if r.length != length or ledger.free < length or r.offset < 0 \
                     or r.offset + length > ledger.capacity:
-                return _refused(errors.NoSpace(
-                    f"segment {r.segment!r} cannot hold {length} bytes"))
+                return errors.NoSpace(f"segment {r.segment!r} cannot hold {length} bytes")
             chosen.append(ledger)
         token = self.next_token
         self.next_token = token + 1
@@ -214,19 +222,13 @@ class DirectoryCore:
         for ledger in chosen:
             ledger.free -= length
         if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
-            r0, r1 = placement
             self._nrep[row] = 2
-            self._s0[row], self._o0[row] = chosen[0].id, r0.offset
-            self._s1[row], self._o1[row] = chosen[1].id, r1.offset
-            self.count += 1
-            return (PutGranted(key, token, tuple(placement)),
-                    AssignRegion(r0.segment, r0.offset, length, key, token),
-                    AssignRegion(r1.segment, r1.offset, length, key, token))
-        self._place(row, [(l.id, r.offset) for l, r in zip(chosen, placement)])
+            self._s0[row], self._o0[row] = chosen[0].id, placement[0].offset
+            self._s1[row], self._o1[row] = chosen[1].id, placement[1].offset
+        else:
+            self._place(row, [(l.id, r.offset) for l, r in zip(chosen, placement)])
         self.count += 1
-        replicas = tuple(placement)
-        return (PutGranted(key, token, replicas),) + tuple(
-            AssignRegion(r.segment, r.offset, length, key, token) for r in replicas)
+        return token
 
     def _pending_row(self, key, token: int) -> Optional[int]:
         """Spec ``TokenOwns(k, t)``: the row of the pending object ``token`` owns."""
@@ -237,12 +239,20 @@ class DirectoryCore:
 
     def _put_end(self, ev: PutEnd) -> tuple:
         """Spec ``PutEnd``: publish only if ``TokenOwns(k, t)``; else StaleToken."""
-        row = self._pending_row(ev.key, ev.token)
-        if row is None:
-            return _refused(errors.StaleToken(f"token {ev.token} does not own {ev.key!r}"))
-        self._st[row] = PUBLISHED
-        self._sum[row] = ev.checksum
+        row = self._publish(ev.key, ev.token, ev.checksum)
+        if type(row) is not int:
+            return (Refused(row),)
         return (Published(ev.key, ev.token),)
+
+    def _publish(self, key, token: int, checksum: int) -> "int | errors.KvError":
+        """``PutEnd(key, token, checksum)`` without its effect: the object's
+        row, or the error it is refused with (nothing changed)."""
+        row = self._pending_row(key, token)
+        if row is None:
+            return errors.StaleToken(f"token {token} does not own {key!r}")
+        self._st[row] = PUBLISHED
+        self._sum[row] = checksum
+        return row
 
     def _put_revoke(self, ev) -> tuple:
         """Spec ``PutRevoke``: free the allocation if ``token`` still owns it."""
@@ -274,19 +284,92 @@ class DirectoryCore:
         self._reads[row] -= 1
         return ()
 
+    # ------------------------------------------------------------------ batches
+
+    def put_start_many(self, items: Iterable[tuple], refused=None) -> list:
+        """``PutStart(key, length, placement)`` of each ``(key, length,
+        placement)`` of ``items``, in order: the fold of the single steps. Per
+        item the token granted, or the error its step is refused with (that
+        step changed nothing); :func:`put_start_effects` gives the effects the
+        steps return. ``items`` is taken one at a time, each after the one
+        before was stepped, and ``refused(item)`` is called at once for a
+        refused one (the master gives its placement back before placing the
+        next)."""
+        start, out = self._start, []
+        for item in items:
+            token = start(*item)
+            out.append(token)
+            if refused is not None and type(token) is not int:
+                refused(item)
+        return out
+
+    def put_end_many(self, items: Iterable[tuple]) -> list:
+        """``PutEnd(key, token, checksum)`` of each item, in order: the fold of
+        the single steps. Per item what :meth:`placed` gives of the object
+        published, or the error its step is refused with;
+        :func:`put_end_effects` gives the effects."""
+        publish, placed, out = self._publish, self._placed_at, []
+        for key, token, checksum in items:
+            row = publish(key, token, checksum)
+            out.append(placed(row) if type(row) is int else row)
+        return out
+
+    def remove_many(self, keys: Iterable) -> list:
+        """``Remove(key)`` of each key, in order: the fold of the single
+        steps. Per key ``(token, length, [(segment, offset), ...] freed,
+        [(segment, offset, repair id, freed), ...] cancelled)``, or the error
+        its step is refused with; :func:`remove_effects` gives the effects."""
+        take = self._take
+        return [take(key) for key in keys]
+
+    def read_many(self, keys: Iterable, pin: bool = True) -> list:
+        """``ReadBegin(key)`` of each key, in order; with ``pin`` false each
+        accepted one followed at once by its ``ReadEnd(key, token)`` (a read
+        whose pin ends in the same request: a leased read). The fold of those
+        single steps. Per key ``(token, length, checksum, [(segment, offset),
+        ...])``, or the error its ``ReadBegin`` is refused with;
+        :func:`read_effects` gives the effects."""
+        index, st, reads, tok, length, sums = (self.rows.index, self._st, self._reads,
+                                               self._tok, self._len, self._sum)
+        nrep, names = self._nrep, self._names
+        s0, o0, s1, o1 = self._s0, self._o0, self._s1, self._o1
+        out = []
+        for key in keys:
+            row = index.get(key)
+            if row is None or st[row] != PUBLISHED:
+                out.append(errors.KeyNotFound(f"{key!r}"))
+                continue
+            if pin:
+                reads[row] += 1
+            n = nrep[row]
+            if n == 2:
+                placed = [(names[s0[row]], o0[row]), (names[s1[row]], o1[row])]
+            else:
+                placed = [(names[s], o) for s, o in self._placed(row)]
+            out.append((tok[row], length[row], sums[row], placed))
+        return out
+
     def _remove(self, ev: Remove) -> tuple:
         """Spec ``Remove``: published and unpinned only."""
-        key = ev.key
+        got = self._take(ev.key)
+        if type(got) is not tuple:
+            return (Refused(got),)
+        return (Removed(ev.key, got[0]),) + _dropped(ev.key, *got)
+
+    def _take(self, key) -> "tuple | errors.KvError":
+        """``Remove(key)`` without its effects: ``(token, length, freed,
+        repairs)`` as :meth:`_unhold` gives them, or the error it is refused
+        with (nothing changed)."""
         row = self.rows.index.get(key)
         status = 0 if row is None else self._st[row]
         if not status:
-            return _refused(errors.KeyNotFound(f"{key!r}"))
+            return errors.KeyNotFound(f"{key!r}")
         if status != PUBLISHED:
-            return _refused(errors.NotPublished(f"{key!r} is being put"))
+            return errors.NotPublished(f"{key!r} is being put")
         reads = self._reads[row]
         if reads:
-            return _refused(errors.ObjectBusy(f"{key!r} has {reads} reader(s)"))
-        return (Removed(key, self._tok[row]),) + self._drop(row, key)
+            return errors.ObjectBusy(f"{key!r} has {reads} reader(s)")
+        return (self._tok[row], self._len[row]) + self._unhold(row)
 
     def _segment_lost(self, ev: SegmentLost) -> tuple:
         """Spec ``SegmentLost`` (:meth:`lose`, its effects as a tuple)."""
@@ -498,21 +581,27 @@ class DirectoryCore:
     def _drop(self, row: int, key, skip: int = -1) -> tuple:
         """Free the object's replicas and repair regions (spec ``FreeObjects``;
         none on segment id ``skip``) and its row; the repairs are cancelled."""
-        token, length, by_id = self._tok[row], self._len[row], self._by_id
-        frees = []
+        token, length = self._tok[row], self._len[row]
+        return _dropped(key, token, length, *self._unhold(row, skip))
+
+    def _unhold(self, row: int, skip: int = -1) -> tuple[list, list]:
+        """:meth:`_drop` without its effects: ``[(segment, offset), ...]`` of
+        the replicas freed and ``[(segment, offset, repair id, freed), ...]``
+        of the repairs cancelled (their region freed unless on ``skip``)."""
+        length, by_id = self._len[row], self._by_id
+        freed, repairs = [], []
         for s, o in self._placed(row):
             if s != skip:
                 ledger = by_id[s]
                 ledger.free += length
-                frees.append(FreeRegion(ledger.name, o, token, length))
+                freed.append((ledger.name, o))
         for s, o, rid in self._repairs.get(row, ()):
             ledger = by_id[s]
-            frees.append(RepairCancelled(key, token, rid, ledger.name))
             if s != skip:
                 ledger.free += length
-                frees.append(FreeRegion(ledger.name, o, token, length))
+            repairs.append((ledger.name, o, rid, s != skip))
         self._clear(row)
-        return tuple(frees)
+        return freed, repairs
 
     def _clear(self, row: int) -> None:
         self._st[row] = 0
@@ -568,7 +657,9 @@ class DirectoryCore:
         """``(length, checksum, requested, [(segment, offset), ...])`` of the
         object ``key`` (which must be held): what a publish mark carries,
         without building its :class:`ObjectRecord`."""
-        row = self.rows.index[key]
+        return self._placed_at(self.rows.index[key])
+
+    def _placed_at(self, row: int) -> tuple[int, int, int, list[tuple[str, int]]]:
         names = self._names
         return (self._len[row], self._sum[row], self._req[row],
                 [(names[s], o) for s, o in self._placed(row)])
@@ -760,6 +851,61 @@ def _slices(blob: bytes, offsets: np.ndarray, listed: np.ndarray) -> list[bytes]
     else:
         starts, ends = starts[listed], ends[listed]
     return [blob[a:b] for a, b in zip(array("q", starts.tobytes()), array("q", ends.tobytes()))]
+
+
+def put_start_effects(items: Sequence[tuple], results: Sequence) -> tuple:
+    """The effects of the steps :meth:`DirectoryCore.put_start_many` folded,
+    from its ``items`` and ``results``."""
+    out: list = []
+    for (key, length, placement), token in zip(items, results):
+        if type(token) is not int:
+            out.append(Refused(token))
+            continue
+        out.append(PutGranted(key, token, tuple(placement)))
+        out.extend(AssignRegion(r.segment, r.offset, length, key, token) for r in placement)
+    return tuple(out)
+
+
+def put_end_effects(items: Sequence[tuple], results: Sequence) -> tuple:
+    """The effects of the steps :meth:`DirectoryCore.put_end_many` folded."""
+    return tuple(Published(key, token) if type(r) is tuple else Refused(r)
+                 for (key, token, _), r in zip(items, results))
+
+
+def _dropped(key, token: int, length: int, freed: list, repairs: list) -> tuple:
+    """The effects of freeing an object (:meth:`DirectoryCore._unhold`)."""
+    out = [FreeRegion(segment, offset, token, length) for segment, offset in freed]
+    for segment, offset, rid, free in repairs:
+        out.append(RepairCancelled(key, token, rid, segment))
+        if free:
+            out.append(FreeRegion(segment, offset, token, length))
+    return tuple(out)
+
+
+def remove_effects(keys: Sequence, results: Sequence) -> tuple:
+    """The effects of the steps :meth:`DirectoryCore.remove_many` folded."""
+    out: list = []
+    for key, r in zip(keys, results):
+        if type(r) is not tuple:
+            out.append(Refused(r))
+            continue
+        out.append(Removed(key, r[0]))
+        out.extend(_dropped(key, *r))
+    return tuple(out)
+
+
+def read_effects(keys: Sequence, results: Sequence) -> tuple:
+    """The effects of the steps :meth:`DirectoryCore.read_many` folded (an
+    accepted ``ReadEnd`` has none)."""
+    out: list = []
+    for key, r in zip(keys, results):
+        if type(r) is not tuple:
+            out.append(Refused(r))
+            continue
+        token, length, checksum, placed = r
+        out.append(ReadGranted(key, token, tuple(Replica(s, o, length) for s, o in placed),
+                               length, checksum))
+    return tuple(out)
 
 
 def restored(capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int

@@ -58,6 +58,15 @@ def _refused(error: errors.KvError) -> tuple:
     return (Refused(error),)
 
 
+class Refusal:
+    """A refused step's error, where an accepted step's value may be any key."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: errors.KvError) -> None:
+        self.error = error
+
+
 class _Lease:
     """One reader's lease, mutable (``seq`` names its current heap entry)."""
 
@@ -152,14 +161,19 @@ class LeaseCore:
 
     def _put(self, ev: Put, inherited: bool = False) -> tuple:
         """Spec ``Put``: the key is not cached and the region is free."""
-        key, region, size = ev.key, ev.region, ev.size
+        err = self._cache(ev.key, ev.region, ev.size, inherited)
+        return (Cached(ev.key, ev.region),) if err is None else (Refused(err),)
+
+    def _cache(self, key, region, size, inherited: bool = False) -> Optional[errors.KvError]:
+        """``Put(key, region, size)`` without its effect: None, or the error
+        it is refused with (nothing changed)."""
         row = self.rows.index.get(key)
         if row is not None and self._flags[row] & CACHED:
-            return _refused(errors.KeyExists(f"{key!r} is cached"))
+            return errors.KeyExists(f"{key!r} is cached")
         if self._region_row(region) is not None:
-            return _refused(errors.NoSpace(f"region {region!r} holds another object"))
+            return errors.NoSpace(f"region {region!r} holds another object")
         if size <= 0:
-            return _refused(errors.InvalidArgument("object size must be positive"))
+            return errors.InvalidArgument("object size must be positive")
         row = self.rows.acquire(key, self.BIT)
         flags = CACHED | (INHERITED if inherited else 0)
         if type(region) is tuple and len(region) == 2 and region[0] == key \
@@ -174,16 +188,23 @@ class LeaseCore:
         self._last[row] = self.now
         self.used += size
         self.count += 1
-        return (Cached(key, region),)
+        return None
 
     def _grant(self, ev: Grant) -> tuple:
         """Spec ``Grant``: a lease on a cached object expiring at ``now + ttl``, or a miss."""
-        holder, key = ev.holder, ev.key
+        got = self._lease(ev.holder, ev.key)
+        if type(got) is not tuple:
+            return (Refused(got),)
+        return (LeaseGranted(ev.holder, ev.key, got[0], got[1], self.ttl),)
+
+    def _lease(self, holder, key) -> "tuple | errors.KvError":
+        """``Grant(holder, key)`` without its effect: ``(region, expires)``, or
+        the error it is refused with (nothing changed)."""
         if holder in self._leases:
-            return _refused(errors.LeaseHeld(f"{holder!r} already holds a lease"))
+            return errors.LeaseHeld(f"{holder!r} already holds a lease")
         row = self.rows.index.get(key)
         if row is None or not self._flags[row] & CACHED:
-            return _refused(errors.KeyNotFound(f"{key!r}"))
+            return errors.KeyNotFound(f"{key!r}")
         expires = self.now + self.ttl
         region = self._region(row)
         self._seq += 1
@@ -195,7 +216,7 @@ class LeaseCore:
             holders[holder] = None
         heapq.heappush(self._heap, (expires, self._seq, holder))
         self._last[row] = self.now
-        return (LeaseGranted(holder, key, region, expires, self.ttl),)
+        return region, expires
 
     def _renew(self, ev: Renew) -> tuple:
         """Spec ``Renew``: only an unexpired lease is extended (to ``now + ttl``)."""
@@ -210,11 +231,45 @@ class LeaseCore:
 
     def _release(self, ev: Release) -> tuple:
         """Spec ``Release``: the lease ends; the object is not touched."""
-        lease = self._leases.get(ev.holder)
+        key = self._end(ev.holder)
+        return (LeaseReleased(ev.holder, key),) if type(key) is not Refusal \
+            else (Refused(key.error),)
+
+    def _end(self, holder):
+        """``Release(holder)`` without its effect: the key of the lease ended,
+        or a :class:`Refusal` (nothing changed)."""
+        lease = self._leases.get(holder)
         if lease is None:
-            return _refused(errors.LeaseExpired(f"{ev.holder!r} holds no lease"))
-        self._forget(ev.holder, lease)
-        return (LeaseReleased(ev.holder, lease.key),)
+            return Refusal(errors.LeaseExpired(f"{holder!r} holds no lease"))
+        self._forget(holder, lease)
+        return lease.key
+
+    # ------------------------------------------------------------------ batches
+
+    def put_many(self, items: Iterable[tuple]) -> list:
+        """``Put(key, region, size)`` of each item, in order: the fold of the
+        single steps. Per item None, or the error its step is refused with;
+        :func:`put_effects` gives the effects."""
+        cache = self._cache
+        return [cache(key, region, size) for key, region, size in items]
+
+    def grant_many(self, items: Iterable[tuple]) -> list:
+        """``Grant(holder, key)`` of each item, in order: the fold of the
+        single steps. Per item the lease's expiry, or the error its step is
+        refused with; :func:`grant_effects` gives the effects (at once: they
+        name the regions as they are)."""
+        lease, out = self._lease, []
+        for holder, key in items:
+            got = lease(holder, key)
+            out.append(got[1] if type(got) is tuple else got)
+        return out
+
+    def release_many(self, holders: Iterable) -> list:
+        """``Release(holder)`` of each holder, in order: the fold of the single
+        steps. Per holder the key of its lease, or a :class:`Refusal` (its
+        ``error`` the step's); :func:`release_effects` gives the effects."""
+        end = self._end
+        return [end(holder) for holder in holders]
 
     def _forget(self, holder, lease: _Lease) -> None:
         del self._leases[holder]
@@ -526,6 +581,26 @@ class Drops:
             out.append(Reclaimed(key, regions[i] if i in regions else (key, token), size,
                                  evicted))
         return tuple(out)
+
+
+def put_effects(items, results) -> tuple:
+    """The effects of the steps :meth:`LeaseCore.put_many` folded."""
+    return tuple(Cached(key, region) if err is None else Refused(err)
+                 for (key, region, _), err in zip(items, results))
+
+
+def grant_effects(core: LeaseCore, items, results) -> tuple:
+    """The effects of the steps :meth:`LeaseCore.grant_many` folded (the
+    regions as ``core`` holds them now)."""
+    return tuple(Refused(r) if isinstance(r, errors.KvError) else
+                 LeaseGranted(holder, key, core._region(core.rows.index[key]), r, core.ttl)
+                 for (holder, key), r in zip(items, results))
+
+
+def release_effects(holders, results) -> tuple:
+    """The effects of the steps :meth:`LeaseCore.release_many` folded."""
+    return tuple(Refused(r.error) if type(r) is Refusal else LeaseReleased(holder, r)
+                 for holder, r in zip(holders, results))
 
 
 def _column(typecode: str, values: np.ndarray) -> array:

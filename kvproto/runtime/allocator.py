@@ -101,7 +101,8 @@ class SegmentAllocator:
         """Offset of a fresh region of ``length`` bytes, or ``None`` if none fits."""
         if length <= 0:
             raise ValueError("length must be positive")
-        need = self.rounded(length)
+        mask = self.page_size - 1
+        need = (length + mask) & ~mask      # rounded(length)
         if need > self._extent_bytes:
             return None
         lengths = self._lengths
@@ -149,6 +150,10 @@ class SegmentAllocator:
         self.free_bytes += length
 
 
+def _free_extent_bytes(item: tuple[str, "SegmentAllocator"]) -> int:
+    return item[1]._extent_bytes
+
+
 class Placer:
     """Chooses placements over the live segments' allocators."""
 
@@ -169,10 +174,10 @@ class Placer:
         ``exclude``), most free space first; ``None`` (and nothing held) if that
         many segments cannot fit it."""
         candidates = [kv for kv in self.allocators.items() if kv[0] not in exclude] \
-            if exclude else list(self.allocators.items())
+            if exclude else self.allocators.items()
         if replicas > len(candidates):
             return None
-        order = sorted(candidates, key=lambda kv: kv[1].free_extent_bytes, reverse=True)
+        order = sorted(candidates, key=_free_extent_bytes, reverse=True)
         chosen: list[Replica] = []
         for segment, alloc in order:
             offset = alloc.allocate(length)
@@ -186,9 +191,13 @@ class Placer:
     def release(self, replicas: Iterable[Replica]) -> None:
         """Return regions (a refused placement, or regions the machine freed)."""
         for r in replicas:
-            alloc = self.allocators.get(r.segment)
-            if alloc is not None:  # a lost segment's allocator is gone
-                alloc.free(r.offset, r.length)
+            self.free(r.segment, r.offset, r.length)
+
+    def free(self, segment: str, offset: int, length: int) -> None:
+        """Return one region."""
+        alloc = self.allocators.get(segment)
+        if alloc is not None:  # a lost segment's allocator is gone
+            alloc.free(offset, length)
 
     def free_bytes(self) -> Mapping[str, int]:
         return {s: a.free_bytes for s, a in self.allocators.items()}

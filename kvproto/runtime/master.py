@@ -63,11 +63,8 @@ Payload bytes never reach the master: its ROUTER accepts no payload frames.
 
 from __future__ import annotations
 
-import functools
-import heapq
 import logging
 import os
-import re
 import threading
 import time
 from collections import defaultdict, deque
@@ -84,11 +81,11 @@ from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, Rebuild
 from kvproto.statemachines.publish import (
-    AddSegment, AssignRegion, FreeRegion, ListReplica, MasterEvent, PutEnd,
-    PutRevoke, PutStart, Published, ReadBegin, ReadEnd, ReclaimAbandoned,
+    AssignRegion, FreeRegion, MasterEvent, PutRevoke, Published, ReadEnd, ReclaimAbandoned,
     Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairStart, RepairStarted,
     Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
+from kvproto.runtime.master_requests import ClientSession, MasterRequests, Parked, SegmentInfo
 from kvproto.runtime.repairs import PublishTerms, RepairScheduler
 from kvproto.statemachines import failover as fm
 
@@ -97,66 +94,6 @@ from kvproto.statemachines import lease as lm
 log = logging.getLogger("kvproto.master")
 
 ReplyTo = Any  # opaque: the server's routing identity
-
-_ENDPOINT = re.compile(r"^(tcp://\S+:\d{1,5}|ipc://\S+)$")
-
-
-class SegmentInfo:
-    __slots__ = ("segment", "endpoint", "host", "shm", "gen_shm", "nonce", "page_size",
-                 "capacity", "last_seen")
-
-    def __init__(self, body: dict, now: float) -> None:
-        self.segment = body["segment"]
-        self.endpoint = body["endpoint"]
-        self.host = body["host"]
-        self.shm = body["shm"]
-        self.gen_shm = body["gen_shm"]
-        self.nonce = body["nonce"]
-        self.page_size = body["page_size"]
-        self.capacity = body["capacity"]
-        self.last_seen = now
-
-    def wire(self) -> list:
-        return [self.endpoint, self.host, self.shm, self.gen_shm, self.nonce,
-                self.page_size, self.capacity]
-
-
-class ClientSession:
-    """What one client has in flight: pending attempts and read pins."""
-
-    __slots__ = ("last_seen", "tokens", "pins")
-
-    def __init__(self, now: float) -> None:
-        self.last_seen = now
-        #: token -> [key, last refresh] of its PENDING attempts; each attempt
-        #: lapses on its own (``writer_timeout`` after its last refresh)
-        self.tokens: dict[int, list] = {}
-        self.pins: dict[tuple[bytes, int], int] = {}   # (key, token) -> pins held
-
-    def empty(self) -> bool:
-        return not self.tokens and not self.pins
-
-
-class Parked:
-    """A reply waiting for storage nodes: a ``put_end`` for their ``publish``
-    acks, a ``remove`` for their ``free`` acks (what it acknowledges must be
-    recorded at the nodes first). A ``put_start`` does not wait for its
-    ``assign`` acks: the assigns leave before the grant does, on the one
-    connection to each node, and a node holds a write that arrives before its
-    region's assign until the assign is applied (``StorageServer``)."""
-
-    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "keys")
-
-    #: the request -> the storage command whose acks its reply waits for
-    WAITS_FOR = {"put_start": None, "put_end": "publish", "remove": "free"}
-
-    def __init__(self, reply_to: ReplyTo, request_id: int, items: list, op: str = "put_start") -> None:
-        self.reply_to = reply_to
-        self.request_id = request_id
-        self.items = items
-        self.waiting: set[int] = set()
-        self.op = op
-        self.keys: Optional[list] = None   # put_end: the key of each item
 
 
 class FenceRound:
@@ -217,7 +154,7 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "repairs_timed_out", "repair_reports_refused", "bytes_repaired")
 
 
-class MasterCore:
+class MasterCore(MasterRequests):
     """The master's logic without sockets (see the module docstring)."""
 
     #: bounds on one ``assign``/``free`` command, so it always fits a storage
@@ -436,24 +373,26 @@ class MasterCore:
         effects per segment, preserving order per segment."""
         if not self._queue:
             return
-        per_segment: dict[str, list[tuple[str, list]]] = defaultdict(list)
-        room: dict[str, int] = {}
-        for segment, op, region in self._queue:
-            runs = per_segment[segment]
+        queue, self._queue = self._queue, []
+        per_segment: dict[str, list] = {}    # segment -> runs [op, regions, bytes left]
+        most, full = self.COMMAND_MAX_REGIONS, self.COMMAND_MAX_BYTES
+        for segment, op, region in queue:
             cost = 48 + (len(region[2]) if op == "assign" else len(region[1]) if op == "publish" else 0)
-            if runs and runs[-1][0] == op and room[segment] >= cost \
-                    and len(runs[-1][1]) < self.COMMAND_MAX_REGIONS:
-                runs[-1][1].append(region)
+            runs = per_segment.get(segment)
+            if runs is None:
+                per_segment[segment] = [[op, [region], full - cost]]
+                continue
+            run = runs[-1]
+            if run[0] == op and run[2] >= cost and len(run[1]) < most:
+                run[1].append(region)
+                run[2] -= cost
             else:
-                runs.append((op, [region]))
-                room[segment] = self.COMMAND_MAX_BYTES
-            room[segment] -= cost
-        self._queue = []
+                runs.append([op, [region], full - cost])
         now = self.clock()
         for segment, runs in per_segment.items():
             if segment not in self.segments:
                 continue  # lost: nothing to tell
-            for op, regions in runs:
+            for op, regions, _ in runs:
                 cmd_id = self._next_cmd
                 self._next_cmd += 1
                 owner = parked if parked is not None and Parked.WAITS_FOR[parked.op] == op else None
@@ -465,16 +404,6 @@ class MasterCore:
                 if owner is not None:
                     owner.waiting.add(cmd_id)
                 self.outbox.append((segment, op, cmd_id, body))
-
-    def _session(self, client: str, create: bool = False) -> Optional[ClientSession]:
-        session = self.sessions.get(client)
-        now = self.clock()
-        if session is None and create:
-            session = self.sessions[client] = ClientSession(now)
-        if session is not None:
-            session.last_seen = now
-        return session
-
 
     # ------------------------------------------------------------------ leases
 
@@ -576,97 +505,6 @@ class MasterCore:
         self._flush()
         return done
 
-    # ------------------------------------------------------------------ requests
-
-    def handle(self, op: str, body: dict, reply_to: ReplyTo = None,
-               request_id: int = 0) -> Optional[tuple[int, dict]]:
-        """Handle a validated request. Returns ``(status, body)``, or ``None`` when
-        the reply is parked (it will appear in :attr:`ready`)."""
-        try:
-            if self.tenants is not None:
-                try:
-                    body = self.tenants.admit(op, body)
-                except errors.Unauthorized:
-                    self.counters["unauthorized"] += 1
-                    raise
-            elif body.get("ns", "default") != "default" or op in wire.TENANT_OPS:
-                raise errors.InvalidArgument("this master has no tenants (kvproto master "
-                                             "--tenants FILE): no namespaces nor grants")
-            if self.failover.phase is not fm.Phase.OPEN and op != "stats":
-                self.counters["not_open"] += 1
-                raise errors.MasterNotOpen(f"master is {self.failover.phase.value} "
-                                           f"(term {self.failover.term})")
-            handler = getattr(self, "_op_" + op)
-            return handler(body, reply_to, request_id)
-        finally:
-            self._flush()
-
-    def _op_register(self, body, reply_to, request_id):
-        page, capacity = body["page_size"], body["capacity"]
-        if page & (page - 1) or page < 512:
-            raise errors.InvalidArgument("page_size must be a power of two >= 512")
-        if capacity % page:
-            raise errors.InvalidArgument("capacity must be a multiple of page_size")
-        if not _ENDPOINT.match(body["endpoint"]):
-            raise errors.InvalidArgument(f"endpoint {body['endpoint']!r} is not tcp://host:port or ipc://path")
-        known = self.segments.get(body["segment"])
-        if known is not None and known.endpoint == body["endpoint"] and known.nonce == body["nonce"]:
-            # a node this master fenced and recovered, now following it
-            known.last_seen = self.clock()
-            return 0, {"heartbeat": self.storage_timeout / 4, "term": self.failover.term}
-        if body.get("held", 0):
-            # a segment this master did not recover (it fenced it out, or never
-            # listed it) counts as lost with its bytes (spec NodeLost): it must
-            # not join with what it holds, or those objects (removed ones too)
-            # would come back at the next takeover. The node starts over empty.
-            raise errors.SegmentUnavailable(
-                f"segment {body['segment']!r} holds {body['held']} allocation(s) this master did "
-                "not recover; it must start over empty")
-        err, _ = self._step(AddSegment(body["segment"], capacity))
-        if err is not None:
-            raise err
-        info = SegmentInfo(body, self.clock())
-        self.segments[info.segment] = info
-        self.placer.add(info.segment, capacity, page)
-        self.opened.append((info.segment, info.endpoint))
-        self.counters["segments_joined"] += 1
-        log.info("segment %s joined: %d bytes at %s", info.segment, capacity, info.endpoint)
-        return 0, {"heartbeat": self.storage_timeout / 4, "term": self.failover.term}
-
-    def _op_storage_heartbeat(self, body, reply_to, request_id):
-        info = self.segments.get(body["segment"])
-        if info is None:
-            raise errors.SegmentUnavailable(f"segment {body['segment']!r} is not live")
-        info.last_seen = self.clock()
-        return 0, {}
-
-    def _op_storage_drained(self, body, reply_to, request_id):
-        """Regions that drained for their direct writer (spec/DirectWrite.tla
-        ``Drain``): free again."""
-        draining = self.draining.get(body["segment"], {})
-        for offset in body["offsets"]:
-            length = draining.pop(offset, None)
-            if length is not None and body["segment"] in self.segments:
-                self.placer.release([Replica(body["segment"], offset, length)])
-        return 0, {}
-
-    def _op_repair_done(self, body, reply_to, request_id):
-        """A repair copier's report (runtime/copier.py): ``ListReplica``, or
-        ``RepairCancel`` when its copy failed. A report of a repair no longer
-        in flight is refused (``StaleToken``) and changes nothing."""
-        key, segment, repair = body["key"], body["segment"], body["repair"]
-        if "error" in body:
-            err, _ = self._step(RepairCancel(key, segment, repair),
-                                {"copied": False, "error": body["error"][0]})
-            self.counters["repairs_failed"] += err is None
-        else:
-            err, _ = self._step(ListReplica(key, segment, repair), {"copied": True})
-        if err is not None:
-            self.counters["repair_reports_refused"] += 1
-            raise err
-        self._repair()     # its slot is free: the next repair need not wait for a tick
-        return 0, {}
-
     def _repair(self) -> None:
         """Start repairs of the objects below their requested count (``RepairStart``)
         within the scheduler's limits (copies in flight, each source node's
@@ -714,411 +552,6 @@ class MasterCore:
             if self.directory.objects[key].below():
                 deferred.append(key)
         sched.queue.extend(deferred)
-
-    def _op_deregister(self, body, reply_to, request_id):
-        if body["segment"] not in self.segments:
-            raise errors.SegmentUnavailable(f"segment {body['segment']!r} is not live")
-        self.segment_lost(body["segment"], "deregistered")
-        return 0, {}
-
-    def _op_heartbeat(self, body, reply_to, request_id):
-        """The client is alive (its pins stay); the attempts it lists in
-        ``tokens`` are still being written (each one's deadline restarts)."""
-        session = self._session(body["client"])
-        if session is not None:
-            self._refresh(session, body.get("tokens", ()))
-        return 0, {"known": session is not None}
-
-    def _refresh(self, session: ClientSession, tokens) -> None:
-        now = self.clock()
-        for token in tokens:
-            attempt = session.tokens.get(token)
-            if attempt is not None:
-                attempt[1] = now
-
-    def _same_host(self, segment: str, host: str) -> bool:
-        info = self.segments.get(segment)
-        return info is not None and info.host == host
-
-    def _op_put_start(self, body, reply_to, request_id):
-        """``PutStart`` per item. With ``writer`` and ``host``, a replica on a
-        segment of the client's host is granted to it as a direct writer
-        (spec/DirectWrite.tla): the grant lists those segments in ``direct``."""
-        client, replicas = body["client"], body["replicas"]
-        items: list = [None] * len(body["items"])
-        parked = Parked(reply_to, request_id, items)
-        session = self._session(client, create=True)
-        self._writing = (body["writer"], body["host"]) if "writer" in body and "host" in body else None
-        try:
-            self._put_start_items(body, client, replicas, items, session)
-        finally:
-            self._writing = None
-        if session.empty():
-            del self.sessions[client]
-        self._flush(parked)
-        if parked.waiting:
-            return None
-        return self._complete(parked)
-
-    def _put_start_items(self, body, client, replicas, items, session) -> None:
-        tenants, now, direct_of = self.tenants, self.clock(), self._direct.get
-        place, step, owner, tokens = self.placer.place, self._step, self._owner, session.tokens
-        counters = self.counters
-        for i, (key, length) in enumerate(body["items"]):
-            write = None
-            if tenants is not None:
-                if key in self._tenant_dropping:    # lost: its accounting first
-                    self._tenant_dropping.discard(key)
-                    tenants.removed(key)
-                # the quotas are checked before the allocation (spec WriteStart;
-                # Tenancy_Weak_QuotaAfterAllocation); committed with PutStart
-                try:
-                    write = tenants.write_start(body["tenant"], key, length * replicas)
-                except errors.KvError as err:
-                    items[i] = wire.error_item(err)
-                    continue
-            placement = place(length, replicas)
-            if placement is None:
-                # The allocator refuses before the machine sees anything; name the
-                # error the machine would have given for a taken key.
-                live = len(self.segments)
-                if key in self.directory.objects:
-                    err: errors.KvError = errors.KeyExists(f"key {key!r} exists or is being put")
-                elif not live:
-                    err = errors.NoStorage("no storage node has registered with this master")
-                elif replicas > live:
-                    err = errors.NoSpace(f"{replicas} replicas need {replicas} live storage nodes; "
-                                         f"only {live} registered")
-                else:
-                    err = errors.NoSpace(f"no {replicas} live segment(s) can hold {length} bytes")
-                items[i] = wire.error_item(err)
-                continue
-            err, effects = step(PutStart(key, length, placement))
-            if err is not None:
-                self.placer.release(placement)
-                items[i] = wire.error_item(err)
-                continue
-            grant = effects[0]
-            if write is not None:
-                tenants.commit(write)
-            counters["puts_started"] += 1
-            token = grant.token
-            tokens[token] = [key, now]
-            owner[token] = client
-            granted = grant.replicas
-            item = {"token": token, "replicas": [[r.segment, r.offset, r.length] for r in granted]}
-            direct = [r.segment for r in granted if direct_of((r.segment, r.offset)) == token]
-            if direct:
-                item["direct"] = direct
-            items[i] = [0, item]
-
-    def _complete(self, parked: Parked) -> tuple[int, dict]:
-        if parked.op != "put_start":
-            return 0, {"items": parked.items}
-        named = {seg for item in parked.items if item[0] == 0 for seg, _, _ in item[1]["replicas"]}
-        segments: dict[str, list] = {}
-        for seg in named:
-            info = self.segments.get(seg)
-            if info is not None:
-                segments[seg] = info.wire()
-        return 0, {"items": parked.items, "segments": segments,
-                   "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
-
-    def _end_or_revoke(self, body, event_type):
-        """``PutEnd`` or ``PutRevoke`` per ``[key, token]`` item (a put_end's
-        item may add the object's checksum)."""
-        session = self._session(body["client"])
-        if session is not None:
-            self._refresh(session, [item[1] for item in body["items"]])
-        self._ltick()     # once: a publish's lease Put is at the request's time
-        items = []
-        for key, token, *checksum in body["items"]:
-            err, _ = self._step(event_type(key, token, *checksum))
-            if err is None and event_type is PutRevoke:
-                self.counters["puts_revoked"] += 1
-            items.append(wire.ok_item() if err is None else wire.error_item(err))
-        return 0, {"items": items}
-
-    def _op_put_end(self, body, reply_to, request_id):
-        """``PutEnd``; the reply waits until every replica's node has recorded
-        the publish in its index (``publish``), so a published object survives
-        a failover."""
-        _, ended = self._end_or_revoke(body, PutEnd)
-        parked = Parked(reply_to, request_id, ended["items"], "put_end")
-        parked.keys = [item[0] for item in body["items"]]
-        self._flush(parked)
-        self.evict()
-        if parked.waiting:
-            return None
-        return self._complete(parked)
-
-    def _op_put_revoke(self, body, reply_to, request_id):
-        return self._end_or_revoke(body, PutRevoke)
-
-    def _op_put_abandon(self, body, reply_to, request_id):
-        """``PutRevoke`` of this client's own pending attempt on each key, by
-        the token the master holds for it: for a client whose ``put_start``
-        failed before it learned its tokens (e.g. it timed out), so that its
-        retry is not refused with ``KeyExists`` until the attempt lapses. A key
-        with no pending attempt of this client gets ``StaleToken``."""
-        client, items = body["client"], []
-        session = self._session(client)
-        mine = {key: token for token, (key, _) in session.tokens.items()} if session else {}
-        for key in body["keys"]:
-            token = mine.get(key)
-            if token is None:
-                items.append(wire.error_item(errors.StaleToken(
-                    f"{client} has no pending attempt on {key!r}")))
-                continue
-            err, _ = self._step(PutRevoke(key, token))
-            if err is None:
-                self.counters["abandoned"] += 1
-            items.append(wire.ok_item() if err is None else wire.error_item(err))
-        return 0, {"items": items}
-
-    def _op_read_begin(self, body, reply_to, request_id):
-        """A read: ``ReadBegin`` (only a published object is readable; its
-        effect is the descriptors). Without ``lease`` the read is pinned until
-        ``read_end`` (publish). With ``lease`` the lease replaces the pin: the
-        pin is ended in the same request (``ReadEnd``; the spec allows it at any
-        time) and the lease machine grants (``Grant``) a time-bounded lease, which
-        ``Remove`` and eviction respect and the reader checks after the transfer."""
-        client = body["client"]
-        leased = body.get("lease", False)
-        if body.get("release"):
-            self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
-        session = self._session(client, create=True)
-        items, segments = [], {}
-        # one tick for the request: each grant expires at its time plus the
-        # TTL, which is after the reader sent it (what the reader's check
-        # counts from), so no later than a tick per key would make it
-        self._ltick()
-        tenants, step, counters, touch = self.tenants, self._step, self.counters, self.leases.touch
-        infos, ok_item = self.segments, wire.ok_item
-        for key in body["keys"]:
-            read = None
-            if tenants is not None:
-                # spec Begin before ReadBegin: the grant, the object in the
-                # read's own namespace, the in-flight quota (a pinned read is
-                # checked, not counted in flight)
-                try:
-                    read = tenants.begin((client, self._next_lease), body["tenant"], key)
-                except errors.KvError as err:
-                    self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
-                    items.append(wire.error_item(err))
-                    continue
-            err, effects = step(ReadBegin(key))
-            if err is not None:
-                counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
-                items.append(wire.error_item(err))
-                continue
-            grant = effects[0]
-            counters["reads"] += 1
-            if not leased:
-                touch(key)      # a leased read's Grant marks it used itself
-            replicas = grant.replicas
-            item = {"token": grant.token, "length": grant.length,
-                    "replicas": [[r.segment, r.offset, r.length] for r in replicas]}
-            if grant.checksum:
-                item["checksum"] = grant.checksum
-            if tenants is not None:   # one per replica, for the nodes (NodeAdmits)
-                item["tickets"] = tenants.read_tickets(body["tenant"], grant.token, grant.replicas)
-            if leased:
-                step(ReadEnd(key, grant.token))
-                lease_id = self._next_lease
-                lerr, leffects = self._lstep(lm.Grant((client, lease_id), key), tick=False)
-                if lerr is not None:   # the tables disagree: a bug; answer it typed
-                    touch(key)
-                    log.error("lease grant of %r refused: %s", key, lerr)
-                    items.append(wire.error_item(lerr))
-                    continue
-                self._next_lease += 1
-                counters["lease_grants"] += 1
-                if read is not None:
-                    tenants.commit(read)
-                item["lease"] = lease_id
-                item["ttl"] = leffects[0].ttl
-            else:
-                pin = (key, grant.token)
-                session.pins[pin] = session.pins.get(pin, 0) + 1
-            for r in replicas:
-                if r.segment not in segments:
-                    info = infos.get(r.segment)
-                    if info is not None:
-                        segments[r.segment] = info.wire()
-            items.append(ok_item(item))
-        if session.empty():
-            del self.sessions[client]
-        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4,
-                   "term": self.failover.term}
-
-    def _op_read_end(self, body, reply_to, request_id):
-        client = body["client"]
-        session = self._session(client)
-        items = []
-        for key, token in body["items"]:
-            pin = (key, token)
-            held = session.pins.get(pin, 0) if session is not None else 0
-            if not held:
-                # Not a pin this client holds (already reclaimed): feeding ReadEnd
-                # would unpin some other reader's read.
-                items.append(wire.error_item(errors.StaleToken(f"no read of {key!r} with token {token}")))
-                continue
-            if held == 1:
-                del session.pins[pin]
-            else:
-                session.pins[pin] = held - 1
-            err, _ = self._step(ReadEnd(key, token))
-            self.counters["read_ends"] += 1
-            items.append(wire.ok_item() if err is None else wire.error_item(err))
-        if session is not None and session.empty():
-            del self.sessions[client]
-        return 0, {"items": items}
-
-    def _op_renew(self, body, reply_to, request_id):
-        client, items = body["client"], []
-        self._ltick()     # once: every renewal runs from the request's time
-        for lease_id in body["leases"]:
-            renewal = None
-            if self.tenants is not None:
-                # spec Renew: a revoked grant's lease is not renewed
-                try:
-                    renewal = self.tenants.renew((client, lease_id), body["tenant"])
-                except errors.KvError as err:
-                    self.counters["lease_renewals_refused"] += 1
-                    items.append(wire.error_item(err))
-                    continue
-            err, effects = self._lstep(lm.Renew((client, lease_id)), tick=False)
-            renewed = {"ttl": self.leases.ttl}
-            if err is None and renewal is not None:
-                self.tenants.commit(renewal)
-                renewed["tickets"] = self.tenants.renewed_tickets((client, lease_id),
-                                                                  self.directory.objects)
-            if err is None:
-                self.counters["lease_renewals"] += 1
-                items.append(wire.ok_item(renewed))
-            else:
-                self.counters["lease_renewals_refused"] += 1
-                items.append(wire.error_item(err))
-        return 0, {"items": items}
-
-    def _op_release(self, body, reply_to, request_id):
-        client, items = body["client"], []
-        self._ltick()     # once: the releases are at the request's time
-        for lease_id in body["leases"]:
-            err, _ = self._lstep(lm.Release((client, lease_id)), tick=False)
-            if err is None:
-                self.counters["lease_releases"] += 1
-                if self.tenants is not None:
-                    self.tenants.release((client, lease_id))
-            items.append(wire.ok_item() if err is None else wire.error_item(err))
-        return 0, {"items": items}
-
-    def _op_exists(self, body, reply_to, request_id):
-        published = self.directory.published
-        return 0, {"items": [wire.ok_item(published(key)) for key in body["keys"]]}
-
-    def _op_list(self, body, reply_to, request_id):
-        """Published keys in key order (a read of the directory; nothing changes):
-        those after ``after`` that start with ``prefix``, at most ``limit``, and
-        whether more follow."""
-        prefix, after, limit = body.get("prefix", b""), body.get("after", b""), body["limit"]
-        keys = heapq.nsmallest(limit + 1, (
-            k for k, record in self.directory.objects.items()
-            if record.status is Status.PUBLISHED and k > after and k.startswith(prefix)))
-        more = len(keys) > limit
-        keys = keys[:limit]
-        if self.tenants is not None:   # in the tenant's own words
-            keys = self.tenants.strip(body["namespace"], keys)
-        return 0, {"keys": keys, "more": more}
-
-    def _op_remove(self, body, reply_to, request_id):
-        """``Remove``: the lease machine first (``ObjectLeased`` under an
-        unexpired lease, or while an object recovered at a takeover may still
-        be leased by the old master), then the publish machine. ``force``
-        (operators) ends the object's leases (``Release``, and ``Disown`` of an
-        inherited one) first, and is logged. The reply waits until every
-        replica's node recorded the free under this term (spec ``Remove``)."""
-        force = body.get("force", False)
-        items = []
-        for key in body["keys"]:
-            self._ltick()
-            if self.tenants is not None:
-                # spec Remove by the owner, before the lease machine's
-                try:
-                    self.tenants.may_remove(body["tenant"], key, force)
-                except errors.KvError as err:
-                    items.append(wire.error_item(err))
-                    continue
-            if key in self.leases.objects:
-                err = self.leases.reclaimable(key)
-                if err is not None:
-                    if not force or not isinstance(err, errors.ObjectLeased):
-                        self.counters["leased_refusals"] += 1
-                        items.append(wire.error_item(err))
-                        continue
-                    log.warning("forced remove of %r ends %d unexpired lease(s)%s",
-                                key, len(self.leases.holders(key)),
-                                " and the previous master's" if self.leases.is_inherited(key) else "")
-                    for holder in self.leases.holders(key):
-                        self._lstep(lm.Release(holder), by="forced")
-                        if self.tenants is not None:
-                            self.tenants.release(holder)
-                    self._lstep(lm.Disown(key))
-                    self.counters["removes_forced"] += 1
-            err, _ = self._step(Remove(key))
-            items.append(wire.ok_item() if err is None else wire.error_item(err))
-        parked = Parked(reply_to, request_id, items, "remove")
-        self._flush(parked)
-        if parked.waiting:
-            return None
-        return self._complete(parked)
-
-    def _op_stats(self, body, reply_to, request_id):
-        stats = self.stats()
-        if self.tenants is not None:   # a tenant sees its own usage only
-            stats["tenants"] = self.tenants.usage(body["tenant"])
-        return 0, stats
-
-    def _op_grant(self, body, reply_to, request_id):
-        """Spec ``GrantRead`` by the namespace's owner (a tenants file only)."""
-        self.tenants.grant(body)
-        return 0, {}
-
-    def _op_revoke(self, body, reply_to, request_id):
-        """Spec ``RevokeRead``: the grantee's next read or renewal is refused;
-        a read already granted ends with its lease."""
-        self.tenants.grant(body, revoke=True)
-        return 0, {}
-
-    def _op_ns_create(self, body, reply_to, request_id):
-        """Spec ``Create``: a canary namespace next to the owner's live one."""
-        self.tenants.create(body)
-        return 0, {}
-
-    def _lifecycle(self, op, body, reply_to=None, request_id=0):
-        """Spec ``PreWarm``, ``Switch``, ``RouteBack`` or ``Drop`` by the
-        namespace's owner. ``RouteBack`` abandons the namespace's writes in
-        progress: each pending attempt is revoked (``PutRevoke``, mirrored as
-        ``WriteAbort``) before the step is committed. A namespace that retires
-        ages out (:meth:`age_out`)."""
-        event = self.tenants.lifecycle(op, body)
-        if op == "ns_route_back":
-            prefix = self.tenants.prefix(event.ns)
-            for key, record in list(self.directory.objects.items()):
-                if record.status is Status.PENDING and key.startswith(prefix):
-                    self._step(PutRevoke(key, record.token))
-        self.tenants.advance(event)
-        self.age_out()
-        return 0, {}
-
-    _op_ns_prewarm = functools.partialmethod(_lifecycle, "ns_prewarm")
-    _op_ns_switch = functools.partialmethod(_lifecycle, "ns_switch")
-    _op_ns_route_back = functools.partialmethod(_lifecycle, "ns_route_back")
-    _op_ns_drop = functools.partialmethod(_lifecycle, "ns_drop")
-
-    def _op_ns_list(self, body, reply_to, request_id):
-        return 0, {"namespaces": self.tenants.namespaces(body["tenant"])}
 
     def age_out(self) -> int:
         """Spec ``AgeOut``: remove the unleased objects of retiring namespaces,
@@ -1201,6 +634,11 @@ class MasterCore:
             # an accepted assign or publish, while no repaired replica's mark is
             # out, needs nothing but counting
             plain = not self._repair_marks and op in ("assign", "publish")
+            if plain and all(type(r) is list and len(r) == 2 and type(r[0]) is int and not r[0]
+                             for r in results):
+                if op == "publish":
+                    self.counters["publish_marks"] += len(results)
+                return
             for region, result in zip(cmd.regions, results):
                 err, value = item_result(result)
                 if plain and err is None:

@@ -105,3 +105,26 @@ def test_rows_released_in_bulk_are_free_once_swept_and_a_key_holds_its_row_again
     assert all(rows.keys[row] == key for key, row in rows.index.items())
     assert sorted(rows.free) == sorted(held[:6]) and len(set(rows.free)) == 6
     assert [rows.acquire(b"x%d" % i, 1) for i in range(6)] and rows.size == 8
+
+
+def test_leases_granted_together_expire_alone_once_renewed_or_granted_again():
+    """Of the leases one ``grant_many`` granted, one renewed, or released and
+    granted again, is not ended with the others (the reference stepped alike
+    ends the same leases)."""
+    keys = [f"k{i}" for i in range(4)]
+    core, ref = LeaseCore(5), L.new_table(5)
+    steps = [L.Put(k, (k, 1), 10) for k in keys]
+    for event in steps:
+        ref, _ = L.master_step(ref, event)
+        core.step(event)
+    holders = [("c", i) for i in range(4)]
+    assert core.grant_many(list(zip(holders, keys))) == [5, 5, 5, 5]
+    for event in [L.Grant(h, k) for h, k in zip(holders, keys)]:
+        ref, _ = L.master_step(ref, event)
+    for event in (L.Tick(1), L.Renew(holders[1]), L.Release(holders[2]),
+                  L.Grant(holders[2], keys[3]), L.Tick(5.5), L.Tick(6)):
+        ref, expected = L.master_step(ref, event)
+        got = core.step(event)
+        assert sorted(map(repr, got)) == sorted(map(repr, expected)), event
+        assert core.reference() == ref
+    assert not core.leases

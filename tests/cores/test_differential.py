@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 
 from kvproto import errors
 from kvproto.cores.direct import DirectCore
+from kvproto.cores import directory as D_core, leases as L_core
 from kvproto.cores.directory import PENDING, DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.cores.recovery import IndexColumns, recovered
@@ -193,7 +194,7 @@ class DirectoryDiff(Differential):
     ACTIONS = ("add_segment", "put_start", "put_start", "put_start", "put_start", "put_end",
                "put_end", "put_end", "put_revoke", "reclaim_abandoned", "read_begin",
                "read_end", "remove", "segment_lost", "repair_start", "repair_start",
-               "repair_end", "repair_end")
+               "repair_end", "repair_end", "batch", "batch")
 
     def begin(self, c: Choose):
         segments = c.some(SEGMENTS, 1, len(SEGMENTS))
@@ -253,6 +254,9 @@ class DirectoryDiff(Differential):
         self.step(P.AddSegment(c.one(SEGMENTS + GONE), c.int(-1, 1 << 16)))
 
     def put_start(self, c: Choose):
+        self.step(self.put_start_event(c))
+
+    def put_start_event(self, c: Choose) -> P.PutStart:
         key, length = c.one(KEYS), c.int(1, 64)
         live = [s for s, l in self.ref.segments.items() if l.live]
         pool = live if live and not c.rare() else SEGMENTS + GONE
@@ -264,7 +268,62 @@ class DirectoryDiff(Differential):
             placement.append(P.Replica(s, offset, length if not c.rare(20) else length + 1))
         if c.rare(30):
             length = c.one([0, -1])
-        self.step(P.PutStart(key, length, tuple(placement)))
+        return P.PutStart(key, length, tuple(placement))
+
+    def batch(self, c: Choose):
+        """A batch of one kind of step (``put_start_many``, ``put_end_many``,
+        ``remove_many``, ``read_many`` with and without pins) equals the reference's single
+        steps folded: the same effects in order, the same state after; a
+        refused ``PutStart`` is reported at once, before the next is taken."""
+        kind, n = c.one(["put_start", "put_end", "read", "read", "remove"]), c.int(0, 12)
+        if kind == "put_start":
+            events = [self.put_start_event(c) for _ in range(n)]
+            items = [(e.key, e.length, e.placement) for e in events]
+            taken, refused = [], []
+
+            def lazily():
+                for item in items:
+                    taken.append(item)
+                    yield item
+            results = self.core.put_start_many(
+                lazily(), lambda item: refused.append((item, len(taken))))
+            got = D_core.put_start_effects(items, results)
+            assert refused == [(item, i + 1) for i, (item, r) in enumerate(zip(items, results))
+                               if type(r) is not int]
+        elif kind == "put_end":
+            events = []
+            for _ in range(n):
+                key = self.key_in(c, P.Status.PENDING)
+                events.append(P.PutEnd(key, self.token_for(c, key), c.one(CHECKSUMS)))
+            results = self.core.put_end_many([(e.key, e.token, e.checksum) for e in events])
+            got = D_core.put_end_effects([(e.key, e.token, e.checksum) for e in events], results)
+        elif kind == "remove":
+            keys = [self.key_in(c, c.one([P.Status.PUBLISHED, P.Status.PENDING]))
+                    for _ in range(n)]
+            events = [P.Remove(key) for key in keys]
+            got = D_core.remove_effects(keys, self.core.remove_many(keys))
+        else:
+            pin = c.one([True, False])
+            keys = [self.key_in(c, P.Status.PUBLISHED) for _ in range(n)]
+            events = [P.ReadBegin(key) for key in keys]
+            results = self.core.read_many(keys, pin)
+            got = D_core.read_effects(keys, results)
+        expected, ref = [], self.ref
+        for e in events:
+            ref, out = P.master_step(ref, e)
+            expected.extend(out)
+            if kind == "read" and not pin and isinstance(out[0], P.ReadGranted):
+                # the pin ends at once
+                ref, ended = P.master_step(ref, P.ReadEnd(e.key, out[0].token))
+                assert ended == ()
+            if kind == "put_end" and isinstance(out[0], P.Published):
+                record = ref.objects[e.key]
+                assert results[len(expected) - 1] == (
+                    record.length, record.checksum, record.requested,
+                    [(r.segment, r.offset) for r in record.replicas])
+        self.ref = ref
+        assert_same(tuple(expected), got)
+        assert self.core.reference() == self.ref
 
     def put_end(self, c: Choose):
         key = self.key_in(c, P.Status.PENDING)
@@ -374,7 +433,7 @@ class LeaseDiff(Differential):
 
     ACTIONS = ("tick", "tick", "put", "put", "put", "put", "put", "grant", "grant", "renew",
                "release", "remove", "evict", "disown", "takeover", "queries", "eviction",
-               "drop_many")
+               "drop_many", "batch", "batch")
 
     def begin(self, c: Choose):
         ttl, now = c.one([1, 5, 40, 2.5]), c.one([0, 100, 7.25])
@@ -443,6 +502,34 @@ class LeaseDiff(Differential):
         drops = self.core.drop_many(keys, rows, evicted=evicted)
         assert_same(expected, drops.effects())
         assert len(drops) == sum(isinstance(e, L.Reclaimed) for e in expected)
+        assert self.core.reference() == self.ref
+
+    def batch(self, c: Choose):
+        """A batch of one kind of step (``put_many``, ``grant_many``,
+        ``release_many``) equals the reference's single steps folded: the same
+        effects in order, the same state after."""
+        kind, n = c.one(["put", "grant", "release"]), c.int(0, 12)
+        if kind == "put":
+            items = []
+            for _ in range(n):
+                key, token = c.one(LKEYS), c.int(1, 50)
+                region = (key, token) if not c.rare(4) else c.one(SLOTS)
+                items.append((key, region, c.int(1, 1 << 20) if not c.rare(30) else 0))
+            events = [L.Put(*item) for item in items]
+            got = L_core.put_effects(items, self.core.put_many(items))
+        elif kind == "grant":
+            items = [(c.one(HOLDERS), self.cached(c)) for _ in range(n)]
+            events = [L.Grant(*item) for item in items]
+            got = L_core.grant_effects(self.core, items, self.core.grant_many(items))
+        else:
+            holders = [self.holder(c) for _ in range(n)]
+            events = [L.Release(h) for h in holders]
+            got = L_core.release_effects(holders, self.core.release_many(holders))
+        expected = []
+        for e in events:
+            self.ref, out = L.master_step(self.ref, e)
+            expected.extend(out)
+        assert_same(tuple(expected), got)
         assert self.core.reference() == self.ref
 
     def takeover(self, c: Choose):
@@ -900,3 +987,62 @@ def test_a_free_that_never_drains_is_caught(monkeypatch):
     monkeypatch.setattr(DirectCore, "_free", free_at_once)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(DirectDiff, settings=HUNT)
+
+
+def test_a_leased_read_batch_that_keeps_its_pins_is_caught(monkeypatch):
+    """``read_many(keys, pin=False)`` pins the objects as ``ReadBegin`` does
+    but never ends the pins (a leased read would hold its object forever)."""
+    plain = DirectoryCore.read_many
+    monkeypatch.setattr(DirectoryCore, "read_many", lambda self, keys, pin=True: plain(self, keys))
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectoryDiff, settings=HUNT)
+
+
+def test_a_put_start_batch_that_reports_refusals_late_is_caught(monkeypatch):
+    """``put_start_many`` reports the refused items after taking the whole
+    batch (the master would place the next key while a refused placement is
+    still held)."""
+    def late(self, items, refused=None):
+        items = list(items)
+        out = [self._start(*item) for item in items]
+        for item, token in zip(items, out):
+            if refused is not None and type(token) is not int:
+                refused(item)
+        return out
+
+    monkeypatch.setattr(DirectoryCore, "put_start_many", late)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectoryDiff, settings=HUNT)
+
+
+def test_a_release_batch_that_skips_repeated_holders_is_caught(monkeypatch):
+    """``release_many`` releases each holder once and answers a repeated
+    holder as released again (the fold refuses the second ``Release``)."""
+    def once(self, holders):
+        done, out = {}, []
+        for holder in holders:
+            if holder not in done:
+                done[holder] = self._end(holder)
+            out.append(done[holder])
+        return out
+
+    monkeypatch.setattr(LeaseCore, "release_many", once)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(LeaseDiff, settings=HUNT)
+
+
+def test_a_remove_batch_that_frees_a_pinned_object_is_caught(monkeypatch):
+    """``remove_many`` takes no notice of the readers' pins (spec ``Remove``
+    refuses an object being read)."""
+    def unpinned(self, keys):
+        out = []
+        for key in keys:
+            row = self.rows.index.get(key)
+            if row is not None:
+                self._reads[row] = 0
+            out.append(self._take(key))
+        return out
+
+    monkeypatch.setattr(DirectoryCore, "remove_many", unpinned)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectoryDiff, settings=HUNT)

@@ -1,0 +1,162 @@
+"""A master handling batched requests with the cores' batch steps answers,
+changes and commands exactly as one handling each key's steps one at a time
+(no sockets).
+
+Two masters on one clock get the same random requests — ``put_start`` (new,
+repeated, existing and unplaceable keys, a direct writer on a node's host),
+``put_end`` (right and wrong tokens, checksums, repeated items), ``read_begin``
+(pinned and leased, missing keys, releases carried along), ``release`` (held,
+unknown and repeated leases), ``read_end``, ``exists`` and ``remove`` — the
+storage nodes accepting or refusing commands. One takes the batch steps
+(``MasterCore.batched``), the other not; after every request their replies,
+the commands sent (in order), the directory, the lease table, the sessions,
+the allocators, the direct regions and the counters must be equal.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvproto import errors
+from kvproto.runtime import wire
+from kvproto.runtime.master import MasterCore
+
+SEGMENTS = ("seg-0", "seg-1", "seg-2")
+KEYS = [b"key/%04d" % i for i in range(60)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def new_master(clock: Clock, batched: bool) -> MasterCore:
+    core = MasterCore(writer_timeout=5.0, storage_timeout=5.0, lease_ttl=2.0, clock=clock)
+    core.batched = batched
+    for n, seg in enumerate(SEGMENTS):
+        core.handle("register", {"segment": seg, "capacity": 64 * 4096, "host": f"host-{n % 2}",
+                                 "endpoint": f"tcp://127.0.0.1:{9000 + n}", "shm": f"shm-{n}",
+                                 "gen_shm": f"gen-{n}", "nonce": n, "page_size": 4096})
+    return core
+
+
+def state(core: MasterCore) -> tuple:
+    sessions = {c: (dict(s.tokens), dict(s.pins)) for c, s in core.sessions.items()}
+    allocators = {s: a.extents() for s, a in core.placer.allocators.items()}
+    return (core.directory.reference(), core.leases.reference(), sessions, allocators,
+            dict(core._direct), dict(core._owner), core._next_lease, dict(core.counters))
+
+
+class Pair:
+    """The two masters, fed alike."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.clock = rng, Clock()
+        self.cores = (new_master(self.clock, True), new_master(self.clock, False))
+        assert self.cores[0]._batched() and not self.cores[1]._batched()
+
+    def call(self, op: str, body: dict):
+        seed, replies = self.rng.random(), []
+        for core in self.cores:
+            try:
+                reply = core.handle(op, dict(body), reply_to="r", request_id=1)
+            except errors.KvError as err:
+                reply = (err.code, {"error": str(err), "items": []})
+            replies.append((reply, deliver(core, random.Random(seed))))
+        assert replies[0] == replies[1], (op, body)
+        assert state(self.cores[0]) == state(self.cores[1]), (op, body)
+        reply, ready = replies[0]
+        return reply[1] if reply is not None else ready[-1][3]
+
+
+def deliver(core: MasterCore, refuse: random.Random) -> list:
+    """Acknowledge every command, a region refused now and then (the same ones
+    for both masters); the commands sent and the replies made ready."""
+    sent = []
+    while core.outbox:
+        segment, op, cmd_id, body = core.outbox.pop(0)
+        sent.append((segment, op, cmd_id, body))
+        results = [wire.error_item(errors.NoSpace("refused by the test"))
+                   if refuse.random() < 0.03 else wire.ok_item() for _ in body["regions"]]
+        core.storage_reply(segment, wire.Reply(0, cmd_id, {"results": results}, []))
+    ready, core.ready[:] = list(core.ready), []
+    return sent + ready
+
+
+def run(pair: Pair, steps: int) -> None:
+    rng = pair.rng
+    pending: list = []      # (key, token) granted, maybe ended
+    leases: list = []
+    for _ in range(steps):
+        op = rng.choice(["put_start", "put_start", "put_end", "put_end", "read", "read",
+                         "release", "read_end", "exists", "remove", "time"])
+        keys = [rng.choice(KEYS) for _ in range(rng.randint(0, 20))]
+        if op == "put_start":
+            body = {"client": rng.choice(["c1", "c2"]), "replicas": rng.choice([1, 2, 2, 3, 4]),
+                    "items": [[k, rng.choice([1, 4096, 5000, 70000, 64 * 4096 + 1])]
+                              for k in keys]}
+            if rng.random() < 0.3:
+                body.update(writer=f"w{rng.randint(0, 1)}", host=f"host-{rng.randint(0, 2)}")
+            reply = pair.call("put_start", body)
+            pending += [(k, item[1]["token"]) for (k, _), item in zip(body["items"], reply["items"])
+                        if item[0] == 0]
+        elif op == "put_end":
+            chosen = [rng.choice(pending) for _ in range(rng.randint(0, 12))] if pending else []
+            items = [[k, t if rng.random() < 0.9 else t + 1] + ([rng.randint(0, 1 << 64 - 1)]
+                                                                  if rng.random() < 0.5 else [])
+                     for k, t in chosen]
+            pair.call("put_end", {"client": rng.choice(["c1", "c2"]), "items": items})
+        elif op == "read":
+            body = {"client": rng.choice(["r1", "r2"]), "keys": keys,
+                    "lease": rng.random() < 0.7}
+            if leases and rng.random() < 0.3:
+                body["release"] = [leases.pop(rng.randrange(len(leases)))[1]]
+            reply = pair.call("read_begin", body)
+            for item in reply["items"]:
+                if item[0] == 0 and "lease" in item[1]:
+                    leases.append((body["client"], item[1]["lease"]))
+        elif op == "release":
+            if leases:
+                client = rng.choice(["r1", "r2"])
+                ids = [rng.choice(leases)[1] for _ in range(rng.randint(0, 8))] + [10 ** 6]
+                pair.call("release", {"client": client, "leases": ids})
+        elif op == "read_end":
+            pair.call("read_end", {"client": rng.choice(["r1", "r2"]),
+                                   "items": [[k, t] for k, t in pending[-5:]]})
+        elif op == "exists":
+            pair.call("exists", {"keys": keys})
+        elif op == "remove":
+            pair.call("remove", {"keys": keys[:4]})
+        else:
+            pair.clock.t += rng.choice([0.0, 0.5, 3.0])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_batch_steps_answer_and_change_as_the_single_steps(seed):
+    pair = Pair(random.Random(seed))
+    run(pair, 150)
+    counters = pair.cores[0].counters
+    assert counters["puts_published"] and counters["reads"] and counters["lease_grants"] \
+        and counters["misses"] and counters["storage_refusals"]
+
+
+def test_the_comparison_sees_a_batch_step_that_differs(monkeypatch):
+    """A batched put_end that forgets to count its publishes is told apart."""
+    from kvproto.runtime.master_requests import MasterRequests
+    plain = MasterRequests._put_end_batch
+
+    def uncounted(self, given):
+        before = self.counters["puts_published"]
+        items = plain(self, given)
+        self.counters["puts_published"] = before
+        return items
+
+    monkeypatch.setattr(MasterRequests, "_put_end_batch", uncounted)
+    with pytest.raises(AssertionError):
+        for seed in range(12):
+            run(Pair(random.Random(seed)), 150)
