@@ -105,12 +105,17 @@ class DirectCore:
         return None
 
     def _reported(self, ev: WriteReported) -> tuple:
-        row = self._held(ev.offset, ev.token)
+        err = self.report(ev.offset, ev.token)
+        return () if err is None else _refused(err)
+
+    def report(self, offset, token: int) -> Optional[errors.KvError]:
+        """``WriteReported(offset, token)`` without an event object: ``None``
+        (applied) or the refusal's error (nothing changed)."""
+        row = self._held(offset, token)
         if row is None or self._wrote[row]:
-            return _refused(errors.StaleToken(
-                f"region {ev.offset} holds no unreported write of token {ev.token}"))
+            return errors.StaleToken(f"region {offset} holds no unreported write of token {token}")
         self._wrote[row] = 1
-        return ()
+        return None
 
     def _publish(self, ev: PublishDirect) -> tuple:
         err = self.publish(ev.offset, ev.token)

@@ -351,7 +351,7 @@ class StorageCore:
         generation word (it sets ``token << 1 | 1`` after its copy)."""
         if self.direct.unreported(offset, token) \
                 and self.memory.word(offset) == gen_word(token, True):
-            self.direct.step(dw.WriteReported(offset, token))
+            self.direct.report(offset, token)
 
     def _op_assign(self, body, payloads):
         """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index),
