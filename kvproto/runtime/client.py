@@ -1013,11 +1013,11 @@ class Client:
         queued = max(started - sent, 0.0)
         reads, transferring, verifying = 0, 0.0, 0.0
         last = None
+        verified = time.monotonic()         # nothing reads the store after the transfer
         for i, (lease_id, ttl) in lease_of.items():
             if results[i] is None:
                 continue
-            done = done_at.get(i, time.monotonic())
-            verified = time.monotonic()     # nothing reads the store after the transfer
+            done = done_at.get(i, verified)
             reads += 1
             transferring += max(done - started, 0.0)
             verifying += max(verified - done, 0.0)
