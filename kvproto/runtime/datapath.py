@@ -32,6 +32,7 @@ for reads, writable for direct writes).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -373,9 +374,12 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
             return False
         spins += 1
         if spins > 64:
-            # the node applies the assign within a wake or two: short sleeps
-            # first (a 200 us one doubled a batch-1 put), longer ones later
-            time.sleep(0.00002 if spins < 128 else 0.0002)
+            # the node applies the assign within a wake or two: yield the core
+            # first (a 200 us sleep doubled a batch-1 put), sleep later
+            if spins < 2048:
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
     if isinstance(view, Fill):
         dst = seg.region(offset, view.nbytes)
         if dst is None:

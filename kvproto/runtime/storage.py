@@ -482,7 +482,7 @@ class StorageCore:
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
         owner_of, held_by, traced = node.owner, direct.held, self.trace is not None
-        published = direct_published = 0
+        word, published, direct_published = self.memory.word, 0, 0
         for offset, key, token, *recorded in body["regions"]:
             owner = owner_of(offset)
             ours = owner is not None and owner[1] == token and owner[0] == key
@@ -490,9 +490,11 @@ class StorageCore:
             write = False
             if held is not None and ours:
                 # a direct write: published only once its writer reported it
-                if not held[1]:
-                    self._observe(offset, token)
-                    held = held_by(offset, token)
+                if not held[1] and word(offset) == gen_word(token, True):
+                    # WriteReported (as _observe): its report shows in the word
+                    if direct.report(offset, token) is not None:
+                        raise errors.InternalError(f"WriteReported({offset}) was refused")
+                    held = (held[0], True)
                 if held[0] is not dw.RegionState.GRANTED or not held[1]:
                     # refused: stepped alone, for its error
                     counters["refused"] += 1
