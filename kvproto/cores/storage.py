@@ -125,13 +125,19 @@ class StorageNodeCore:
 
     def _write(self, ev: WriteReplica) -> tuple:
         """Spec ``WriteReplica``: once, by the owning token."""
-        row = self._owned(ev)
-        if row is None:
-            return self._not_owned(ev)
+        err = self.write(ev.offset, ev.token)
+        return (Accepted(self.segment, ev.offset, ev.token),) if err is None else _refused(err)
+
+    def write(self, offset: int, token: int) -> Optional[errors.KvError]:
+        """``WriteReplica(segment, offset, token)`` without an event or effect
+        object: ``None`` (applied) or the refusal's error (nothing changed)."""
+        row = self._reg.index.get(offset)
+        if row is None or self._r_tok[row] != token:
+            return errors.RegionMismatch(f"{self.segment}@{offset} is not owned by token {token}")
         if self._r_done[row]:
-            return _refused(errors.RegionMismatch(f"{self.segment}@{ev.offset} is already written"))
+            return errors.RegionMismatch(f"{self.segment}@{offset} is already written")
         self._r_done[row] = 1
-        return (Accepted(self.segment, ev.offset, ev.token),)
+        return None
 
     def _read(self, ev: ReadReplica) -> tuple:
         row = self._owned(ev)

@@ -663,17 +663,19 @@ class StorageCore:
     def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
         """``WriteReplica`` and the one memcpy from the received frame; a
         payload of the wrong length is refused before the step (nothing changes)."""
-        write = WriteReplica(self.segment, offset, token)
         region = self.node.region(offset)
         if region is None or region.token != token or region.done:   # not owned, or written
-            raise self._refusal(write)
+            raise self._refusal(WriteReplica(self.segment, offset, token))
         if len(payload) != region.length:
             raise errors.InvalidArgument(f"write of {len(payload)} bytes to a region of {region.length}")
         mem = self.memory
         mem.set_word(offset, gen_word(token, False))   # seqlock: in flux
         mem.data[offset:offset + region.length] = payload  # the one memcpy
         mem.set_word(offset, gen_word(token, True))
-        self._commit(write)
+        if self.trace is not None:
+            self._commit(WriteReplica(self.segment, offset, token))
+        elif self.node.write(offset, token) is not None:
+            raise errors.InternalError(f"WriteReplica({offset}) was refused where accepted")
         self._observe(offset, token)   # a direct writer's region written over the network
         self.counters["writes"] += 1
         self.counters["bytes_written"] += region.length
