@@ -364,7 +364,7 @@ class StorageCore:
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
         grant, traced = self.direct.grant, self.trace is not None
-        results, assigned, seen = [], 0, self.tokens_seen
+        results, assigned = [], 0
         for offset, length, key, token in body["regions"]:
             if offset % page or offset + length > capacity:
                 results.append(wire.error_item(errors.InvalidArgument(
@@ -392,11 +392,10 @@ class StorageCore:
             elif node.allocate_region(term, offset, length, key, token) is not None:
                 raise errors.InternalError(f"the assign of {offset} was refused where accepted")
             set_word(offset, gen_word(token, False))
-            if token > seen:
-                seen = token
+            if token > self.tokens_seen:     # at once: a later refusal may raise
+                self.tokens_seen = token
             assigned += 1
             results.append(OK)
-        self.tokens_seen = seen
         counters["assigned"] += assigned
         return {"results": results}, []
 
