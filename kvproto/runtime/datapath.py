@@ -413,6 +413,7 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     per_node: dict[str, tuple[str, list, list, list]] = {}   # endpoint -> (segment, regions, frames, whose)
     assign_by = min(deadline, time.monotonic() + ASSIGN_WAIT)
     materialized: dict[int, memoryview] = {}
+    writable: dict = {}     # segment -> this client's writable mapping of it (or None), once
     for i, (key, view, token, replicas, *rest) in grants.items():
         direct = rest[0] if rest else ()
         if sums is not None and not isinstance(view, Fill):
@@ -423,7 +424,8 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
                 failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
                 break
             if seg in direct:
-                mapped = client._writable.get(info)
+                mapped = writable[seg] if seg in writable \
+                    else writable.setdefault(seg, client._writable.get(info))
                 try:
                     if mapped is not None and write_direct(mapped, offset, token, info[4], view,
                                                            assign_by):
