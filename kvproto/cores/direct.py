@@ -85,34 +85,51 @@ class DirectCore:
         return row if row is not None and self._tok[row] == token else None
 
     def _grant(self, ev: GrantDirect) -> tuple:
-        row = self._rows.index.get(ev.offset)
+        err = self.grant(ev.offset, ev.token, ev.writer)
+        return () if err is None else _refused(err)
+
+    def grant(self, offset, token: int, writer: str) -> Optional[errors.KvError]:
+        """``GrantDirect(offset, token, writer)`` without an event object:
+        ``None`` (applied) or the refusal's error (nothing changed)."""
+        row = self._rows.index.get(offset)
         if row is not None:
-            return _refused(errors.RegionMismatch(
-                f"region {ev.offset} is still {_STATE[self._st[row]].value} for token "
-                f"{self._tok[row]}"))
-        wid = self._writer_ids.get(ev.writer)
+            return errors.RegionMismatch(
+                f"region {offset} is still {_STATE[self._st[row]].value} for token "
+                f"{self._tok[row]}")
+        wid = self._writer_ids.get(writer)
         if wid is None:
-            wid = self._writer_ids[ev.writer] = len(self._writers)
-            self._writers.append(ev.writer)
-        row = self._rows.acquire(ev.offset, 1)
-        self._tok[row], self._wid[row], self._st[row], self._wrote[row] = ev.token, wid, GRANTED, 0
-        return ()
+            wid = self._writer_ids[writer] = len(self._writers)
+            self._writers.append(writer)
+        row = self._rows.acquire(offset, 1)
+        self._tok[row], self._wid[row], self._st[row], self._wrote[row] = token, wid, GRANTED, 0
+        return None
 
     def _reported(self, ev: WriteReported) -> tuple:
-        row = self._held(ev.offset, ev.token)
+        err = self.report(ev.offset, ev.token)
+        return () if err is None else _refused(err)
+
+    def report(self, offset, token: int) -> Optional[errors.KvError]:
+        """``WriteReported(offset, token)`` without an event object: ``None``
+        (applied) or the refusal's error (nothing changed)."""
+        row = self._held(offset, token)
         if row is None or self._wrote[row]:
-            return _refused(errors.StaleToken(
-                f"region {ev.offset} holds no unreported write of token {ev.token}"))
+            return errors.StaleToken(f"region {offset} holds no unreported write of token {token}")
         self._wrote[row] = 1
-        return ()
+        return None
 
     def _publish(self, ev: PublishDirect) -> tuple:
-        row = self._held(ev.offset, ev.token)
+        err = self.publish(ev.offset, ev.token)
+        return () if err is None else _refused(err)
+
+    def publish(self, offset, token: int) -> Optional[errors.KvError]:
+        """``PublishDirect(offset, token)`` without an event object: ``None``
+        (applied) or the refusal's error (nothing changed)."""
+        row = self._held(offset, token)
         if row is None or self._st[row] != GRANTED or not self._wrote[row]:
-            return _refused(errors.StaleToken(
-                f"region {ev.offset} holds no finished direct write of token {ev.token}"))
+            return errors.StaleToken(
+                f"region {offset} holds no finished direct write of token {token}")
         self._st[row] = PUBLISHED
-        return ()
+        return None
 
     def _free(self, ev: FreeDirect) -> tuple:
         row = self._held(ev.offset, ev.token)

@@ -125,13 +125,19 @@ class StorageNodeCore:
 
     def _write(self, ev: WriteReplica) -> tuple:
         """Spec ``WriteReplica``: once, by the owning token."""
-        row = self._owned(ev)
-        if row is None:
-            return self._not_owned(ev)
+        err = self.write(ev.offset, ev.token)
+        return (Accepted(self.segment, ev.offset, ev.token),) if err is None else _refused(err)
+
+    def write(self, offset: int, token: int) -> Optional[errors.KvError]:
+        """``WriteReplica(segment, offset, token)`` without an event or effect
+        object: ``None`` (applied) or the refusal's error (nothing changed)."""
+        row = self._reg.index.get(offset)
+        if row is None or self._r_tok[row] != token:
+            return errors.RegionMismatch(f"{self.segment}@{offset} is not owned by token {token}")
         if self._r_done[row]:
-            return _refused(errors.RegionMismatch(f"{self.segment}@{ev.offset} is already written"))
+            return errors.RegionMismatch(f"{self.segment}@{offset} is already written")
         self._r_done[row] = 1
-        return (Accepted(self.segment, ev.offset, ev.token),)
+        return None
 
     def _read(self, ev: ReadReplica) -> tuple:
         row = self._owned(ev)
@@ -160,6 +166,63 @@ class StorageNodeCore:
         if row is None:
             return None
         return Region(self._r_key[row], self._r_tok[row], self._r_len[row], bool(self._r_done[row]))
+
+    # ------------------------------------------------------------------ a request's steps at once
+
+    def allocate_region(self, term: int, offset: int, length: int, key, token: int
+                        ) -> Optional[errors.KvError]:
+        """``StampedAllocate(segment, key, term, offset, length, token)`` then
+        ``AssignRegion(segment, offset, length, key, token)`` (one region of an
+        ``assign``), all or none, without an event or effect object: ``None``
+        when both are accepted (and applied), else the first refusal's error
+        (nothing changed). Equal to folding the two steps."""
+        idx, reg = self._idx, self._reg
+        if key in idx.index:
+            return errors.KeyExists(f"{key!r} is held here")
+        if term < self.term:
+            return errors.StaleTerm(f"term {term} is below {self.term}")
+        if offset in reg.index:
+            return errors.RegionMismatch(f"offset {offset} is already owned")
+        row = idx.acquire(key, 1)
+        self._i_term[row], self._i_pub[row], self._i_by[row] = term, 0, 0
+        self._i_off[row], self._i_len[row], self._i_tok[row] = offset, length, token
+        self._i_sum[row] = self._i_req[row] = 0
+        self.term = term
+        row = reg.acquire(offset, 1)
+        self._r_key[row] = key
+        self._r_tok[row], self._r_len[row], self._r_done[row] = token, length, 0
+        return None
+
+    def publish_region(self, term: int, offset: int, token: int, key, checksum: int = 0,
+                       requested: int = 0, by: int = 0, write: bool = False
+                       ) -> Optional[errors.KvError]:
+        """With ``write``, ``WriteReplica(segment, offset, token)`` (a direct
+        writer's region, written by its owning token), then
+        ``StampedPublish(segment, key, term, checksum, requested, by)`` (one
+        region of a ``publish``), all or none, without an event or effect
+        object: ``None`` when accepted (and applied), else the first refusal's
+        error (nothing changed). Equal to folding the steps."""
+        if write:
+            row = self._reg.index.get(offset)
+            if row is None or self._r_tok[row] != token:
+                return errors.RegionMismatch(f"{self.segment}@{offset} is not owned by token {token}")
+            if self._r_done[row]:
+                return errors.RegionMismatch(f"{self.segment}@{offset} is already written")
+        irow = self._idx.index.get(key)
+        if irow is None or self._i_pub[irow]:
+            return errors.NotPublished(f"{key!r} is not an open allocation here")
+        if by > term:
+            return errors.InvalidArgument(f"publishing term {by} is above the command's {term}")
+        if term < self.term:
+            return errors.StaleTerm(f"term {term} is below {self.term}")
+        if write:
+            self._r_done[row] = 1
+        self._i_pub[irow], self._i_by[irow], self._i_sum[irow] = 1, by or term, checksum
+        self._i_req[irow] = requested
+        if by:              # a repaired replica: the object's allocation (RepairedEntry)
+            self._i_term[irow] = by
+        self.term = term
+        return None
 
     # ------------------------------------------------------------------ fence and index (failover)
 

@@ -476,14 +476,15 @@ class Client:
             if remaining <= 0:
                 break
             if one is not None:
-                one.rcvtimeo = max(1, int(remaining * 1000))
+                one.setsockopt(zmq.RCVTIMEO, max(1, int(remaining * 1000)))
                 try:
                     frames = one.recv_multipart(copy=False)
                 except zmq.Again:
                     break
                 self._take(frames, one, pending, got)
-                for frames in wire.waiting(one):
-                    self._take(frames, one, pending, got)
+                if len(got) < len(pending):     # else what waits is read by the next call
+                    for frames in wire.waiting(one):
+                        self._take(frames, one, pending, got)
                 continue
             for sock, _ in poller.poll(max(1, int(remaining * 1000))):
                 for frames in wire.waiting(sock):
@@ -1013,11 +1014,11 @@ class Client:
         queued = max(started - sent, 0.0)
         reads, transferring, verifying = 0, 0.0, 0.0
         last = None
+        verified = time.monotonic()         # nothing reads the store after the transfer
         for i, (lease_id, ttl) in lease_of.items():
             if results[i] is None:
                 continue
-            done = done_at.get(i, time.monotonic())
-            verified = time.monotonic()     # nothing reads the store after the transfer
+            done = done_at.get(i, verified)
             reads += 1
             transferring += max(done - started, 0.0)
             verifying += max(verified - done, 0.0)

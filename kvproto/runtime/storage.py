@@ -111,6 +111,10 @@ PERMANENT_REFUSALS = (errors.InvalidArgument, errors.MalformedFrame, errors.Unsu
                       errors.UnknownMessage, errors.FrameTooLarge)
 
 
+#: a request item's success (``wire.ok_item()``), shared: packed, never changed
+OK = wire.ok_item()
+
+
 def new_segment_id() -> str:
     return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(4)}"
 
@@ -347,7 +351,7 @@ class StorageCore:
         generation word (it sets ``token << 1 | 1`` after its copy)."""
         if self.direct.unreported(offset, token) \
                 and self.memory.word(offset) == gen_word(token, True):
-            self.direct.step(dw.WriteReported(offset, token))
+            self.direct.report(offset, token)
 
     def _op_assign(self, body, payloads):
         """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index),
@@ -356,40 +360,43 @@ class StorageCore:
         writer is refused."""
         mem, term = self.memory, body["term"]
         direct = dict(body.get("direct", ()))
-        node, segment, counters, commit = self.node, self.segment, self.counters, self._commit
+        node, segment, counters = self.node, self.segment, self.counters
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
-        results = []
+        grant, traced = self.direct.grant, self.trace is not None
+        results, assigned = [], 0
         for offset, length, key, token in body["regions"]:
             if offset % page or offset + length > capacity:
                 results.append(wire.error_item(errors.InvalidArgument(
                     f"region {offset}+{length} is not a page-aligned part of the segment")))
                 continue
-            allocate = fm.StampedAllocate(segment, key, term, offset, length, token)
-            assign = AssignRegion(segment, offset, length, key, token)
             err = None
             # asked of the core, stepped only if every step is accepted: a
             # refused one is stepped alone, for its error (it changes nothing)
             if key in index or term < node.term:           # held here, or a stale term
-                err = self._refusal(allocate)
+                err = self._refusal(fm.StampedAllocate(segment, key, term, offset, length, token))
             elif offset in regions:                        # already owned
-                err = self._refusal(assign)
+                err = self._refusal(AssignRegion(segment, offset, length, key, token))
             elif offset in direct:
                 # the last check: once accepted, the two steps below are too
-                _, err = self._dstep(dw.GrantDirect(offset, token, direct[offset]))
+                err = grant(offset, token, direct[offset])
+                counters["direct_granted"] += err is None
             elif offset in granted:
                 err = errors.RegionMismatch(f"region {offset} is still draining for a direct writer")
             if err is not None:
                 results.append(wire.error_item(err))
                 continue
-            commit(allocate)
-            commit(assign)
+            if traced:
+                self._commit(fm.StampedAllocate(segment, key, term, offset, length, token))
+                self._commit(AssignRegion(segment, offset, length, key, token))
+            elif node.allocate_region(term, offset, length, key, token) is not None:
+                raise errors.InternalError(f"the assign of {offset} was refused where accepted")
             set_word(offset, gen_word(token, False))
-            if offset in direct:
-                counters["direct_granted"] += 1
-            self.tokens_seen = max(self.tokens_seen, token)
-            self.counters["assigned"] += 1
-            results.append([0, None])
+            if token > self.tokens_seen:     # at once: a later refusal may raise
+                self.tokens_seen = token
+            assigned += 1
+            results.append(OK)
+        counters["assigned"] += assigned
         return {"results": results}, []
 
     def _free_region(self, offset: int, token: int, length: int,
@@ -473,7 +480,8 @@ class StorageCore:
         publishing term (spec Failover ``Repair``)."""
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
-        owner_of, held_by, commit = node.owner, direct.held, self._commit
+        owner_of, held_by, traced = node.owner, direct.held, self.trace is not None
+        word, published, direct_published = self.memory.word, 0, 0
         for offset, key, token, *recorded in body["regions"]:
             owner = owner_of(offset)
             ours = owner is not None and owner[1] == token and owner[0] == key
@@ -481,9 +489,11 @@ class StorageCore:
             write = False
             if held is not None and ours:
                 # a direct write: published only once its writer reported it
-                if not held[1]:
-                    self._observe(offset, token)
-                    held = held_by(offset, token)
+                if not held[1] and word(offset) == gen_word(token, True):
+                    # WriteReported (as _observe): its report shows in the word
+                    if direct.report(offset, token) is not None:
+                        raise errors.InternalError(f"WriteReported({offset}) was refused")
+                    held = (held[0], True)
                 if held[0] is not dw.RegionState.GRANTED or not held[1]:
                     # refused: stepped alone, for its error
                     counters["refused"] += 1
@@ -496,22 +506,28 @@ class StorageCore:
                 results.append(wire.error_item(errors.StaleToken(
                     f"region {offset} does not hold a written {key!r} with token {token}")))
                 continue
-            publish = fm.StampedPublish(segment, key, term, *recorded)
-            if not node.open_allocation(key) or term < node.term or publish.by > term:
+            if not node.open_allocation(key) or term < node.term \
+                    or (len(recorded) > 2 and recorded[2] > term):
                 # not an open allocation here, a stale term, or a publishing
                 # term above the command's
-                results.append(wire.error_item(self._refusal(publish)))
+                results.append(wire.error_item(self._refusal(
+                    fm.StampedPublish(segment, key, term, *recorded))))
                 continue
-            if write:
-                commit(WriteReplica(segment, offset, token))
-            commit(publish)
+            if traced:
+                if write:
+                    self._commit(WriteReplica(segment, offset, token))
+                self._commit(fm.StampedPublish(segment, key, term, *recorded))
+            elif node.publish_region(term, offset, token, key, *recorded, write=write) is not None:
+                raise errors.InternalError(f"the publish of {offset} was refused where accepted")
             if held is not None:
-                _, err = self._dstep(dw.PublishDirect(offset, token))
+                err = direct.publish(offset, token)
                 if err is not None:
                     raise errors.InternalError(f"PublishDirect was refused where accepted: {err}")
-            counters["published"] += 1
-            counters["direct_published"] += held is not None
-            results.append([0, None])
+                direct_published += 1
+            published += 1
+            results.append(OK)
+        counters["published"] += published
+        counters["direct_published"] += direct_published
         return {"results": results}, []
 
     def _op_repair(self, body, payloads):
@@ -646,17 +662,19 @@ class StorageCore:
     def _write_region(self, offset: int, token: int, payload: memoryview) -> None:
         """``WriteReplica`` and the one memcpy from the received frame; a
         payload of the wrong length is refused before the step (nothing changes)."""
-        write = WriteReplica(self.segment, offset, token)
         region = self.node.region(offset)
         if region is None or region.token != token or region.done:   # not owned, or written
-            raise self._refusal(write)
+            raise self._refusal(WriteReplica(self.segment, offset, token))
         if len(payload) != region.length:
             raise errors.InvalidArgument(f"write of {len(payload)} bytes to a region of {region.length}")
         mem = self.memory
         mem.set_word(offset, gen_word(token, False))   # seqlock: in flux
         mem.data[offset:offset + region.length] = payload  # the one memcpy
         mem.set_word(offset, gen_word(token, True))
-        self._commit(write)
+        if self.trace is not None:
+            self._commit(WriteReplica(self.segment, offset, token))
+        elif self.node.write(offset, token) is not None:
+            raise errors.InternalError(f"WriteReplica({offset}) was refused where accepted")
         self._observe(offset, token)   # a direct writer's region written over the network
         self.counters["writes"] += 1
         self.counters["bytes_written"] += region.length
@@ -1018,7 +1036,13 @@ class StorageServer:
         self.registered.clear()
 
     def _drain_router(self) -> None:
-        for frames in wire.waiting(self.router, self.BURST):
+        """Serve the requests waiting (up to ``BURST``): after a poll that said
+        one does, the first is received at once, without asking the socket."""
+        try:
+            self._on_request(self.router.recv_multipart(flags=zmq.NOBLOCK, copy=False))
+        except zmq.Again:
+            return
+        for frames in wire.waiting(self.router, self.BURST - 1):
             self._on_request(frames)
 
     def _on_request(self, frames: list) -> None:

@@ -578,13 +578,16 @@ def items_of(reply: Reply, expected: int) -> list:
     return items
 
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+
+
 def waiting(sock: "zmq.Socket", limit: Optional[int] = None):
     """The multipart messages already waiting on ``sock`` (at most ``limit``),
     received without blocking and without copying their frames. The socket's
     ``EVENTS`` says whether one waits, so an empty socket costs no exception."""
-    n = 0
+    n, events = 0, sock.get      # the plain int, not the PollEvent flag (half the cost)
     while limit is None or n < limit:
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not events(_EVENTS) & _POLLIN:
             return
         try:
             yield sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)

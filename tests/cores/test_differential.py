@@ -741,7 +741,8 @@ class StorageDiff(Differential):
 
     ACTIONS = ("assign", "assign", "assign", "free", "write", "write", "read", "fence",
                "allocate", "allocate", "allocate", "publish", "publish", "stamped_read",
-               "index_request", "purge", "stamped_free", "restart")
+               "index_request", "purge", "stamped_free", "restart",
+               "allocate_region", "allocate_region", "publish_region", "publish_region")
 
     def begin(self, c: Choose):
         self.table, self.node = P.RegionTable(NODE), F.StorageNode()
@@ -773,6 +774,48 @@ class StorageDiff(Differential):
 
     def key(self, c: Choose):
         return c.mostly(list(self.node.index), KEYS)
+
+    def fold(self, events: list):
+        """The reference steps ``events`` in turn, all or none: ``None`` when
+        every one is accepted, else the first refusal's error (and the
+        reference is left as it was)."""
+        table, node = self.table, self.node
+        for event in events:
+            if isinstance(event, (P.AssignRegion, P.WriteReplica)):
+                table, effects = P.storage_step(table, event)
+            else:
+                node, effects = F.storage_step(node, event)
+            if effects and isinstance(effects[0], Refused):
+                return effects[0].error
+        self.table, self.node = table, node
+        return None
+
+    def compound(self, events: list, got) -> None:
+        """A core's steps of one request at once (``got``: its ``None`` or
+        error) against the fold of the reference's single steps."""
+        expected = self.fold(events)
+        assert (type(got), str(got)) == (type(expected), str(expected))
+        assert self.core.reference() == (self.table, self.node)
+
+    def allocate_region(self, c: Choose):
+        """An ``assign``'s region: StampedAllocate then AssignRegion, all or none."""
+        seg, key, offset = self.core.segment, c.one(KEYS), c.one(OFFSETS)
+        term, length, token = self.term(c), c.int(1, 4096), c.int(1, 400)
+        self.compound([F.StampedAllocate(seg, key, term, offset, length, token),
+                       P.AssignRegion(seg, offset, length, key, token)],
+                      self.core.allocate_region(term, offset, length, key, token))
+
+    def publish_region(self, c: Choose):
+        """A ``publish``'s region: WriteReplica (a direct writer's region, by
+        its owner) then StampedPublish, all or none; mostly the region's key."""
+        seg, (offset, token) = self.core.segment, self.region(c)
+        region = self.table.regions.get(offset)
+        key = region.key if region is not None and not c.rare(5) else self.key(c)
+        term, write = self.term(c), c.one([True, False])
+        recorded = (c.one([0, 7, (1 << 64) - 1]), c.int(0, 3), c.one([0, 0, 1, self.term(c)]))
+        self.compound([P.WriteReplica(seg, offset, token)] * write
+                      + [F.StampedPublish(seg, key, term, *recorded)],
+                      self.core.publish_region(term, offset, token, key, *recorded, write=write))
 
     def term(self, c: Choose) -> int:
         """Mostly the node's term or the next; sometimes a stale or a later one."""
@@ -955,6 +998,23 @@ def test_an_allocation_that_ignores_the_fence_is_caught(monkeypatch):
     with pytest.raises(AssertionError):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
 
+
+def test_an_assign_that_ignores_the_fence_is_caught(monkeypatch):
+    """A storage node whose ``assign`` (allocate_region) records an
+    allocation stamped with a stale term."""
+    original = StorageNodeCore.allocate_region
+
+    def no_fence(self, term, *args):
+        fence = self.term
+        self.term = min(fence, term)
+        try:
+            return original(self, term, *args)
+        finally:
+            self.term = max(fence, self.term)
+
+    monkeypatch.setattr(StorageNodeCore, "allocate_region", no_fence)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(StorageDiff, settings=HUNT)
 
 
 def test_a_publish_of_an_unreported_direct_write_is_caught(monkeypatch):
