@@ -68,6 +68,7 @@ SHM = "kvproto/runtime/shm.py"
 CLIENT = "kvproto/runtime/client.py"
 MASTER = "kvproto/runtime/master.py"
 REQUESTS = "kvproto/runtime/master_requests.py"
+TAKEOVER = "kvproto/runtime/master_takeover.py"
 STORAGE = "kvproto/runtime/storage.py"
 LEASE_CORE = "kvproto/cores/leases.py"
 TENANCY_CORE = "kvproto/cores/tenancy.py"
@@ -161,7 +162,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "new-master-restarts-tokens",
         "a new master starts its tokens above the objects it recovered only, "
         "not above every token the nodes ever carried (a freed token is issued again)",
-        _one(MASTER, "        next_token = max((rnd.infos[s][\"next_token\"] for s in live), default=1)\n",
+        _one(TAKEOVER, "        next_token = max((rnd.infos[s][\"next_token\"] for s in live), default=1)\n",
              "        next_token = 1\n"),
         (f"{FAILOVER}::TestFailoverCores::runTest",
          f"{FAILOVER}::test_a_freed_token_is_never_issued_again_by_the_next_master")),
@@ -169,7 +170,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "new-master-forgets-leases",
         "a new master counts nothing it recovered as leased (no quiet period), "
         "so it removes or evicts an object a lease of the old master may still protect",
-        _one(MASTER, "                                        quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)\n"
+        _one(TAKEOVER, "                                        quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)\n"
                      "                                        + self.INHERIT_MARGIN_S)\n",
              "                                        quiet=0)\n"),
         ("tests/runtime/test_master_failover.py::"

@@ -398,7 +398,7 @@ def families(samples: Iterable[Sample]):
 
 
 class MasterCollector:
-    """Reads a :class:`~kvproto.runtime.master.MasterServer`'s core at scrape time
+    """Reads a :class:`~kvproto.runtime.master_server.MasterServer`'s core at scrape time
     (the core is replaced when the master steps down, so it is looked up each time)."""
 
     def __init__(self, server) -> None:
@@ -525,7 +525,7 @@ class Exporter:
 
 
 def serve_master(server, port: int = 0, host: str = "127.0.0.1") -> Exporter:
-    """Expose a :class:`~kvproto.runtime.master.MasterServer`'s metrics."""
+    """Expose a :class:`~kvproto.runtime.master_server.MasterServer`'s metrics."""
     exporter = Exporter([MasterCollector(server)], latency="kvproto_master_request_seconds",
                         port=port, host=host)
     server.observe = exporter.latency.observe

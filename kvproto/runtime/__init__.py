@@ -16,7 +16,7 @@ _EXPORTS = {
     "EmbeddedCluster": "kvproto.runtime.embedded",
     "run_master": "kvproto.runtime.embedded",
     "run_storage": "kvproto.runtime.embedded",
-    "MasterServer": "kvproto.runtime.master",
+    "MasterServer": "kvproto.runtime.master_server",
     "StorageServer": "kvproto.runtime.storage",
     "parse_size": "kvproto.runtime.units",
     "TransferEngine": "kvproto.runtime.transfers",

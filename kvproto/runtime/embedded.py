@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from kvproto.ops.tenants import load_tenants
 from kvproto.runtime.client import Client
-from kvproto.runtime.master import MasterServer
+from kvproto.runtime.master_server import MasterServer
 from kvproto.runtime.storage import StorageServer
 from kvproto.runtime.units import format_size, parse_size
 
@@ -290,7 +290,7 @@ def run_master(listen: str = "tcp://127.0.0.1:5555", *, writer_timeout: float = 
     logs to stderr; ``INFO`` shows segments joining and leaving).
     ``metrics_port`` (0: a free one) serves Prometheus metrics on
     ``metrics_host``. Other keyword arguments go to
-    :class:`~kvproto.runtime.master.MasterServer` (``max_header_bytes``)."""
+    :class:`~kvproto.runtime.master_server.MasterServer` (``max_header_bytes``)."""
     server = MasterServer(listen, writer_timeout=writer_timeout, storage_timeout=storage_timeout,
                           **kwargs)
     try:

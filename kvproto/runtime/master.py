@@ -6,7 +6,7 @@ reference machines :func:`~kvproto.statemachines.publish.master_step` and
 :func:`~kvproto.statemachines.lease.master_step` by the conformance graphs and
 a differential test (docs/cores.md).
 
-Split in two:
+Split in parts:
 
 * :class:`MasterCore` — no sockets. It owns the directory, the allocators
   (:class:`~kvproto.runtime.allocator.Placer`), the registered storage nodes and
@@ -15,11 +15,12 @@ Split in two:
   commands for the storage nodes (queued in effect order in :attr:`MasterCore.outbox`),
   ``FreeRegion`` also returns the region to the allocator, ``PutGranted``/
   ``Published``/``Revoked`` maintain the session bookkeeping, and ``Refused``
-  answers the requester with its typed error and changes nothing.
-* :class:`MasterServer` — a single-threaded ZeroMQ loop: a ROUTER for clients and
-  storage nodes, and one DEALER per storage node (connected to the node's
-  endpoint) that carries ``assign``/``free`` commands in order, so a free always
-  reaches the node before a later assign of the same region.
+  answers the requester with its typed error and changes nothing. Its request
+  handlers are in :mod:`kvproto.runtime.master_requests`, its takeover (fence,
+  recover, purge) in :mod:`kvproto.runtime.master_takeover`, the records it
+  keeps in :mod:`kvproto.runtime.master_records`.
+* :class:`~kvproto.runtime.master_server.MasterServer` — the single-threaded
+  ZeroMQ loop around it (:mod:`kvproto.runtime.master_server`).
 
 A put's grant leaves after the ``assign`` commands it needs, which go first on
 each node's own connection (a write that reaches a node before its assign waits
@@ -47,31 +48,19 @@ Acknowledgements (``spec/Failover.tla``, ``AcknowledgedChangesSurvive``): the
 reply to ``put_end`` waits until every replica's node recorded the publish,
 and the reply to ``remove`` until every replica's node recorded the free, each
 stamped with this master's term; a node fenced by a newer master refuses, and
-the client is told the change failed. Besides, :class:`MasterServer` answers
-nothing but ``MasterNotOpen`` once it cannot prove that it still holds its
-term (a renewal less than ``HELD_FRACTION`` of the coordinator's TTL ago):
-checked before it handles a request and again before it sends each reply.
-
-Leases across a takeover (``spec/Lease.tla``, ``Takeover``): a new master
-knows none of the old master's leases, so every object it recovers counts as
-leased for one lease TTL plus a margin after it opens (``Remove`` and eviction
-refuse it); lease ids carry the term, so a renewal of an older term's lease is
-refused instead of extending another lease.
-
-Payload bytes never reach the master: its ROUTER accepts no payload frames.
+the client is told the change failed; the server answers nothing but
+``MasterNotOpen`` once it cannot prove that it still holds its term
+(:mod:`kvproto.runtime.master_server`). A takeover's leases: see
+:mod:`kvproto.runtime.master_takeover`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import defaultdict, deque
-from typing import Any, Callable, Optional, Sequence
-
-import numpy as np
-import zmq
+from typing import Callable, Optional, Sequence
 
 from kvproto import errors
 from kvproto.runtime import tracing, wire
@@ -79,54 +68,20 @@ from kvproto.runtime.allocator import Placer
 from kvproto.runtime.tenanted import Tenants
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
-from kvproto.cores.recovery import IndexColumns, Rebuild
 from kvproto.statemachines.publish import (
     AssignRegion, FreeRegion, MasterEvent, PutRevoke, Published, ReadEnd, ReclaimAbandoned,
     Refused, Remove, Removed, RepairCancel, RepairCancelled, RepairStart, RepairStarted,
     Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
-from kvproto.runtime.master_requests import ClientSession, MasterRequests, Parked, SegmentInfo
+from kvproto.runtime.master_records import ClientSession, Command, Parked, ReplyTo, SegmentInfo
+from kvproto.runtime.master_requests import MasterRequests
+from kvproto.runtime.master_takeover import FenceRound, MasterTakeover
 from kvproto.runtime.repairs import PublishTerms, RepairScheduler
 from kvproto.statemachines import failover as fm
 
 from kvproto.statemachines import lease as lm
 
 log = logging.getLogger("kvproto.master")
-
-ReplyTo = Any  # opaque: the server's routing identity
-
-
-class FenceRound:
-    """A new master's fence: the nodes the coordinator listed, their answers."""
-
-    __slots__ = ("started", "deadline", "nodes", "infos", "rebuild", "failed")
-
-    def __init__(self, nodes: dict, now: float, timeout: float) -> None:
-        self.started = now
-        self.deadline = now + timeout
-        self.nodes = dict(nodes)                     # segment -> endpoint
-        self.infos: dict[str, dict] = {}             # segment -> registration body
-        self.rebuild = Rebuild()                     # the indexes, joined as they come
-        self.failed: set[str] = set()
-
-    def answered(self) -> bool:
-        return len(self.infos) + len(self.failed) >= len(self.nodes)
-
-
-class Command:
-    """A command sent to a storage node (``assign``, ``free``, ``publish``,
-    ``fence``, ``purge``); ``id`` is its request id."""
-
-    __slots__ = ("id", "segment", "op", "regions", "parked", "sent_at")
-
-    def __init__(self, cmd_id: int, segment: str, op: str, regions: list,
-                 parked: Optional[Parked], sent_at: float) -> None:
-        self.id = cmd_id
-        self.sent_at = sent_at
-        self.segment = segment
-        self.op = op
-        self.regions = regions
-        self.parked = parked
 
 
 COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "reads", "misses",
@@ -154,7 +109,7 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "repairs_timed_out", "repair_reports_refused", "bytes_repaired")
 
 
-class MasterCore(MasterRequests):
+class MasterCore(MasterRequests, MasterTakeover):
     """The master's logic without sockets (see the module docstring)."""
 
     #: bounds on one ``assign``/``free`` command, so it always fits a storage
@@ -699,210 +654,10 @@ class MasterCore(MasterRequests):
             status, body = self._complete(parked)
             self.ready.append((parked.reply_to, parked.request_id, status, body))
 
-    # ------------------------------------------------------------------ failover
-
-    def take_term(self, term: int, nodes: dict[str, str]) -> None:
-        """Spec ``ObtainTerm`` (this master won ``term``), then ``Fence``: send
-        ``fence`` to every storage node the coordinator lists (``segment ->
-        endpoint``). Each answers with its index; recovery follows when all
-        answered or ``fence_timeout`` passed (:meth:`_maybe_recover`). Without
-        a coordinator a master takes term 1 with no nodes and opens at once."""
-        new, effects = fm.master_step(self.failover, fm.ObtainTerm(term))
-        if effects and isinstance(effects[0], fm.Refused):
-            raise effects[0].error
-        self.failover = new
-        # lease ids carry the term: a renewal of an older master's lease id
-        # names no lease here (LeaseExpired), never another client's
-        self._next_lease = (term << self.LEASE_ID_BITS) + 1
-        now = self.clock()
-        self._round = FenceRound(nodes, now, self.fence_timeout)
-        log.info("term %d: fencing %d storage node(s)", term, len(nodes))
-        for segment, endpoint in sorted(nodes.items()):
-            self.opened.append((segment, endpoint))
-            cmd_id = self._next_cmd
-            self._next_cmd += 1
-            self._commands[cmd_id] = Command(cmd_id, segment, "fence", [], None, now)
-            self.outbox.append((segment, "fence", cmd_id, {"segment": segment, "term": term}))
-        self._maybe_recover()
-
-    def _drained_by_purge(self, segment: str, draining) -> None:
-        """The purge's answer lists the regions draining at its node after it:
-        those the fence answer listed as draining, or as about to drain in the
-        purge, that it no longer lists are free again (drained, or freed
-        outright: their writer had written or died)."""
-        if type(draining) is not list or not all(
-                type(d) is list and len(d) == 2 and type(d[0]) is int for d in draining):
-            log.error("segment %s: purge reply: draining regions are not [offset, length] "
-                      "pairs", segment)
-            return
-        still = {d[0] for d in draining}
-        held = self.draining.get(segment, {})
-        for offset in [o for o in held if o not in still]:
-            length = held.pop(offset)
-            if segment in self.segments:
-                self.placer.release([Replica(segment, offset, length)])
-
-    def _fence_or_purge_reply(self, cmd: Command, reply: wire.Reply) -> None:
-        segment = cmd.segment
-        if cmd.op == "purge":
-            if reply.status == 0:
-                self.last_failover["purged"] = self.last_failover.get("purged", 0) + reply.body.get("purged", 0)
-                self.last_failover["bytes_purged"] = (self.last_failover.get("bytes_purged", 0)
-                                                      + reply.body.get("freed", 0))
-                if "draining" in reply.body:
-                    self._drained_by_purge(segment, reply.body["draining"])
-            else:
-                log.error("segment %s refused the purge: %s", segment, reply.error())
-            return
-        rnd = self._round
-        if rnd is None or self.failover.phase is not fm.Phase.FENCING or segment not in rnd.nodes:
-            return
-        try:
-            if reply.status != 0:
-                raise reply.error()
-            info = {k: reply.body[k] for k in ("segment", "capacity", "endpoint", "host", "shm",
-                                               "gen_shm", "nonce", "page_size", "next_token")}
-            draining = reply.body.get("draining", [])
-            if type(draining) is not list or not all(
-                    type(d) is list and len(d) == 2 and all(type(x) is int for x in d) for d in draining):
-                raise errors.MalformedFrame("fence reply: draining regions are not [offset, length] pairs")
-            info["draining"] = draining
-            objects = reply.body.get("objects")
-            if info["segment"] != segment or type(objects) is not int or objects < 0 \
-                    or type(info["next_token"]) is not int or info["next_token"] < 1:
-                raise errors.MalformedFrame("fence reply for another segment, without its index "
-                                            "or without a next token")
-            # decoded and joined (a key listed twice refuses the node) as it comes
-            rnd.rebuild.add(segment, IndexColumns.from_frames(reply.payloads, objects))
-        except (errors.KvError, KeyError, ValueError, TypeError) as err:
-            log.warning("segment %s not fenced (%s): its objects are lost", segment, err)
-            rnd.failed.add(segment)
-        else:
-            self.failover, _ = fm.master_step(self.failover, fm.FenceAcked(segment))
-            rnd.infos[segment] = info
-        if rnd.answered():
-            self._maybe_recover()
-
-    def _maybe_recover(self) -> None:
-        """Spec ``Recover`` then ``Open``, once the fence round settled: the
-        directory is rebuilt from the fenced nodes' indexes (published objects
-        only); a node that did not answer is lost, with its objects; every
-        fenced node purges unpublished allocations of older terms (sent before
-        any allocation of this term on the same connection)."""
-        rnd = self._round
-        now = self.clock()
-        if rnd is None or self.failover.phase is not fm.Phase.FENCING:
-            return
-        if not rnd.answered() and now < rnd.deadline:
-            return
-        self._recover(rnd, now)
-
-    def _recover(self, rnd: FenceRound, now: float) -> None:
-        fenced_at, term = now, self.failover.term
-        live = frozenset(rnd.infos)
-        for segment in set(rnd.nodes) - live:
-            self.closed.append(segment)
-        for cmd_id, cmd in list(self._commands.items()):
-            if cmd.op == "fence":
-                del self._commands[cmd_id]
-        # the phase machine steps Recover (its effects are the purges); the
-        # directory it would rebuild from the indexes (rebuild_directory) is
-        # rebuilt on columns by its checked twin, cores.recovery.Rebuild
-        new, effects = fm.master_step(self.failover, fm.Recover(live, {}))
-        if effects and isinstance(effects[0], fm.Refused):
-            raise effects[0].error  # cannot happen: live is exactly the acked nodes
-        self.failover = new
-        # tokens continue above every token a fenced node's regions ever
-        # carried (freed ones included: a same-host reader may still hold one)
-        next_token = max((rnd.infos[s]["next_token"] for s in live), default=1)
-        mismatches: list = []
-        terms: dict = {}
-        self.directory = rnd.rebuild.directory({s: rnd.infos[s]["capacity"] for s in live},
-                                               next_token, mismatches=mismatches, terms=terms)
-        # the recovered objects' publishing terms by token, ours from here on
-        self.publish_terms = PublishTerms(term, self.directory.next_token, terms)
-        rnd.rebuild = None
-        # a replica whose index records another checksum than the one listed
-        # is not listed: its region is freed at its node (after the purge,
-        # before any assign of this term: one connection)
-        frees = [(node, offset, self.directory.objects[key].token,
-                  self.directory.objects[key].length) for key, node, offset in mismatches]
-        if self.trace is not None:
-            self.trace.opened(self.directory, term, frees)
-        if mismatches:
-            self.counters["checksum_mismatches"] += len(mismatches)
-            log.warning("term %d: %d replica(s) left out, their checksum differs from the "
-                        "replica listed: %s", term, len(mismatches),
-                        ", ".join(f"{key!r} on {node}" for key, node, _ in mismatches[:10]))
-            for node, offset, token, length in frees:
-                self._queue.append((node, "free", [offset, token, length]))
-        used = self.directory.regions()
-        # regions still draining for a direct writer of an older term are not free
-        self.draining = defaultdict(dict)
-        for s in live:
-            draining = rnd.infos[s].get("draining", ())
-            if draining:
-                used[s] = np.concatenate((used[s], np.array(draining, np.int64).reshape(-1, 2)))
-            for offset, length in draining:
-                self.draining[s][offset] = length
-        self.placer = Placer()
-        self.repairs.in_flight.clear()   # a new directory has no repairs in flight
-        self.repairs.stale = True
-        for s in live:
-            info = rnd.infos[s]
-            self.placer.add(s, info["capacity"], info["page_size"], used[s])
-            self.segments[s] = SegmentInfo(info, now)   # seen: at the end of recovery, below
-        # the lease table caches every recovered object, with no lease known
-        # (spec Takeover): each counts as leased for one TTL and a margin, the
-        # longest an old master's lease may still run; all equally recent (ties
-        # by row)
-        ttl = self.leases.ttl
-        self.leases = LeaseCore.inherit(self.directory, ttl, max(self.leases.now, self.clock()),
-                                        quiet=ttl * (1 + self.INHERIT_MARGIN_FRACTION)
-                                        + self.INHERIT_MARGIN_S)
-        if self.tenants is not None:   # each tenant's objects, named by their keys
-            self._tenant_drop(len(self._tenant_drops))
-            self.tenants.recovered(self.directory.objects.items())
-        # a large recovery takes a while: the nodes count as heard from now
-        recovered_at = self.clock()
-        for s in live:
-            self.segments[s].last_seen = recovered_at
-        for purge in effects:
-            cmd_id = self._next_cmd
-            self._next_cmd += 1
-            self._commands[cmd_id] = Command(cmd_id, purge.node, "purge", [], None, recovered_at)
-            self.outbox.append((purge.node, "purge", cmd_id, {"segment": purge.node, "term": term,
-                                                              "below": purge.below}))
-        self._flush()      # the frees of replicas left out for their checksum
-        self.failover, _ = fm.master_step(self.failover, fm.Open())
-        self.opened_at = self.clock()
-        lost = sum(1 for s in rnd.nodes if s not in live)
-        self.last_failover = {
-            "term": term, "fence_s": fenced_at - rnd.started,
-            "recover_s": recovered_at - fenced_at, "open_s": self.clock() - rnd.started,
-            "nodes_fenced": len(live), "nodes_lost": lost,
-            "recovered": len(self.directory.objects), "purged": 0, "bytes_purged": 0,
-            "checksum_mismatches": len(mismatches)}
-        if rnd.nodes:
-            log.info("term %d open: %d object(s) recovered from %d node(s), %d node(s) lost, "
-                     "in %.3fs", term, len(self.directory.objects), len(live), lost,
-                     self.last_failover["open_s"])
-        self._round = None
-
     def parked(self) -> list[Parked]:
         """The requests still waiting for storage nodes (once each)."""
         return list({id(c.parked): c.parked for c in self._commands.values()
                      if c.parked is not None}.values())
-
-    def step_down(self, why: errors.KvError) -> None:
-        """Spec: a master refused for a higher term steps down (``HigherTermSeen``);
-        it serves nothing more. The server replaces this core with a standby one."""
-        if self.failover.phase is fm.Phase.STANDBY:
-            return
-        term = self.failover.term
-        new, _ = fm.master_step(self.failover, fm.HigherTermSeen(term + 1))
-        self.failover = new
-        log.warning("term %d: stepping down (%s)", term, why)
 
     # ------------------------------------------------------------------ time
 
@@ -1018,372 +773,3 @@ class MasterCore(MasterRequests):
         self.age_out()
         self._repair()
         self._flush()
-
-
-class _Renewer:
-    """Renews an active master's leadership every ``ttl/4`` from its own
-    thread, and is the only user of the coordinator while the term lasts.
-    ``renewed`` is the start of the last successful renewal (the lease runs
-    from there); ``ended`` is set once the coordinator refused a renewal. A
-    paused process pauses this thread too, so a woken master finds
-    ``renewed`` too old and steps down. ``serving()`` says whether the
-    master's loop is making progress (or recovering): a wedged loop is not
-    renewed for, so its lease runs out and a standby takes over."""
-
-    def __init__(self, coordinator, term: int, now: float, serving: Callable[[], bool]) -> None:
-        self.coordinator = coordinator
-        self.serving = serving
-        self.term = term
-        self.renewed = now
-        self.ended = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"kvproto-lease-{term}")
-        self._thread.start()
-
-    def _run(self) -> None:
-        every = self.coordinator.ttl / 4
-        while not self._stop.wait(every):
-            started = time.monotonic()
-            if not self.serving():
-                log.error("term %d: the master's loop is stuck; letting the lease run out", self.term)
-                continue
-            try:
-                if not self.coordinator.keepalive(self.term):
-                    self.ended = True
-                    return
-            except errors.KvError as err:   # unreachable: the lease runs out unless it answers
-                log.warning("coordinator: %s", err)
-                continue
-            self.renewed = started
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(self.coordinator.ttl, 1.0) * 2)
-
-
-class MasterServer:
-    """The master's ZeroMQ loop around a :class:`MasterCore` (one thread).
-
-    Construct it in the thread that will run :meth:`serve_forever`; ``address``
-    is the bound endpoint (``tcp://127.0.0.1:*`` picks a free port).
-    """
-
-    #: how many messages to take from one socket before looking at the others
-    BURST = 256
-    #: how long a request id is remembered per connection: a copy of a request
-    #: arriving within it is not served again (see :meth:`_duplicate`)
-    DUPLICATE_WINDOW_S = 30.0
-
-    def __init__(self, listen: str = "tcp://127.0.0.1:*", *, writer_timeout: float = 10.0,
-                 storage_timeout: float = 10.0, max_header_bytes: int = wire.MASTER_MAX_HEADER,
-                 context: Optional[zmq.Context] = None, lease_ttl: float = 5.0,
-                 high_watermark: float = 0.90, free_fraction: float = 0.05,
-                 coordinator=None, advertise: Optional[str] = None,
-                 fence_timeout: float = 5.0, tenants: Sequence = (),
-                 trace: Optional[str] = None, ticket_key: Optional[bytes] = None,
-                 repair_rate: float = 256 << 20, max_repairs: int = 4) -> None:
-        #: with a coordinator (which the server then owns and closes) this
-        #: master campaigns, takes the term it wins, renews it, and steps down
-        #: (a fresh standby core) when it cannot
-        self.coordinator = coordinator
-        self._core_args = dict(writer_timeout=writer_timeout, storage_timeout=storage_timeout,
-                               lease_ttl=lease_ttl, high_watermark=high_watermark,
-                               free_fraction=free_fraction, fence_timeout=fence_timeout,
-                               tenants=tuple(tenants), trace=trace, ticket_key=ticket_key,
-                               repair_rate=repair_rate, max_repairs=max_repairs)
-        self.core = MasterCore(**self._core_args, term=None if coordinator is not None else 1)
-        self._term = 0                 # the term this process holds (0: standby)
-        self._renewer: Optional[_Renewer] = None
-        self._turned = time.monotonic()   # the serving loop's last turn
-        self._next_lead = 0.0
-        self._waiting_for: Optional[tuple[int, str]] = None   # the leader a standby last named
-        self.terms_held: list[int] = []
-        self.max_header_bytes = max_header_bytes
-        self._own_context = context is None
-        self.ctx = context or zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.linger = 0
-        self.router.sndhwm = 100_000  # replies are small; a ROUTER drops beyond this
-        # frames a little over the limit still get a typed FrameTooLarge; far
-        # larger ones make ZeroMQ drop the peer before buffering them
-        self.router.setsockopt(zmq.MAXMSGSIZE, 4 * max_header_bytes + (1 << 20))
-        self.router.bind(listen)
-        self.address: str = advertise or self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.poller = zmq.Poller()
-        self.poller.register(self.router, zmq.POLLIN)
-        self.dealers: dict[str, zmq.Socket] = {}
-        self._segment_of: dict[zmq.Socket, str] = {}
-        self._stopping = False  # a plain flag: stop() takes no lock (signal-handler safe)
-        #: (connection, request id) -> when it arrived, for the duplicate filter
-        self._seen: dict[tuple[bytes, int], float] = {}
-        self._seen_pruned = time.monotonic()
-        #: ``observe(op, seconds)`` after each request is handled (metrics; None: off)
-        self.observe: Optional[Callable[[str, float], None]] = None
-
-    # ------------------------------------------------------------------ loop
-
-    def stop(self) -> None:
-        self._stopping = True
-
-    def serve_forever(self, poll_ms: int = 20) -> None:
-        try:
-            while not self._stopping:
-                try:
-                    self._once(poll_ms)
-                except Exception:  # a bug: log it, keep serving
-                    log.exception("master loop")
-        finally:
-            self.close()
-
-    def _lead(self) -> None:
-        """Coordinator duty, before any request is served. A standby campaigns
-        every ``ttl/4``; on winning it starts a :class:`_Renewer` thread and
-        fences. The active master steps down when the coordinator ended its
-        term, or when its leadership was not renewed for a whole ``ttl`` (the
-        process was paused or cut off: on waking it serves nothing before
-        stepping down). Renewing from a thread keeps the lease while the loop
-        is busy for longer than ``ttl`` (recovering a large directory)."""
-        coord = self.coordinator
-        if coord is None:
-            return
-        now = time.monotonic()
-        if self._term:
-            if not self._held():
-                self._step_down(self._why_not_held())
-            return
-        if now < self._next_lead:
-            return
-        self._next_lead = now + coord.ttl / 4
-        try:
-            term = coord.campaign(self.address)
-            if term is None:
-                self._waiting(coord.leader())
-                return
-            nodes = coord.nodes()
-        except errors.KvError as err:
-            log.warning("coordinator: %s", err)
-            return
-        self._term = term
-        self.terms_held.append(term)
-        self._renewer = _Renewer(coord, term, now, self._serving)
-        log.info("won term %d at %s", term, self.address)
-        self.core.take_term(term, nodes)
-
-    def _waiting(self, leader: Optional[tuple[int, str]]) -> None:
-        """A standby says once per leader that it waits, and for whom."""
-        if leader is not None and leader != self._waiting_for:
-            log.info("standby at %s: waiting while term %d is held by %s", self.address, *leader)
-        self._waiting_for = leader
-
-    #: seconds without a turn of the serving loop (outside a recovery) after
-    #: which the master stops renewing its leadership
-    STUCK_AFTER = 10.0
-    #: the term counts as held while the last successful renewal started less
-    #: than this fraction of the coordinator's TTL ago (the coordinator's lease
-    #: runs a whole TTL from when it received the renewal, later still); the
-    #: rest is the margin against the two clocks drifting apart
-    HELD_FRACTION = 0.9
-
-    def _held(self) -> bool:
-        """Whether this master provably still holds its term (always, without
-        a coordinator). Checked before a request is handled and before every
-        reply: a master woken from a pause answers nothing but ``MasterNotOpen``."""
-        if self.coordinator is None:
-            return True
-        renewer = self._renewer
-        return bool(self._term) and not renewer.ended and \
-            time.monotonic() - renewer.renewed < self.HELD_FRACTION * self.coordinator.ttl
-
-    def _why_not_held(self) -> str:
-        renewer = self._renewer
-        if renewer.ended:
-            return f"the coordinator ended term {self._term}"
-        return (f"leadership of term {self._term} not renewed for "
-                f"{time.monotonic() - renewer.renewed:.1f}s")
-
-    def _serving(self) -> bool:
-        """Whether the loop turned recently, or is recovering (one long step)."""
-        core = self.core
-        last = max(self._turned, core.opened_at)   # a recovery ends inside one turn
-        return core.failover.phase in (fm.Phase.FENCING, fm.Phase.RECOVERED) \
-            or time.monotonic() - last < max(self.STUCK_AFTER, 4 * self.coordinator.ttl)
-
-    def _step_down(self, why: str) -> None:
-        """Answer every parked request ``MasterNotOpen``, drop the core and
-        its storage connections, and wait as a standby."""
-        core = self.core
-        core.step_down(errors.MasterNotOpen(why))
-        log.warning("stepping down: %s", why)
-        for p in core.parked():
-            self._send_reply(p.reply_to, p.request_id, errors.MasterNotOpen.code, {"message": why})
-        for segment in list(self.dealers):
-            sock = self.dealers.pop(segment)
-            self.poller.unregister(sock)
-            self._segment_of.pop(sock, None)
-            sock.close(linger=0)
-        if self.coordinator is not None and self._term:
-            self._renewer.stop()
-            try:
-                self.coordinator.resign(self._term)
-            except errors.KvError:
-                pass
-        self._term = 0
-        self._next_lead = time.monotonic() + (self.coordinator.ttl if self.coordinator else 0)
-        self.core = MasterCore(**self._core_args, term=None)
-
-    def _once(self, poll_ms: int) -> None:
-        self._turned = time.monotonic()
-        self._lead()
-        events = dict(self.poller.poll(poll_ms))
-        if events.get(self.router):
-            self._drain_router()
-        for sock in [s for s in events if s is not self.router]:
-            segment = self._segment_of.get(sock)
-            if segment is not None:
-                self._drain_dealer(sock, segment)
-        self.core.tick()
-        self._send_out()
-        if self._term and self.core.failover.phase is fm.Phase.STANDBY:
-            self._step_down("a storage node refused this master's term")
-
-    def _drain_router(self) -> None:
-        for frames in wire.waiting(self.router, self.BURST):
-            self._on_request(frames)
-            self._send_out()
-
-    def _on_request(self, frames: list) -> None:
-        identity = frames[0].bytes
-        if self._term and not self._held():
-            self._step_down(self._why_not_held())
-        try:
-            req = wire.decode_request(frames[1:], self.max_header_bytes, 0, wire.MASTER_OPS)
-        except errors.KvError as err:
-            self.core.counters["rejected"] += 1
-            self._reply(identity, getattr(err, "request_id", 0), err.code, {"message": err.message})
-            return
-        if self._duplicate(identity, req):
-            return
-        observe = self.observe
-        started = time.perf_counter() if observe is not None else 0.0
-        try:
-            result = self.core.handle(req.op, req.body, identity, req.request_id)
-        except errors.KvError as err:
-            result = (err.code, {"message": err.message})
-        except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("master failed on %s", req.op)
-            err = errors.InternalError(f"{req.op}: {exc.__class__.__name__}: {exc}")
-            result = (err.code, {"message": err.message})
-        if observe is not None:
-            observe(req.op, time.perf_counter() - started)
-        if result is not None:
-            # sent by _send_out after the commands this request queued: a grant
-            # leaves after the assigns its writer's writes need
-            self.core.ready.append((identity, req.request_id, *result))
-
-    def _duplicate(self, identity: bytes, req: wire.Request) -> bool:
-        """Whether ``req`` is a copy of a request already served on this
-        connection: a request id names one request on its connection (the
-        client numbers its requests, a retry included, afresh), so a second
-        frame with the same id is a copy the network delivered twice. Serving
-        it would apply a ``remove`` or ``put_start`` again, possibly to a later
-        generation of the key; it is answered ``DuplicateRequest`` (which the
-        client, done with that id, ignores) and counted. Ids 0 (requests that
-        want no reply) and ``stats`` are not filtered."""
-        if req.request_id == 0 or req.op == "stats":
-            return False
-        now = time.monotonic()
-        seen = self._seen
-        if (identity, req.request_id) in seen:
-            self.core.counters["duplicates_dropped"] += 1
-            err = errors.DuplicateRequest(f"request id {req.request_id} was already used on "
-                                          f"this connection ({req.op})")
-            self._send_reply(identity, req.request_id, err.code, {"message": err.message})
-            return True
-        seen[(identity, req.request_id)] = now
-        if now - self._seen_pruned > self.DUPLICATE_WINDOW_S / 2:
-            self._seen_pruned = now
-            cutoff = now - self.DUPLICATE_WINDOW_S
-            self._seen = {k: t for k, t in seen.items() if t >= cutoff}
-        return False
-
-    def _reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
-        """Answer, but only while the term is provably held: otherwise step down
-        and answer ``MasterNotOpen`` (what was done may not be acknowledged)."""
-        if self._term and not self._held():
-            why = self._why_not_held()
-            self._step_down(why)
-            status, body = errors.MasterNotOpen.code, {"message": why}
-        self._send_reply(identity, request_id, status, body)
-
-    def _send_reply(self, identity: bytes, request_id: int, status: int, body: dict) -> None:
-        try:
-            self.router.send_multipart([identity, wire.encode_reply(request_id, status, body)],
-                                       flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # peer gone or its queue full: the reply is dropped
-            pass
-
-    def _drain_dealer(self, sock: zmq.Socket, segment: str) -> None:
-        for frames in wire.waiting(sock, self.BURST):
-            try:
-                reply = wire.decode_reply(frames)
-            except errors.KvError as err:
-                log.error("bad reply from segment %s: %s", segment, err)
-                continue
-            self.core.storage_reply(segment, reply)
-            if segment not in self.dealers:
-                return
-
-    def _send_out(self) -> None:
-        core = self.core
-        opened, core.opened = core.opened, []
-        for segment, endpoint in opened:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.sndhwm = 0  # commands are never dropped or blocked on
-            sock.rcvhwm = 0
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
-                log.error("cannot connect to segment %s at %s: %s", segment, endpoint, exc)
-                core.segment_lost(segment, "unreachable endpoint")
-                continue
-            self.dealers[segment] = sock
-            self._segment_of[sock] = segment
-            self.poller.register(sock, zmq.POLLIN)
-        for segment, op, cmd_id, body in core.outbox:
-            sock = self.dealers.get(segment)
-            if sock is not None:
-                sock.send(wire.encode_request(op, cmd_id, body))
-        core.outbox.clear()
-        for reply_to, request_id, status, body in core.ready:
-            self._reply(reply_to, request_id, status, body)
-        core.ready.clear()
-        for segment in core.closed:
-            sock = self.dealers.pop(segment, None)
-            if sock is not None:
-                self.poller.unregister(sock)
-                self._segment_of.pop(sock, None)
-                sock.close(linger=0)
-        core.closed.clear()
-
-    def close(self) -> None:
-        if self.core.trace is not None:
-            self.core.trace.close()
-        if self.coordinator is not None:
-            if self._term:
-                self._renewer.stop()
-                try:
-                    self.coordinator.resign(self._term)
-                except errors.KvError:
-                    pass
-            self.coordinator.close()
-        for sock in list(self.dealers.values()):
-            sock.close(linger=0)
-        self.dealers.clear()
-        self._segment_of.clear()
-        if not self.router.closed:
-            self.router.close(linger=0)
-        if self._own_context:
-            self.ctx.term()

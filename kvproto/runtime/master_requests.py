@@ -1,7 +1,8 @@
 """The master's request handlers: each client or storage-node request becomes
 steps of the directory and the lease table (:class:`MasterRequests`, a part
-of :class:`~kvproto.runtime.master.MasterCore`), and the records they keep per
-storage node, per client and per reply waiting for the nodes.
+of :class:`~kvproto.runtime.master.MasterCore`); the records they keep per
+storage node, per client and per reply waiting for the nodes are in
+:mod:`kvproto.runtime.master_records`.
 
 A batched request (``put_start``, ``put_end``, ``read_begin``, ``release``,
 ``exists``) is handled with the cores' batch steps
@@ -22,11 +23,12 @@ import functools
 import heapq
 import logging
 import re
-from typing import Any, Optional
+from typing import Optional
 
 from kvproto import errors
 from kvproto.cores.leases import Refusal
 from kvproto.runtime import wire
+from kvproto.runtime.master_records import ClientSession, Parked, ReplyTo, SegmentInfo
 from kvproto.statemachines import failover as fm, lease as lm
 from kvproto.statemachines.publish import (
     AddSegment, ListReplica, PutEnd, PutRevoke, PutStart, ReadBegin, ReadEnd, Remove,
@@ -35,68 +37,7 @@ from kvproto.statemachines.publish import (
 
 log = logging.getLogger("kvproto.master")
 
-ReplyTo = Any  # opaque: the server's routing identity
-
 _ENDPOINT = re.compile(r"^(tcp://\S+:\d{1,5}|ipc://\S+)$")
-
-
-class SegmentInfo:
-    __slots__ = ("segment", "endpoint", "host", "shm", "gen_shm", "nonce", "page_size",
-                 "capacity", "last_seen")
-
-    def __init__(self, body: dict, now: float) -> None:
-        self.segment = body["segment"]
-        self.endpoint = body["endpoint"]
-        self.host = body["host"]
-        self.shm = body["shm"]
-        self.gen_shm = body["gen_shm"]
-        self.nonce = body["nonce"]
-        self.page_size = body["page_size"]
-        self.capacity = body["capacity"]
-        self.last_seen = now
-
-    def wire(self) -> list:
-        return [self.endpoint, self.host, self.shm, self.gen_shm, self.nonce,
-                self.page_size, self.capacity]
-
-
-class ClientSession:
-    """What one client has in flight: pending attempts and read pins."""
-
-    __slots__ = ("last_seen", "tokens", "pins")
-
-    def __init__(self, now: float) -> None:
-        self.last_seen = now
-        #: token -> [key, last refresh] of its PENDING attempts; each attempt
-        #: lapses on its own (``writer_timeout`` after its last refresh)
-        self.tokens: dict[int, list] = {}
-        self.pins: dict[tuple[bytes, int], int] = {}   # (key, token) -> pins held
-
-    def empty(self) -> bool:
-        return not self.tokens and not self.pins
-
-
-class Parked:
-    """A reply waiting for storage nodes: a ``put_end`` for their ``publish``
-    acks, a ``remove`` for their ``free`` acks (what it acknowledges must be
-    recorded at the nodes first). A ``put_start`` does not wait for its
-    ``assign`` acks: the assigns leave before the grant does, on the one
-    connection to each node, and a node holds a write that arrives before its
-    region's assign until the assign is applied (``StorageServer``)."""
-
-    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "keys")
-
-    #: the request -> the storage command whose acks its reply waits for
-    WAITS_FOR = {"put_start": None, "put_end": "publish", "remove": "free"}
-
-    def __init__(self, reply_to: ReplyTo, request_id: int, items: list, op: str = "put_start") -> None:
-        self.reply_to = reply_to
-        self.request_id = request_id
-        self.items = items
-        self.waiting: set[int] = set()
-        self.op = op
-        self.keys: Optional[list] = None   # put_end: the key of each item
-
 
 
 class MasterRequests:

@@ -388,7 +388,7 @@ def test_a_fenced_node_refuses_the_old_master_which_steps_down():
 def test_a_master_whose_loop_is_stuck_lets_its_lease_run_out(tmp_path):
     """Leadership renews from a thread, but only while the serving loop turns
     (or recovers): a wedged master loses its term and a standby can win."""
-    from kvproto.runtime.master import MasterServer
+    from kvproto.runtime.master_server import MasterServer
     url = f"file://{tmp_path}/coordinator"
     server = MasterServer(coordinator=connect(url, ttl=0.5))
     server.STUCK_AFTER = 0.5
@@ -439,7 +439,7 @@ def test_a_master_that_cannot_prove_its_term_answers_only_master_not_open(raw):
     whose last renewal is older than HELD_FRACTION of the TTL answers
     MasterNotOpen and steps down, whether the pause came before the request
     was handled or between handling it and replying."""
-    from kvproto.runtime.master import MasterServer
+    from kvproto.runtime.master_server import MasterServer
     server = MasterServer("tcp://127.0.0.1:*", coordinator=_StillCoordinator())
     sock = raw(server.address)
 

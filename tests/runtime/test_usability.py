@@ -394,7 +394,7 @@ def test_no_space_says_how_many_nodes_the_replicas_need():
 
 
 def test_a_standby_logs_whom_it_waits_for(tmp_path, caplog):
-    from kvproto.runtime.master import MasterServer
+    from kvproto.runtime.master_server import MasterServer
     url = f"file://{tmp_path}/coordinator"
     holder = connect(url, ttl=60)
     term = holder.campaign("tcp://127.0.0.1:9")
