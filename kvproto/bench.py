@@ -635,7 +635,7 @@ def _filled_storage(master: str, size: int, page: int, first: int, count: int) -
     the node's index, as it reads objects put through it."""
     from kvproto.runtime.datapath import checksum
     from kvproto.runtime.embedded import _serve
-    from kvproto.runtime.storage import StorageServer
+    from kvproto.runtime.storage_server import StorageServer
 
     value = b"v" * 100
     total = checksum(value)

@@ -70,6 +70,7 @@ MASTER = "kvproto/runtime/master.py"
 REQUESTS = "kvproto/runtime/master_requests.py"
 TAKEOVER = "kvproto/runtime/master_takeover.py"
 STORAGE = "kvproto/runtime/storage.py"
+STORAGE_SERVER = "kvproto/runtime/storage_server.py"
 LEASE_CORE = "kvproto/cores/leases.py"
 TENANCY_CORE = "kvproto/cores/tenancy.py"
 LEASES = "tests/runtime/test_leases.py"
@@ -140,8 +141,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a storage node registers with a master without learning its term "
         "(no fence): it serves that master with a fence it never raised, and "
         "would take an older master's requests until one of this term arrives",
-        _one(STORAGE, "                    reply.status == 0 and not (type(term) is int and "
-                      "self.core.fence_to(term))):\n",
+        _one(STORAGE_SERVER, "                    reply.status == 0 and not (type(term) is int and "
+                             "self.core.fence_to(term))):\n",
              "                    reply.status == 0 and not (type(term) is int)):\n"),
         ("tests/runtime/test_failover_trace.py::test_a_takeover_run_is_a_behaviour_of_the_spec",)),
     Mutant(
@@ -221,7 +222,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "node-skips-read-ticket",
         "a storage node with tenants serves any authenticated tenant's read or "
         "load of a location whose token it is sent, without its read ticket",
-        _one(STORAGE, "                if req.op in self.TICKET_OPS:   # spec NodeAdmits, before anything runs\n",
+        _one(STORAGE_SERVER, "                if req.op in self.TICKET_OPS:   # spec NodeAdmits, before anything runs\n",
              "                if False:\n"),
         (f"{TENANCY}::test_a_tenant_guessing_a_region_token_reads_nothing",),
         twin="Tenancy_Weak_FastPathSkipsGrant"),

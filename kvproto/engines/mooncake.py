@@ -17,7 +17,7 @@ is held is ``-706``; an invalid argument or a destination buffer too small is
 coordinator URL (``file:///dir``, ``etcd://host:port``) or a master address
 (``tcp://host:port``, or Mooncake's bare ``host:port``). With
 ``global_segment_size > 0`` it also contributes a storage segment of that size,
-served by a :class:`~kvproto.runtime.storage.StorageServer` in a thread of this
+served by a :class:`~kvproto.runtime.storage_server.StorageServer` in a thread of this
 process, which deregisters (its objects are lost) on ``close()``.
 ``metadata_server``, ``protocol``, ``rdma_devices`` and ``local_buffer_size``
 are accepted and not needed: kvproto has no separate metadata service, moves
@@ -42,7 +42,8 @@ from kvproto import errors
 from kvproto.engines.memory import load_into, memory_at, read_many
 from kvproto.runtime.client import Client
 from kvproto.runtime.embedded import ServerThread
-from kvproto.runtime.storage import StorageServer, coordinator_url
+from kvproto.runtime.endpoints import coordinator_url
+from kvproto.runtime.storage_server import StorageServer
 from kvproto.runtime.units import parse_size
 
 # Mooncake's ErrorCode values that kvproto answers with

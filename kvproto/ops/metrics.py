@@ -416,7 +416,7 @@ class MasterCollector:
 
 
 class StorageCollector:
-    """Reads a :class:`~kvproto.runtime.storage.StorageServer`'s core at scrape time."""
+    """Reads a :class:`~kvproto.runtime.storage_server.StorageServer`'s core at scrape time."""
 
     def __init__(self, server) -> None:
         self.server = server
@@ -533,7 +533,7 @@ def serve_master(server, port: int = 0, host: str = "127.0.0.1") -> Exporter:
 
 
 def serve_storage(server, port: int = 0, host: str = "127.0.0.1") -> Exporter:
-    """Expose a :class:`~kvproto.runtime.storage.StorageServer`'s metrics."""
+    """Expose a :class:`~kvproto.runtime.storage_server.StorageServer`'s metrics."""
     exporter = Exporter([StorageCollector(server)], latency="kvproto_storage_request_seconds",
                         port=port, host=host)
     server.observe = exporter.latency.observe

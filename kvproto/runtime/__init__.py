@@ -17,7 +17,7 @@ _EXPORTS = {
     "run_master": "kvproto.runtime.embedded",
     "run_storage": "kvproto.runtime.embedded",
     "MasterServer": "kvproto.runtime.master_server",
-    "StorageServer": "kvproto.runtime.storage",
+    "StorageServer": "kvproto.runtime.storage_server",
     "parse_size": "kvproto.runtime.units",
     "TransferEngine": "kvproto.runtime.transfers",
     "BufferPool": "kvproto.runtime.transfers",

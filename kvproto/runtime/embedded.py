@@ -39,7 +39,7 @@ from typing import Any, Optional
 from kvproto.ops.tenants import load_tenants
 from kvproto.runtime.client import Client
 from kvproto.runtime.master_server import MasterServer
-from kvproto.runtime.storage import StorageServer
+from kvproto.runtime.storage_server import StorageServer
 from kvproto.runtime.units import format_size, parse_size
 
 log = logging.getLogger("kvproto.embedded")
@@ -317,7 +317,7 @@ def run_storage(master: str, size: "int | str", *, listen: str = "tcp://127.0.0.
     binding ``0.0.0.0``). ``page_size`` is the allocation granularity (a power of
     two >= 512). ``metrics_port`` (0: a free one) serves Prometheus metrics on
     ``metrics_host``. Other keyword arguments go to
-    :class:`~kvproto.runtime.storage.StorageServer` (``max_header_bytes``,
+    :class:`~kvproto.runtime.storage_server.StorageServer` (``max_header_bytes``,
     ``register_timeout``).
     """
     server = StorageServer(master, size, listen=listen, advertise=advertise,

@@ -89,7 +89,7 @@ def test_a_write_that_overtakes_its_assign_waits_for_it(raw):
     the assign arrives, then serves it; one whose assign never comes is
     refused after ASSIGN_WAIT; a write for a token the node has already seen
     is judged at once."""
-    from kvproto.runtime.storage import StorageServer
+    from kvproto.runtime.storage_server import StorageServer
     server = StorageServer("tcp://127.0.0.1:1", 1 << 20)
     server.ASSIGN_WAIT = 0.3
     try:

@@ -315,7 +315,7 @@ def test_a_permanent_refusal_stops_the_storage_node_with_the_reason(capsys):
 
 
 def test_a_node_that_cannot_reach_its_master_names_the_address(caplog):
-    from kvproto.runtime.storage import StorageServer
+    from kvproto.runtime.storage_server import StorageServer
     address = dead_address()
     server = StorageServer(address, "1MiB", register_timeout=0.2)
     caplog.set_level(logging.WARNING, logger="kvproto.storage")

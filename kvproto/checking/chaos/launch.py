@@ -1,7 +1,7 @@
 """Start one server of the fault matrix: ``python -m kvproto.checking.chaos.launch ROLE CONFIG_JSON``.
 
 ``master``: :func:`kvproto.runtime.embedded.run_master` with a coordinator.
-``storage``: a :class:`~kvproto.runtime.storage.StorageServer` that follows the
+``storage``: a :class:`~kvproto.runtime.storage_server.StorageServer` that follows the
 coordinator; it prints its shared-memory names first, so the harness can
 unlink them after a ``kill -9`` (a killed node cannot).
 
@@ -31,7 +31,7 @@ def master(config: dict) -> None:
 
 
 def storage(config: dict) -> None:
-    from kvproto.runtime.storage import StorageServer
+    from kvproto.runtime.storage_server import StorageServer
     logging.basicConfig(level=config.get("log_level", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = StorageServer(config["coordinator"], config["size"], listen=config["listen"],
