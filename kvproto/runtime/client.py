@@ -78,14 +78,12 @@ caller must not modify the buffer while ``put`` runs.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import threading
 import time
 import uuid
-import weakref
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
 import zmq
 
@@ -93,13 +91,12 @@ from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.endpoints import check_master, coordinator_url
 from kvproto.runtime import datapath
+from kvproto.runtime.client_leases import LEASE_COUNTERS, ClientLeases, ReadLease
+from kvproto.runtime.client_link import ClientLink
+from kvproto.runtime.client_tenants import TenantCalls
 from kvproto.runtime.shm import WriterLock, host_id
 from kvproto.statemachines import lease as lm
 from kvproto.statemachines.failover import RecomputeLimiter
-
-#: errors that mean "the master may be switching": a lookup answered so is a
-#: miss (within the switch window; past it the client raises MasterUnreachable)
-SWITCHING = (errors.MasterNotOpen, errors.RequestTimeout)
 
 Key = Any  # bytes-like or str
 
@@ -142,60 +139,6 @@ def _destination(buffer):
     return buffer if isinstance(buffer, datapath.Consume) else datapath.writable_view(buffer)
 
 
-def _heartbeats(ref: "weakref.ref[Client]", stop: threading.Event) -> None:
-    """The heartbeat thread: while the client has a put or read in flight, tell
-    the master it is alive every ``heartbeat`` seconds (the master says how
-    often: a quarter of its writer timeout); and while no call runs, release
-    the leases the client held back (so a read's protection ends within a
-    tick of its last get even if the client goes quiet). Holds the client only
-    weakly, so a client dropped without ``close()`` still goes away, and so
-    does the thread."""
-    client = ref()
-    if client is None:
-        return
-    client_id = client.client_id
-    auth = client._stamped("heartbeat", {})
-    del client
-    address, sock = "", None     # follows the client's master (it changes on failover)
-    rid, last_sent = 0, 0.0
-    try:
-        while not stop.wait(0.05):
-            client = ref()
-            if client is None:
-                return
-            active, interval, master = client._active, client._hb_interval, client.master
-            tokens = client._in_flight
-            if client._unreleased and client._lock.acquire(blocking=False):
-                try:     # on the client's own connection: its next request comes after
-                    client._release_now()
-                finally:
-                    client._lock.release()
-            if master != address:
-                if sock is not None:
-                    sock.close(linger=0)
-                address = master
-                sock = client._socket(address) if address else None
-            del client
-            if sock is None:
-                continue
-            now = time.monotonic()
-            if active and now - last_sent >= interval:
-                rid += 1
-                last_sent = now
-                body = {**auth, "client": client_id}
-                if tokens:
-                    body["tokens"] = list(tokens)
-                try:
-                    sock.send(wire.encode_request("heartbeat", rid, body), flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-            while sock.poll(0):  # drop the answers
-                sock.recv_multipart()
-    finally:
-        if sock is not None:
-            sock.close(linger=0)
-
-
 def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replicas: int = 1,
                  pause: float = 0.0) -> float:
     """``client.put``, attempted again (after ``pause`` seconds) while it fails,
@@ -212,39 +155,7 @@ def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replic
             time.sleep(pause)
 
 
-class ReadLease:
-    """A read lease the master granted (``read_begin``): where the bytes are,
-    the lease id and TTL, and ``sent``, the local time the request (or the last
-    accepted renewal) was sent: the deadline runs from there, never from the reply.
-    At a store with tenants, ``tickets`` holds the read ticket of each replica
-    (in the order of ``replicas``; a ``read`` or ``load`` of it carries it as
-    ``ticket``), renewed with the lease."""
-
-    __slots__ = ("key", "lease", "ttl", "sent", "token", "length", "replicas", "segments",
-                 "tickets")
-
-    def __init__(self, key: bytes, lease: int, ttl: float, sent: float, token: int,
-                 length: int, replicas: list, segments: dict,
-                 tickets: Optional[list] = None) -> None:
-        self.key, self.lease, self.ttl, self.sent = key, lease, ttl, sent
-        self.token, self.length, self.replicas, self.segments = token, length, replicas, segments
-        self.tickets = tickets
-
-    def deadline(self, max_skew: float) -> float:
-        """The local time by which the last byte must have been read."""
-        return lm.local_deadline(self.sent, self.ttl, max_skew)
-
-    def __repr__(self) -> str:
-        return f"ReadLease({self.key!r}, lease={self.lease}, ttl={self.ttl})"
-
-
-LEASE_COUNTERS = ("lease_reads", "lease_accepted", "lease_rejected",
-                  *(f"rejected_{r.value}" for r in lm.RejectReason),
-                  "renewals", "renewals_refused", "releases",
-                  "queued_s", "transferring_s", "verifying_s")
-
-
-class Client:
+class Client(ClientLink, ClientLeases, TenantCalls):
     """A connection to one kvproto master (and, on demand, its storage nodes)."""
 
     #: keys per master request; larger batches are sent in chunks so that one
@@ -400,41 +311,6 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ sockets
-
-    def _socket(self, endpoint: str) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.sndhwm = 0  # queue, never block: deadlines are enforced on replies
-        sock.rcvhwm = 0
-        sock.connect(endpoint)
-        return sock
-
-    def _master(self) -> zmq.Socket:
-        if self._closed:
-            raise errors.ServerUnavailable("the client is closed")
-        if self._master_sock is None:
-            self._master_sock = self._socket(self.master)
-        return self._master_sock
-
-    def _reset_master(self) -> None:
-        if self._master_sock is not None:
-            self._pollers.clear()
-            self._master_sock.close(linger=0)
-            self._master_sock = None
-
-    def _data_sock(self, endpoint: str) -> zmq.Socket:
-        sock = self._data.get(endpoint)
-        if sock is None:
-            sock = self._data[endpoint] = self._socket(endpoint)
-        return sock
-
-    def _reset_data(self, endpoint: str) -> None:
-        sock = self._data.pop(endpoint, None)
-        if sock is not None:
-            self._pollers.clear()
-            sock.close(linger=0)
-
     def __repr__(self) -> str:
         return (f"Client({self.master or 'coordinator'!r}, namespace={self.namespace!r}, "
                 f"{'with' if self.__token else 'without'} a token)")
@@ -451,211 +327,6 @@ class Client:
             body["ns"] = self.namespace
         return body
 
-    def _send(self, sock: zmq.Socket, op: str, body: dict, payloads: Sequence = ()) -> int:
-        body = self._stamped(op, body)
-        self._rid += 1
-        rid = self._rid
-        if payloads:
-            # copy=False: payload frames reference the caller's buffer (pyzmq
-            # copies frames under zmq.COPY_THRESHOLD = 64 KiB itself)
-            sock.send_multipart([wire.encode_request(op, rid, body), *payloads], copy=False)
-        else:
-            sock.send(wire.encode_request(op, rid, body))
-        return rid
-
-    def _gather(self, pending: dict[int, zmq.Socket], deadline: float) -> dict[int, wire.Reply]:
-        """Replies to the request ids in ``pending`` that arrive before ``deadline``.
-        One socket (the common case) is read with blocking receives bounded by
-        the deadline; several are polled with a poller kept per socket set."""
-        got: dict[int, wire.Reply] = {}
-        socks = set(pending.values())
-        one = next(iter(socks)) if len(socks) == 1 else None
-        poller = None if one is not None else self._poller(socks)
-        while len(got) < len(pending):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            if one is not None:
-                one.setsockopt(zmq.RCVTIMEO, max(1, int(remaining * 1000)))
-                try:
-                    frames = one.recv_multipart(copy=False)
-                except zmq.Again:
-                    break
-                self._take(frames, one, pending, got)
-                if len(got) < len(pending):     # else what waits is read by the next call
-                    for frames in wire.waiting(one):
-                        self._take(frames, one, pending, got)
-                continue
-            for sock, _ in poller.poll(max(1, int(remaining * 1000))):
-                for frames in wire.waiting(sock):
-                    self._take(frames, sock, pending, got)
-        return got
-
-    @staticmethod
-    def _take(frames: list, sock: zmq.Socket, pending: dict, got: dict) -> None:
-        try:
-            reply = wire.decode_reply(frames)
-        except errors.KvError:
-            return
-        if pending.get(reply.request_id) is sock:
-            got[reply.request_id] = reply
-
-    def _poller(self, socks: set) -> zmq.Poller:
-        """A poller over ``socks``, kept while the same set is asked for again."""
-        key = frozenset(socks)
-        cached = self._pollers.get(key)
-        if cached is None:
-            if len(self._pollers) > 16:
-                self._pollers.clear()
-            cached = self._pollers[key] = zmq.Poller()
-            for sock in socks:
-                cached.register(sock, zmq.POLLIN)
-        return cached
-
-    def _call_master(self, op: str, body: dict, deadline: float,
-                     started: Optional[float] = None) -> wire.Reply:
-        """One request to the master. With a coordinator, a master that is not
-        open, or is silent for ``LEADER_RECHECK``, makes the client ask the
-        coordinator again, and the request goes to the master it names if that
-        changed (a few times at most, within ``deadline``). A call no master
-        served raises one of :data:`SWITCHING` while a switch may be under
-        way, and :class:`~kvproto.errors.MasterUnreachable` (or
-        ``CoordinatorUnavailable``) past the window (see :meth:`_not_served`);
-        ``started`` (default: now) is when the call began."""
-        started = time.monotonic() if started is None else started
-        if self._coordinator is not None and started - self._leader_checked > self.LEADER_RECHECK:
-            self._find_master()
-        if self._unreleased and op != "read_begin":
-            self._release_now()         # ordered before this request on the connection
-        try:
-            reply = self._ask_master(op, body, deadline, started)
-        except (*SWITCHING, errors.CoordinatorUnavailable) as err:
-            raise self._not_served(err, started) from None
-        self._unserved_since = None
-        return reply.raise_for_status()
-
-    def _ask_master(self, op: str, body: dict, deadline: float, started: float) -> wire.Reply:
-        """The reply of a master that served the request (any status but
-        ``MasterNotOpen``), or the reason none did."""
-        for _ in range(4):
-            if not self.master:
-                err = self._find_master()
-                if not self.master:
-                    raise err or errors.MasterNotOpen(f"the coordinator {self._coordinator.url} "
-                                                      "names no master")
-            asked = self.master
-            sock = self._master()
-            sent_at = time.perf_counter()
-            reply = self._await_master(sock, self._send(sock, op, body), deadline, started)
-            if self.observe is not None:
-                self.observe(op, time.perf_counter() - sent_at)
-            if reply is not None and reply.status != errors.MasterNotOpen.code:
-                return reply
-            if self.master == asked:        # no other master named while waiting
-                if reply is None:
-                    self._reset_master()
-                self._find_master()
-            if self.master == asked or not self.master or time.monotonic() >= deadline:
-                break
-        if reply is None:
-            raise errors.RequestTimeout(f"master {asked} did not answer {op} in time")
-        raise reply.error()
-
-    def _await_master(self, sock: zmq.Socket, rid: int, deadline: float,
-                      started: float) -> Optional[wire.Reply]:
-        """The master's reply to ``rid``; ``None`` at ``deadline``, once the
-        master has answered nothing for the switch window (nor a ``heartbeat``
-        probe, sent every quarter of it: a master whose reply is parked on
-        storage nodes still answers those), or, with a coordinator, as soon as
-        it (asked every ``LEADER_RECHECK``) names another master."""
-        asked, window = self.master, self._window()
-        heard = started                      # the master last showed it serves
-        probes: dict[int, zmq.Socket] = {}
-        next_probe = started + window / 4
-        while True:
-            unserved = self._unserved_since if self._unserved_since is not None else heard
-            silent_until = max(heard + self.lookup_timeout, unserved + window)
-            until = min(deadline, silent_until, next_probe)
-            if self._coordinator is not None:
-                until = min(until, time.monotonic() + self.LEADER_RECHECK)
-            got = self._gather({rid: sock, **probes}, until)
-            if rid in got:
-                return got[rid]
-            now = time.monotonic()
-            for probe, reply in got.items():
-                del probes[probe]
-                if reply.status != errors.MasterNotOpen.code:
-                    heard, self._unserved_since = now, None
-            if now >= deadline or now >= silent_until:
-                return None
-            if now >= next_probe:
-                probes[self._send(sock, "heartbeat", {"client": self.client_id})] = sock
-                next_probe = now + window / 4
-            if self._coordinator is not None and now - self._leader_checked >= self.LEADER_RECHECK:
-                self._find_master()
-                if self.master != asked:
-                    return None
-
-    def _window(self) -> float:
-        return self.switch_window if self._coordinator is not None else self.lookup_timeout
-
-    def _not_served(self, err: errors.KvError, started: float) -> errors.KvError:
-        """What a call that no master served raises. The client counts the time
-        since the first such call after the last served one: within the window
-        it may be a switch (``err``, one of :data:`SWITCHING`; a lookup misses);
-        past it, :class:`~kvproto.errors.MasterUnreachable`. A coordinator that
-        cannot be reached while no master is known is
-        ``CoordinatorUnavailable``: at once if this client never reached it (a
-        wrong or dead address is not a switch), else past the window."""
-        if self._unserved_since is None:
-            self._unserved_since = started
-        unserved = time.monotonic() - self._unserved_since
-        cut_off = isinstance(err, errors.CoordinatorUnavailable)
-        if unserved < self._window() and not (cut_off and not self._coordinator_reached):
-            if cut_off:
-                return errors.MasterNotOpen(f"no master known: {err.message}")
-            return err
-        self.failover_counters["unreachable"] += 1
-        if cut_off:
-            return err
-        if self._coordinator is None:
-            return errors.MasterUnreachable(
-                f"the master at {self.master} has answered nothing for {unserved:.1f} s; is it "
-                "running? (without a coordinator no failover can be under way)")
-        return errors.MasterUnreachable(
-            f"no master named by {self._coordinator.url} has served this client for "
-            f"{unserved:.1f} s, longer than a switch takes (switch_window {self.switch_window:g} s): "
-            f"{err.message}")
-
-    def _lookup(self, op: str, body: dict, keys: int, deadline: float) -> Optional[wire.Reply]:
-        """A lookup of ``keys`` keys at the master, or ``None`` (all misses)
-        when the master is switching: not open, or silent for ``lookup_timeout``."""
-        started = time.monotonic()
-        try:
-            return self._call_master(op, body, min(deadline, started + self.lookup_timeout), started)
-        except SWITCHING:
-            self.failover_counters["switch_misses"] += keys
-            return None
-
-    def _find_master(self) -> Optional[errors.KvError]:
-        """Ask the coordinator (if any) who the master is now; reconnect if it
-        changed. Returns the coordinator's error if it could not be asked (the
-        master known so far is kept)."""
-        if self._coordinator is None:
-            return None
-        self._leader_checked = time.monotonic()
-        try:
-            leader = self._coordinator.leader()
-        except errors.KvError as err:
-            return err
-        self._coordinator_reached = True
-        address = leader[1] if leader is not None else ""
-        if address != self.master:
-            self._reset_master()
-            self.master = address
-            if address:
-                self.failover_counters["masters_found"] += 1
-
     def may_recompute(self) -> bool:
         """Whether the engine may recompute a missed block now: a token bucket
         (``recompute_rate`` per second, bursts of ``recompute_burst``) bounds
@@ -664,39 +335,6 @@ class Client:
             self.recompute, allowed = self.recompute.take(time.monotonic())
         self.failover_counters["recomputes_allowed" if allowed else "recomputes_refused"] += 1
         return allowed
-
-    def _deadline(self, timeout: Optional[float]) -> float:
-        return time.monotonic() + (self.timeout if timeout is None else float(timeout))
-
-    # ------------------------------------------------------------------ heartbeats
-
-    def _hold(self) -> None:
-        """Count one more put or read in flight (heartbeats run while any is)."""
-        with self._active_lock:
-            self._active += 1
-            if self._hb_thread is None and not self._closed:
-                self._hb_thread = threading.Thread(
-                    target=_heartbeats, args=(weakref.ref(self), self._hb_stop), daemon=True,
-                    name=f"kvproto-heartbeat-{self.client_id}")
-                self._hb_thread.start()
-
-    def _unhold(self) -> None:
-        with self._active_lock:
-            self._active -= 1
-
-    @contextlib.contextmanager
-    def _activity(self):
-        """Heartbeat the master while a put or a read is in flight."""
-        self._hold()
-        try:
-            yield
-        finally:
-            self._unhold()
-
-    def _note_interval(self, reply: wire.Reply) -> None:
-        hb = reply.body.get("heartbeat")
-        if isinstance(hb, (int, float)) and hb > 0:
-            self._hb_interval = float(hb)
 
     # ------------------------------------------------------------------ put
 
@@ -978,33 +616,6 @@ class Client:
                 raise first_error
         return results
 
-    def flush_releases(self) -> None:
-        """Release now the leases this client's reads took and still holds back
-        (they otherwise go with its next request or within a heartbeat), e.g.
-        before another client removes what this one read."""
-        with self._lock:
-            self._release_now()
-
-    def _release_now(self) -> None:
-        """Send the held-back lease releases (fire-and-forget, so they reach the
-        master before this client's next request on the same connection)."""
-        if not self._unreleased:
-            return
-        leases, self._unreleased = self._unreleased, []
-        self.lease_counters["releases"] += len(leases)
-        try:
-            self._send(self._master(), "release", {"client": self.client_id, "leases": leases})
-        except (errors.KvError, zmq.ZMQError):
-            pass
-
-    def _budget(self, ttl: float) -> lm.LeaseBudget:
-        if self.lease_budget is not None:
-            return self.lease_budget
-        # the budget the TTL would be recommended for: queue and transfer
-        # halves of (ttl - 2 * max_skew) / 1.25, no verification phase
-        half = max(ttl - 2 * self.max_skew, 1e-9) / 1.25 / 2
-        return lm.LeaseBudget(half, half, 0.0, self.max_skew)
-
     def _check_leases(self, ks: list, lease_of: dict, sent: float, started: float,
                       done_at: dict, results: list) -> Optional[errors.KvError]:
         """The reader's acceptance check (``accept_transfer``) per leased key;
@@ -1127,45 +738,6 @@ class Client:
                                      g.get("tickets")))
             return out
 
-    def renew(self, leases: Sequence[ReadLease], *, timeout: Optional[float] = None
-              ) -> list[Optional[errors.KvError]]:
-        """Extend unexpired leases to a new TTL from now; a renewed lease's
-        deadline restarts from when the renewal was sent. An expired one gets
-        ``LeaseExpired`` (it cannot be rescued)."""
-        if not leases:
-            return []
-        with self._lock:
-            sent = time.monotonic()
-            reply = self._call_master("renew", {"client": self.client_id,
-                                                "leases": [l.lease for l in leases]},
-                                      self._deadline(timeout))
-            out: list[Optional[errors.KvError]] = []
-            for l, item in zip(leases, wire.items_of(reply, len(leases))):
-                err, value = wire.item_result(item)
-                if err is None:
-                    l.sent, l.ttl = sent, float(value["ttl"])
-                    l.tickets = value.get("tickets", l.tickets)
-                    self.lease_counters["renewals"] += 1
-                else:
-                    self.lease_counters["renewals_refused"] += 1
-                out.append(err)
-            return out
-
-    def release(self, leases: Sequence[ReadLease], *, timeout: Optional[float] = None) -> None:
-        """End the leases (the objects stay cached); one round trip. Raises
-        ``LeaseExpired`` if one had already ended (the others are released)."""
-        if not leases:
-            return
-        with self._lock:
-            reply = self._call_master("release", {"client": self.client_id,
-                                                  "leases": [l.lease for l in leases]},
-                                      self._deadline(timeout))
-            self.lease_counters["releases"] += len(leases)
-            for item in wire.items_of(reply, len(leases)):
-                err, _ = wire.item_result(item)
-                if err is not None:   # already ended (expired, or a forced remove)
-                    raise err
-
     def remove(self, key: Key, *, force: bool = False, timeout: Optional[float] = None) -> None:
         """Delete a published object (``KeyNotFound``, ``NotPublished``,
         ``ObjectBusy``, ``ObjectLeased``). ``force=True`` (operators) ends the
@@ -1178,69 +750,6 @@ class Client:
             err, _ = wire.item_result(wire.items_of(reply, 1)[0])
             if err is not None:
                 raise err
-
-    def grant(self, grantee: str, *, namespace: Optional[str] = None,
-              timeout: Optional[float] = None) -> None:
-        """Let tenant ``grantee`` read this tenant's ``namespace`` (default:
-        the client's own), read-only, until :meth:`revoke` (spec
-        ``GrantRead``). Only the namespace's owner may."""
-        self._grant_or_revoke("grant", grantee, namespace, timeout)
-
-    def revoke(self, grantee: str, *, namespace: Optional[str] = None,
-               timeout: Optional[float] = None) -> None:
-        """End ``grantee``'s grant (spec ``RevokeRead``): its next read or
-        renewal is refused; a read already granted ends with its lease."""
-        self._grant_or_revoke("revoke", grantee, namespace, timeout)
-
-    def _grant_or_revoke(self, op: str, grantee: str, namespace: Optional[str],
-                         timeout: Optional[float]) -> None:
-        body = {"ns": namespace or self.namespace, "grantee": grantee}
-        with self._lock:
-            self._call_master(op, body, self._deadline(timeout))
-
-    # ------------------------------------------------------------------ the upgrade lifecycle
-
-    def ns_create(self, name: str, *, previous: Optional[str] = None,
-                  timeout: Optional[float] = None) -> None:
-        """Create this tenant's namespace ``name`` as a canary upgrading its
-        live namespace ``previous`` (default: the client's own; spec
-        ``Create``). Which requests go to the canary (e.g. a fraction of the
-        writes) is the caller's choice: a client with ``namespace=name``
-        writes and reads there, and only there."""
-        self._namespace_call("ns_create", {"ns": name, "previous": previous or self.namespace},
-                             timeout)
-
-    def ns_prewarm(self, name: str, *, timeout: Optional[float] = None) -> None:
-        """The canary ``name`` is healthy: hot prefixes are recomputed into it
-        (spec ``PreWarm``)."""
-        self._namespace_call("ns_prewarm", {"ns": name}, timeout)
-
-    def ns_switch(self, name: str, *, timeout: Optional[float] = None) -> None:
-        """``name`` goes live; the namespace it upgrades retires: no more
-        writes, its reads go on and its objects age out (spec ``Switch``)."""
-        self._namespace_call("ns_switch", {"ns": name}, timeout)
-
-    def ns_route_back(self, name: str, *, timeout: Optional[float] = None) -> None:
-        """The namespace ``name`` upgrades is live again; ``name`` is held: its
-        writes in progress are abandoned, it takes no more, and its published
-        objects stay readable by the owner until :meth:`ns_drop` (spec
-        ``RouteBack``)."""
-        self._namespace_call("ns_route_back", {"ns": name}, timeout)
-
-    def ns_drop(self, name: str, *, timeout: Optional[float] = None) -> None:
-        """Inspection of the held namespace ``name`` is over: it retires and
-        its objects age out (spec ``Drop``)."""
-        self._namespace_call("ns_drop", {"ns": name}, timeout)
-
-    def ns_list(self, *, timeout: Optional[float] = None) -> dict:
-        """The namespaces this tenant owns or may read (another tenant's as
-        ``owner/name``): phase, the namespace it upgrades, objects and bytes
-        held, and for its own the tenants holding read grants."""
-        return self._namespace_call("ns_list", {}, timeout)["namespaces"]
-
-    def _namespace_call(self, op: str, body: dict, timeout: Optional[float]) -> dict:
-        with self._lock:
-            return self._call_master(op, body, self._deadline(timeout)).body
 
     def stats(self, *, timeout: Optional[float] = None) -> dict:
         """The master's counters and per-segment space, and under ``"client"``

@@ -203,7 +203,7 @@ def _held(stats):
 def _child_of(nodes, segments, victim, raw, cred):
     """The child process serving segment ``victim``."""
     assert raw(segments[victim]["endpoint"]).call("stats", cred).body["segment"] == victim
-    # the segment id is host:pid:nonce (runtime/storage.py new_segment_id)
+    # the segment id is host:pid:nonce (runtime/storage_server.py new_segment_id)
     pid = int(victim.split(":")[-2])
     (child,) = [c for c in nodes if c.proc.pid == pid]
     return child
