@@ -76,6 +76,13 @@ master that took over:
 * the frees the recovery sends itself (the ``opened`` line's ``frees``) are
   commands in flight from the start, ahead of the run's own;
 * a write or read under a token issued before the run is caused by the opening.
+
+A run longer than one TLC run may take is checked whole in windows
+(:func:`check_windows`, :mod:`kvproto.checking.windows`) that end only where
+the run is quiet (:class:`Windows`: no put pending, no repair in flight, no
+command on its way to a node), so that the state there is the directory and
+the nodes' tables; TLC checks each window ends in it (``WindowEnd``,
+``NodesWindowEnd``) and the next starts from it, as from a takeover's opening.
 """
 
 from __future__ import annotations

@@ -41,9 +41,11 @@ bounded model (their ``LIMITS``: steps, keys, tokens, slots). The publish
 and lease checks walk the whole run, in windows of at most ``max_steps``
 steps chained state to state (:mod:`kvproto.checking.windows`; a lease
 window ends where no read is in progress; ``max_windows`` caps their number,
-and the line says so); the merged check walks the longest prefix that fits
-and ``max_steps`` (a prefix of a behaviour of the spec is one too). The
-result says how many of the recorded steps were checked. A check that finds
+and the line says so); so does the merged check, in windows of at most
+``max_steps`` master steps that end where no put is pending and no command
+is on its way to a node (:func:`kvproto.checking.mergetrace.check_windows`;
+a run not quiet again within a window is checked up to there). The result
+says how many of the recorded steps were checked. A check that finds
 a step the spec does not allow fails the cell, as wrong bytes do.
 """
 
