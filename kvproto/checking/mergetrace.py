@@ -380,6 +380,9 @@ SentOpened == %(sent)s
 \* Where a window of a longer run ends (kvproto.checking.windows): the
 \* regions its nodes hold there, built from their recorded steps.
 NodesEnd == %(nodes_end)s
+\* The segments whose nodes take no step after the window (killed): commands
+\* on their way there can never be taken, and the next window drops them.
+Idle == %(idle)s
 
 Applied(s, x, t) == nodes[s][x] # None /\ nodes[s][x].token = t
 StoreOwns(s, x, t) == store[s][x] # None /\ store[s][x].token = t
@@ -462,14 +465,15 @@ OpenedOnNodes ==
                                     /\ nodes[s][x].done = store[s][x].done
             /\ nodes[s][x] # None => nodes[s][x].token \in 1..(nextToken - 1)
 
-\* A window ends only where no command is on its way to a node (and, by the
-\* cut, no put pending, no repair in flight): with WindowEnd, every variable
-\* of the merged spec is the next window's initial state.
+\* A window ends only where no command is on its way to a node that steps
+\* again (and, by the cut, no put pending, no repair in flight): with
+\* WindowEnd, every variable of the merged spec that a later step can read is
+\* the next window's initial state.
 NodesWindowEnd ==
     pos > Len(Trace) =>
         /\ nodes = [s \in Segments |-> [x \in Slots |->
                       IF <<s, x>> \in DOMAIN NodesEnd THEN NodesEnd[<<s, x>>] ELSE None]]
-        /\ \A s \in Segments : sent[s] = <<>>
+        /\ \A s \in Segments \ Idle : sent[s] = <<>>
 
 MergedInit ==
     /\ TraceInit
@@ -528,13 +532,16 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
                 files: list[Path], segments: set, *, tables: Optional[dict] = None,
                 keep: Optional[Path] = None,
                 on_output: Optional[Callable[[str], None]] = None,
-                end: Optional[dict] = None, end_tables: Optional[dict] = None) -> Verdict:
+                end: Optional[dict] = None, end_tables: Optional[dict] = None,
+                idle: frozenset = frozenset()) -> Verdict:
     """:func:`check` of a master's run (:func:`traces.publish_run`) and its
     nodes' region steps (:func:`read_nodes`, one list per file of ``files[1:]``;
     ``files[0]`` the master's) on the ``segments`` the node files cover, from
     the region ``tables`` the nodes held at its start. With ``end`` (an
     ``opened`` header, :func:`traces.boundary`) and ``end_tables``: a window
-    of a longer run (:func:`check_windows`) that must end in that state."""
+    of a longer run (:func:`check_windows`) that must end in that state,
+    commands on their way to the ``idle`` segments (whose nodes take no step
+    later) apart."""
     try:
         model = MergedModel(header, steps, node_steps, files, tables, end, end_tables)
     except (KeyError, TypeError, AttributeError) as e:
@@ -546,7 +553,10 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
         raise TraceError(f"the merged run has {n} steps; at most {traces.LIMITS['steps']} "
                          "are checked (record a shorter run)")
     publish = traces.module(model)
-    text = _MODULE % {"traced": format_value(traced), "nodes": format_value(model.nodes_opened),
+    idle = frozenset(model.mapping.segments.names[s] for s in idle
+                     if s in model.mapping.segments.names)
+    text = _MODULE % {"traced": format_value(traced), "idle": format_value(idle),
+                      "nodes": format_value(model.nodes_opened),
                       "sent": format_value(model.sent_opened),
                       "nodes_end": format_value(model.nodes_end)}
     ends = ("WindowEnd", "NodesWindowEnd") if end is not None else ()
@@ -591,26 +601,35 @@ class Windows:
         self.at = {id(step): p for p, (_, step) in enumerate(steps)}
         #: groups[p]: the node steps (node, index) merged after master step p (0: before the first)
         self.groups: list[list[tuple[int, int]]] = [[] for _ in range(len(steps) + 1)]
-        p = 0
-        for source, index, _ in merge(steps, node_steps, header):
-            if source < 0:
-                p = index + 1
-            else:
-                self.groups[p].append((source, index))
+        #: the last p whose group holds a step on each segment
+        self.last: dict = {}
+        #: idle[p]: the segments with commands on their way after master step p
+        self.idle: list[frozenset] = []
         try:
+            p = 0
+            for source, index, _ in merge(steps, node_steps, header):
+                if source < 0:
+                    p = index + 1
+                else:
+                    self.groups[p].append((source, index))
+                    self.last[node_steps[source][index][1]["event"]["segment"]] = p
             self.quiet = self._quiet(header)
         except (KeyError, TypeError, AttributeError) as e:
             raise TraceError(f"a step the checker cannot read ({e!r})") from None
 
     def _quiet(self, header: dict) -> list[bool]:
         """``quiet[p]``: after master step ``p`` and the node steps merged up to
-        it, no command is on its way to a node, no put is pending in the
-        directory and no repair in flight: the merged spec's state there is the
-        directory and the nodes' tables (an ``opened`` header with no writer
-        busy, and :class:`NodeRun`-style tables)."""
+        it, no put is pending in the directory, no repair in flight, and no
+        command on its way to a node that takes a step later (commands to a
+        node that never does, a killed one, can never be taken, and are
+        dropped): the merged spec's state there is the directory and the
+        nodes' tables (an ``opened`` header with no writer busy, and
+        :class:`NodeRun`-style tables)."""
         directory = dict(traces.opened_objects(header))
         busy = {k for k, rec in directory.items() if _busy(rec)}
-        in_flight = len(recovery_frees(header))
+        in_flight: dict = defaultdict(int)
+        for segment, *_ in recovery_frees(header):
+            in_flight[segment] += 1
         out = []
         for p in range(len(self.steps) + 1):
             if p:
@@ -626,12 +645,16 @@ class Windows:
                 busy = {k for k in busy | set(step["after"]["objects"]) | (
                     set(directory) if ok and ev["type"] == "SegmentLost" else set())
                     if _busy(directory.get(k))}
-                in_flight += sum(e["type"] in COMMANDS for e in step["effects"]) if ok else 0
+                for e in step["effects"] if ok else ():
+                    if e["type"] in COMMANDS:
+                        in_flight[e["segment"]] += 1
             for n, i in self.groups[p]:
                 node_step = self.node_steps[n][i][1]
                 if node_step["event"]["type"] in COMMANDS and not node_step.get("purge"):
-                    in_flight -= 1
-            out.append(in_flight == 0 and not busy)
+                    in_flight[node_step["event"]["segment"]] -= 1
+            waiting = {s for s, k in in_flight.items() if k}
+            self.idle.append(frozenset(waiting))
+            out.append(not busy and all(self.last.get(s, -1) <= p for s in waiting))
         return out
 
     def span(self, part: list) -> tuple[int, int]:
@@ -662,7 +685,8 @@ class Windows:
             for _, step in steps:
                 ev = step["event"]
                 _replay(tables.setdefault(ev["segment"], {}), ev["type"], ev, accepted(step))
-        return {"header": traces.boundary(start["header"], part), "tables": tables}
+        return {"header": traces.boundary(start["header"], part), "tables": tables,
+                "idle": self.idle[self.span(part)[1]]}
 
     def merged(self, upto: int) -> int:
         """The merged steps up to master step ``upto``: its steps and the nodes'."""
@@ -699,7 +723,8 @@ def check_windows(header: dict, steps: list[tuple[int, dict]],
     def run(start: dict, part: list, end: Optional[dict], keep: Optional[Path]) -> Verdict:
         return check_steps(start["header"], part, cuts.nodes_of(part), files, segments,
                            tables=start["tables"], keep=keep, on_output=on_output,
-                           end=end and end["header"], end_tables=end and end["tables"])
+                           end=end and end["header"], end_tables=end and end["tables"],
+                           idle=end["idle"] if end else frozenset())
 
     start = {"header": header, "tables": tables or {}}
     if not steps:

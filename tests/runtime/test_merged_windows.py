@@ -75,6 +75,24 @@ def test_a_window_ends_only_where_the_run_is_quiet(run):
     assert cuts.merged(len(steps)) == len(steps) + sum(map(len, node_steps))
 
 
+def test_commands_to_a_node_that_never_steps_again_do_not_keep_a_window_open(run):
+    """A node killed halfway (its file cut): the master's commands to it that
+    it never took can never be taken, so they hold no window open (and the
+    window that ends with them on their way drops them: ``Idle``)."""
+    header, steps, node_steps, *_ = parts(run)
+    cut = [n[:len(n) // 2] if i == 1 else n for i, n in enumerate(node_steps)]
+    cuts = mergetrace.Windows(header, steps, cut)
+    segment = node_steps[1][0][1]["event"]["segment"]
+    silent = cuts.last[segment]
+    kinds = [step["event"]["type"] for _, step in steps]
+    for p, kind in enumerate(kinds[silent:], silent + 1):
+        assert cuts.quiet[p] == (kind != "PutStart"), (p, kind)
+    assert any(segment in cuts.idle[p] for p in range(silent + 1, len(steps) + 1))
+    # with every node stepping to the end, no window ends with a command on its way
+    whole = mergetrace.Windows(header, steps, node_steps)
+    assert all(not whole.idle[p] for p in range(len(steps) + 1) if whole.quiet[p])
+
+
 def test_the_whole_run_is_past_one_tlc_runs_bounds(run):
     header, steps, node_steps, files, segments, tables = parts(run)
     with pytest.raises(TraceError, match=r"the run has 36 keys; at most 32"):
