@@ -76,6 +76,13 @@ master that took over:
 * the frees the recovery sends itself (the ``opened`` line's ``frees``) are
   commands in flight from the start, ahead of the run's own;
 * a write or read under a token issued before the run is caused by the opening.
+
+A run longer than one TLC run may take is checked whole in windows
+(:func:`check_windows`, :mod:`kvproto.checking.windows`) that end only where
+the run is quiet (:class:`Windows`: no put pending, no repair in flight, no
+command on its way to a node), so that the state there is the directory and
+the nodes' tables; TLC checks each window ends in it (``WindowEnd``,
+``NodesWindowEnd``) and the next starts from it, as from a takeover's opening.
 """
 
 from __future__ import annotations
@@ -87,13 +94,15 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvproto.checking import traces
+import attrs
+
+from kvproto.checking import traces, windows
 from kvproto.checking.tla import Fn, format_value
 from kvproto.checking.tracerun import (TraceError, Verdict, accepted, cfg_text, failure,
                                        first_unmatched, machine_lines, run_module)
 
-__all__ = ["Causes", "MergedModel", "NodeRun", "check", "check_steps", "master_run", "merge", "node_files",
-           "read_node", "read_nodes"]
+__all__ = ["Causes", "MergedModel", "NodeRun", "Windows", "check", "check_steps", "check_windows",
+           "master_run", "merge", "node_files", "read_node", "read_nodes"]
 
 #: the node steps that are steps of the region table (``publish.storage_step``)
 REGION_STEPS = ("AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica")
@@ -296,13 +305,22 @@ def _node_record(m, step: dict) -> Fn:
                   "a": m.token(asked), "w": m.writer(asked)})
 
 
+def _regions(m, tables: dict) -> Fn:
+    """The nodes' region tables (segment -> offset -> (token, written)) on
+    model values: slot -> [token, done]."""
+    return Fn.of({m.slot(segment, offset): Fn.of({"token": m.token(token), "done": written})
+                  for segment, regions in tables.items()
+                  for offset, (token, written) in regions.items()})
+
+
 class MergedModel:
     """The merged behaviour on model values: what :func:`traces.module` and
     :func:`cfg_text` take, and where each record came from. ``tables``: the
     nodes' region tables the run starts from (segment -> offset -> (token,
     written), :attr:`NodeRun.table`)."""
 
-    def __init__(self, header, master, nodes, files, tables: Optional[dict] = None) -> None:
+    def __init__(self, header, master, nodes, files, tables: Optional[dict] = None,
+                 end: Optional[dict] = None, end_tables: Optional[dict] = None) -> None:
         tables = tables or {}
         frees = recovery_frees(header)
         m = traces.run_mapping(header, master, frozenset(
@@ -317,13 +335,12 @@ class MergedModel:
         for source, _, (_, step) in merged:
             if source >= 0:
                 m.slot(step["event"]["segment"], step["event"]["offset"])
-        base = traces.to_model(header, master, mapping=m)
-        self.constants, self.model_values, self.opened = \
-            base.constants, base.model_values, base.opened
-        self.nodes_opened = Fn.of({m.slot(segment, offset): Fn.of({"token": m.token(token),
-                                                                   "done": written})
-                                   for segment, regions in tables.items()
-                                   for offset, (token, written) in regions.items()})
+        base = traces.to_model(header, master, mapping=m, end=end)
+        self.constants, self.model_values, self.opened, self.end = \
+            base.constants, base.model_values, base.opened, base.end
+        self.nodes_opened = _regions(m, tables)
+        #: the regions the nodes hold where a window ends (``NodesEnd``)
+        self.nodes_end = _regions(m, end_tables or {})
         sent: dict = defaultdict(list)
         for segment, _, offset, token in frees:
             seg, slot = m.slot(segment, offset)
@@ -360,6 +377,12 @@ Traced == %(traced)s
 \* slot -> token, written), and the frees the master's recovery sent itself.
 NodesOpened == %(nodes)s
 SentOpened == %(sent)s
+\* Where a window of a longer run ends (kvproto.checking.windows): the
+\* regions its nodes hold there, built from their recorded steps.
+NodesEnd == %(nodes_end)s
+\* The segments whose nodes take no step after the window (killed): commands
+\* on their way there can never be taken, and the next window drops them.
+Idle == %(idle)s
 
 Applied(s, x, t) == nodes[s][x] # None /\ nodes[s][x].token = t
 StoreOwns(s, x, t) == store[s][x] # None /\ store[s][x].token = t
@@ -442,6 +465,16 @@ OpenedOnNodes ==
                                     /\ nodes[s][x].done = store[s][x].done
             /\ nodes[s][x] # None => nodes[s][x].token \in 1..(nextToken - 1)
 
+\* A window ends only where no command is on its way to a node that steps
+\* again (and, by the cut, no put pending, no repair in flight): with
+\* WindowEnd, every variable of the merged spec that a later step can read is
+\* the next window's initial state.
+NodesWindowEnd ==
+    pos > Len(Trace) =>
+        /\ nodes = [s \in Segments |-> [x \in Slots |->
+                      IF <<s, x>> \in DOMAIN NodesEnd THEN NodesEnd[<<s, x>>] ELSE None]]
+        /\ \A s \in Segments \ Idle : sent[s] = <<>>
+
 MergedInit ==
     /\ TraceInit
     /\ nodes = [s \in Segments |-> [x \in Slots |->
@@ -480,29 +513,37 @@ def read_nodes(paths: list, term: int) -> tuple[set, list[list[tuple[int, dict]]
 
 
 def check(master: "str | Path", nodes: Optional[list] = None, *, run: Optional[int] = None,
-          keep: Optional[Path] = None, on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+          size: int = windows.SIZE, keep: Optional[Path] = None,
+          on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """Have TLC check the master's run in ``master`` (its run ``run``, see
     :func:`master_run`) merged with its nodes' steps under its term (``nodes``,
-    default: :func:`node_files`) against ``spec/Publish.tla``."""
+    default: :func:`node_files`) against ``spec/Publish.tla``, whole, in
+    windows of at most ``size`` master steps (:func:`check_windows`)."""
     header, steps = master_run(master, run)
     files = [Path(master)] + [Path(n) for n in (node_files(master) if nodes is None else nodes)]
     if len(files) < 2:
         raise TraceError(f"no storage node trace beside {master} (name the nodes' files)")
     segments, node_steps, tables = read_nodes(files[1:], header.get("term", 1))
-    return check_steps(header, steps, node_steps, files, segments, tables=tables, keep=keep,
-                       on_output=on_output)
+    return check_windows(header, steps, node_steps, files, segments, tables=tables, size=size,
+                         keep=keep, on_output=on_output)
 
 
 def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[list[tuple[int, dict]]],
                 files: list[Path], segments: set, *, tables: Optional[dict] = None,
                 keep: Optional[Path] = None,
-                on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+                on_output: Optional[Callable[[str], None]] = None,
+                end: Optional[dict] = None, end_tables: Optional[dict] = None,
+                idle: frozenset = frozenset()) -> Verdict:
     """:func:`check` of a master's run (:func:`traces.publish_run`) and its
     nodes' region steps (:func:`read_nodes`, one list per file of ``files[1:]``;
     ``files[0]`` the master's) on the ``segments`` the node files cover, from
-    the region ``tables`` the nodes held at its start."""
+    the region ``tables`` the nodes held at its start. With ``end`` (an
+    ``opened`` header, :func:`traces.boundary`) and ``end_tables``: a window
+    of a longer run (:func:`check_windows`) that must end in that state,
+    commands on their way to the ``idle`` segments (whose nodes take no step
+    later) apart."""
     try:
-        model = MergedModel(header, steps, node_steps, files, tables)
+        model = MergedModel(header, steps, node_steps, files, tables, end, end_tables)
     except (KeyError, TypeError, AttributeError) as e:
         raise TraceError(f"a step the checker cannot read ({e!r})") from None
     traced = frozenset(model.mapping.segments.names[s] for s in segments
@@ -512,10 +553,15 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
         raise TraceError(f"the merged run has {n} steps; at most {traces.LIMITS['steps']} "
                          "are checked (record a shorter run)")
     publish = traces.module(model)
-    text = _MODULE % {"traced": format_value(traced), "nodes": format_value(model.nodes_opened),
-                      "sent": format_value(model.sent_opened)}
-    cfg = cfg_text(model, traces.INVARIANTS + ("OpenedOnNodes",)).replace("INIT TraceInit", "INIT MergedInit") \
-        .replace("NEXT TraceNext", "NEXT MergedNext")
+    idle = frozenset(model.mapping.segments.names[s] for s in idle
+                     if s in model.mapping.segments.names)
+    text = _MODULE % {"traced": format_value(traced), "idle": format_value(idle),
+                      "nodes": format_value(model.nodes_opened),
+                      "sent": format_value(model.sent_opened),
+                      "nodes_end": format_value(model.nodes_end)}
+    ends = ("WindowEnd", "NodesWindowEnd") if end is not None else ()
+    cfg = cfg_text(model, traces.INVARIANTS + ("OpenedOnNodes",) + ends) \
+        .replace("INIT TraceInit", "INIT MergedInit").replace("NEXT TraceNext", "NEXT MergedNext")
     result = run_module("Publish", "MergedTrace", text, cfg, keep=keep, on_output=on_output,
                         also={"PublishTrace": publish})
     common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
@@ -523,6 +569,9 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     if result.verdict == "ok":
         return Verdict(True, message=f"all {n} steps of the master and {len(files) - 1} "
                                      "node(s) are steps of spec/Publish.tla", **common)
+    if result.verdict == "safety" and result.violated in ends:
+        return Verdict(False, **common, message=f"invariant {result.violated} is violated (the "
+                                                 "window did not end in the state its steps left)")
     if result.verdict == "safety" and len(result.trace or ()) == 1:
         return Verdict(False, **common, message=f"invariant {result.violated} is violated where "
                                                  "the run starts (the directory it opened with, "
@@ -536,6 +585,167 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
                                f"{traces.describe(step)}")
     raise failure(result)
 
+# --- long runs: windows ----------------------------------------------------------
+
+
+class Windows:
+    """A master's run and its nodes' region steps (:func:`merge`d once, whole)
+    cut at the master's steps for :func:`check_windows`: the node steps of a
+    window are those merged after its master steps' first and up to the one
+    after its last, and a window may end after master step ``p`` only where
+    the run is quiet there (:attr:`quiet`)."""
+
+    def __init__(self, header: dict, steps: list[tuple[int, dict]],
+                 node_steps: list[list[tuple[int, dict]]]) -> None:
+        self.steps, self.node_steps = steps, node_steps
+        self.at = {id(step): p for p, (_, step) in enumerate(steps)}
+        #: groups[p]: the node steps (node, index) merged after master step p (0: before the first)
+        self.groups: list[list[tuple[int, int]]] = [[] for _ in range(len(steps) + 1)]
+        #: the last p whose group holds a step on each segment
+        self.last: dict = {}
+        #: idle[p]: the segments with commands on their way after master step p
+        self.idle: list[frozenset] = []
+        try:
+            p = 0
+            for source, index, _ in merge(steps, node_steps, header):
+                if source < 0:
+                    p = index + 1
+                else:
+                    self.groups[p].append((source, index))
+                    self.last[node_steps[source][index][1]["event"]["segment"]] = p
+            self.quiet = self._quiet(header)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TraceError(f"a step the checker cannot read ({e!r})") from None
+
+    def _quiet(self, header: dict) -> list[bool]:
+        """``quiet[p]``: after master step ``p`` and the node steps merged up to
+        it, no put is pending in the directory, no repair in flight, and no
+        command on its way to a node that takes a step later (commands to a
+        node that never does, a killed one, can never be taken, and are
+        dropped): the merged spec's state there is the directory and the
+        nodes' tables (an ``opened`` header with no writer busy, and
+        :class:`NodeRun`-style tables)."""
+        directory = dict(traces.opened_objects(header))
+        busy = {k for k, rec in directory.items() if _busy(rec)}
+        in_flight: dict = defaultdict(int)
+        for segment, *_ in recovery_frees(header):
+            in_flight[segment] += 1
+        out = []
+        for p in range(len(self.steps) + 1):
+            if p:
+                step = self.steps[p - 1][1]
+                ev, ok = step["event"], accepted(step)
+                if ok and ev["type"] == "SegmentLost":   # its repairs go, unnamed in the step
+                    for k, rec in list(directory.items()):
+                        if rec and rec.get("repairs"):
+                            directory[k] = {**rec, "repairs": [
+                                r for r in rec["repairs"] if r["segment"] != ev["segment"]]}
+                for k, rec in step["after"]["objects"].items():
+                    directory[k] = rec
+                busy = {k for k in busy | set(step["after"]["objects"]) | (
+                    set(directory) if ok and ev["type"] == "SegmentLost" else set())
+                    if _busy(directory.get(k))}
+                for e in step["effects"] if ok else ():
+                    if e["type"] in COMMANDS:
+                        in_flight[e["segment"]] += 1
+            for n, i in self.groups[p]:
+                node_step = self.node_steps[n][i][1]
+                if node_step["event"]["type"] in COMMANDS and not node_step.get("purge"):
+                    in_flight[node_step["event"]["segment"]] -= 1
+            waiting = {s for s, k in in_flight.items() if k}
+            self.idle.append(frozenset(waiting))
+            out.append(not busy and all(self.last.get(s, -1) <= p for s in waiting))
+        return out
+
+    def span(self, part: list) -> tuple[int, int]:
+        """The master steps ``(p0, p1]`` a window's ``part`` covers."""
+        p0 = self.at[id(part[0][1])] if part else 0
+        return p0, p0 + len(part)
+
+    def nodes_of(self, part: list) -> list[list[tuple[int, dict]]]:
+        """Each node's steps in the window of ``part``."""
+        p0, p1 = self.span(part)
+        out: list[list] = [[] for _ in self.node_steps]
+        for p in range(0 if p0 == 0 else p0 + 1, p1 + 1):
+            for n, i in self.groups[p]:
+                out[n].append(self.node_steps[n][i])
+        return out
+
+    def cut(self, start: dict, part: list) -> int:
+        """The most steps of ``part`` after which the run is quiet (0: none)."""
+        p0, p1 = self.span(part)
+        return next((p - p0 for p in range(p1, p0, -1) if self.quiet[p]), 0)
+
+    def boundary(self, start: dict, part: list) -> dict:
+        """The state the window of ``part`` from ``start`` ends in: the
+        directory's (:func:`traces.boundary`) and the nodes' tables, each node's
+        steps applied to them."""
+        tables = {segment: dict(regions) for segment, regions in start["tables"].items()}
+        for steps in self.nodes_of(part):
+            for _, step in steps:
+                ev = step["event"]
+                _replay(tables.setdefault(ev["segment"], {}), ev["type"], ev, accepted(step))
+        return {"header": traces.boundary(start["header"], part), "tables": tables,
+                "idle": self.idle[self.span(part)[1]]}
+
+    def merged(self, upto: int) -> int:
+        """The merged steps up to master step ``upto``: its steps and the nodes'."""
+        return upto + sum(len(g) for g in self.groups[:upto + 1])
+
+
+def _busy(rec: Optional[dict]) -> bool:
+    return rec is not None and (rec["status"] == "pending" or bool(rec.get("repairs")))
+
+
+def check_windows(header: dict, steps: list[tuple[int, dict]],
+                  node_steps: list[list[tuple[int, dict]]], files: list[Path], segments: set, *,
+                  tables: Optional[dict] = None, size: int = windows.SIZE,
+                  max_windows: Optional[int] = None, keep: Optional[Path] = None,
+                  on_output: Optional[Callable[[str], None]] = None) -> Verdict:
+    """:func:`check_steps` of a run of any length, in windows of at most
+    ``size`` master steps chained state to state (:mod:`kvproto.checking.windows`;
+    at most ``max_windows`` of them). A window ends only where the run is
+    quiet (:class:`Windows`): there the state of ``MergedTrace`` is the
+    directory and the nodes' tables, which TLC checks the window ends in
+    (``WindowEnd``, ``NodesWindowEnd``) and the next one starts from."""
+    cuts = Windows(header, steps, node_steps)
+
+    def fits(start: dict, part: list) -> None:
+        try:
+            model = MergedModel(start["header"], part, cuts.nodes_of(part), files,
+                                start["tables"])
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TraceError(f"a step the checker cannot read ({e!r})") from None
+        if len(model.records) > traces.LIMITS["steps"]:
+            raise TraceError(f"the merged window would have {len(model.records)} steps; at "
+                             f"most {traces.LIMITS['steps']} are checked")
+
+    def run(start: dict, part: list, end: Optional[dict], keep: Optional[Path]) -> Verdict:
+        return check_steps(start["header"], part, cuts.nodes_of(part), files, segments,
+                           tables=start["tables"], keep=keep, on_output=on_output,
+                           end=end and end["header"], end_tables=end and end["tables"],
+                           idle=end["idle"] if end else frozenset())
+
+    start = {"header": header, "tables": tables or {}}
+    if not steps:
+        return run(start, steps, None, keep)
+    verdict = windows.check(start, steps, spec="Publish", fits=fits, run=run,
+                            boundary=cuts.boundary, cut=cuts.cut, size=size,
+                            max_windows=max_windows, keep=keep, machine="merged")
+    if not verdict.ok:
+        return verdict
+    merged, nodes = cuts.merged(verdict.steps), len(files) - 1
+    spread = f" in {verdict.windows} windows" if verdict.windows > 1 else ""
+    if verdict.steps == len(steps):
+        message = (f"all {merged} steps of the master and {nodes} node(s) are steps of "
+                   f"spec/Publish.tla{spread}")
+    else:
+        n = steps[verdict.steps][1].get("n")
+        message = (f"the {merged} steps of the master and {nodes} node(s) before the master's "
+                   f"step {n} are steps of spec/Publish.tla{spread}; from there on nothing is "
+                   f"checked: {verdict.stopped}")
+    return attrs.evolve(verdict, steps=merged, message=message)
+
 
 # --- command line ----------------------------------------------------------------
 
@@ -546,7 +756,10 @@ def add_arguments(sub) -> None:
         "merge", help="check a master's run merged with its storage nodes' runs with TLC",
         description="Merge a master's trace and its storage nodes' traces (by the protocol's "
                     "causality: commands, tokens) into one run and check with TLC that it is "
-                    "a behaviour of spec/Publish.tla, or name the first step that is not.")
+                    "a behaviour of spec/Publish.tla, or name the first step that is not. "
+                    "A long run is checked whole, in windows of at most 1,000 master steps "
+                    "that end where no put is pending and no command is on its way to a node, "
+                    "each its own TLC run from the state the one before ended in.")
     parser.add_argument("file", type=Path, help="the master's trace file")
     parser.add_argument("nodes", type=Path, nargs="*", metavar="NODE_FILE",
                         help="the nodes' trace files (default: FILE.storage-* beside it)")

@@ -119,7 +119,7 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
         seconds += verdict.seconds
         if not verdict.ok:
             message = verdict.message
-            if "invariant WindowEnd" in message:
+            if "WindowEnd is violated" in message:     # WindowEnd, NodesWindowEnd
                 message = (f"window {window} (steps {part[0][1].get('n')} to "
                            f"{part[-1][1].get('n')}) did not end in the state its recorded "
                            "steps left (the next window's start)")

@@ -21,6 +21,7 @@ from kvproto.checking.chaos import tracecheck
 from kvproto.checking.chaos.matrix import run_traced
 from kvproto.checking.chaos.verdict import Report
 from kvproto.checking.tracerun import TraceError
+from kvproto.checking.windows import longest_fit
 
 needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="TLC needs Java")
 pytestmark = [pytest.mark.faults, pytest.mark.runtime, pytest.mark.tlc]
@@ -109,8 +110,8 @@ def test_the_longest_prefix_that_fits():
     def fits(k):
         if k > 37:
             raise TraceError(f"{k} is too many")
-    assert tracecheck.longest_fit(100, fits) == (37, "38 is too many")
-    assert tracecheck.longest_fit(30, fits) == (30, "")
+    assert longest_fit(100, fits) == (37, "38 is too many")
+    assert longest_fit(30, fits) == (30, "")
 
 
 def _forget_a_recovered_key(rows: list[dict]) -> int:

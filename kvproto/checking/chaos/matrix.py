@@ -212,8 +212,7 @@ def run_traced(workdir: Path, cells: "Iterable[Cell | str]", seconds: float, see
     ``workdir/run-N-CELL``, ``N`` counting from ``first``), so that each
     master's trace is one run from an empty directory or from its takeover;
     then check its traces (:func:`kvproto.checking.chaos.tracecheck.check_cell`,
-    windows or prefixes of at most ``max_steps`` steps, at most
-    ``max_windows`` windows). None is started after the
+    windows of at most ``max_steps`` steps, at most ``max_windows`` windows). None is started after the
     monotonic time ``until``."""
     from kvproto.checking.chaos import tracecheck
     reports = []
@@ -606,11 +605,11 @@ def add_arguments(parser) -> None:
     steps = _checked(lambda text: _number(text, int))
     steps.__name__ = "steps"
     parser.add_argument("--trace-steps", type=steps, default=1000, metavar="N",
-                        help="with --trace: at most N steps per TLC run (the publish and "
-                             "lease checks walk a longer run in windows of N steps, the merged "
-                             "check up to a prefix; default 1000)")
+                        help="with --trace: at most N steps per TLC run (the publish, lease "
+                             "and merged checks walk a longer run in windows of N (master) "
+                             "steps; default 1000)")
     parser.add_argument("--trace-windows", type=steps, default=None, metavar="N",
-                        help="with --trace: at most N windows per publish and lease check "
+                        help="with --trace: at most N windows per publish, lease and merged check "
                              "(the line says where checking stopped; default: the whole run)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write every figure per cell as JSON to PATH (default: none)")

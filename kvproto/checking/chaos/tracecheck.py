@@ -41,9 +41,11 @@ bounded model (their ``LIMITS``: steps, keys, tokens, slots). The publish
 and lease checks walk the whole run, in windows of at most ``max_steps``
 steps chained state to state (:mod:`kvproto.checking.windows`; a lease
 window ends where no read is in progress; ``max_windows`` caps their number,
-and the line says so); the merged check walks the longest prefix that fits
-and ``max_steps`` (a prefix of a behaviour of the spec is one too). The
-result says how many of the recorded steps were checked. A check that finds
+and the line says so); so does the merged check, in windows of at most
+``max_steps`` master steps that end where no put is pending and no command
+is on its way to a node (:func:`kvproto.checking.mergetrace.check_windows`;
+a run not quiet again within a window is checked up to there). The result
+says how many of the recorded steps were checked. A check that finds
 a step the spec does not allow fails the cell, as wrong bytes do.
 """
 
@@ -56,7 +58,6 @@ from typing import Callable, Optional
 from kvproto.checking import failtrace, leasetrace, mergetrace, traces
 from kvproto.checking.traces import runs
 from kvproto.checking.tracerun import TraceError, Verdict, accepted
-from kvproto.checking.windows import longest_fit
 
 #: cells whose proxy faults drop, delay or reorder the master's commands to its nodes
 UNORDERED = ("net-drop", "net-delay", "net-reorder", "net-partition")
@@ -172,38 +173,34 @@ def unheard_tail(steps: list, node_steps: list[list]) -> int:
 
 
 def _merged_check(label: str, path: Path, header: dict, steps: list, nodes: list[Path],
-                  max_steps: int) -> Check:
+                  max_steps: int, max_windows: Optional[int] = None) -> Check:
     """The merged check of one master run (``header``, ``steps``) with each
     node's steps under its term, from the region table the node held at its
-    fence of that term."""
+    fence of that term: whole, in windows of at most ``max_steps`` master
+    steps (at most ``max_windows`` of them)."""
     segments, node_steps, tables = mergetrace.read_nodes(nodes, header.get("term", 1))
     files = [path] + nodes
     recorded = len(steps) + sum(map(len, node_steps))
-
-    def model(k: int) -> int:
-        m = mergetrace.MergedModel(header, steps[:k], caused_within(steps[:k], header, node_steps),
-                                   files, tables)
-        if len(m.records) > min(traces.LIMITS["steps"], max_steps):
-            raise TraceError(f"the merged run would have {len(m.records)} steps; at most "
-                             f"{min(traces.LIMITS['steps'], max_steps)} are checked")
-        return len(m.records)
-
     name = label + " merged"
     end = unheard_tail(steps, node_steps)
-    k, why = longest_fit(min(end, max_steps), model)   # each master step is a record
-    if end < len(steps):
-        why = "; ".join(filter(None, [why, f"the last {len(steps) - end} put_end(s) left "
-                                            "replicas no node recorded written (their marks "
-                                            "never reached it)"]))
-    if k == 0:
-        return Check(name, recorded, why=why or "no step recorded")
-    verdict = mergetrace.check_steps(header, steps[:k],
-                                     caused_within(steps[:k], header, node_steps),
-                                     files, segments, tables=tables)
-    return Check(name, recorded, verdict.steps, verdict, why)
+    unheard = (f"the last {len(steps) - end} put_end(s) left replicas no node recorded "
+               "written (their marks never reached it)") if end < len(steps) else ""
+    if end == 0:
+        return Check(name, recorded, why=unheard or "no step recorded")
+    try:
+        verdict = mergetrace.check_windows(header, steps[:end],
+                                           caused_within(steps[:end], header, node_steps),
+                                           files, segments, tables=tables, size=max_steps,
+                                           max_windows=max_windows)
+    except TraceError as e:
+        return Check(name, recorded, why="; ".join(filter(None, [" ".join(str(e).split()),
+                                                                 unheard])))
+    why = verdict.stopped or (f"in {verdict.windows} windows" if verdict.windows > 1 else "")
+    return Check(name, recorded, verdict.steps, verdict, "; ".join(filter(None, [why, unheard])))
 
 
-def _merged_checks(name: str, path: Path, nodes: list[Path], max_steps: int) -> list[Check]:
+def _merged_checks(name: str, path: Path, nodes: list[Path], max_steps: int,
+                   max_windows: Optional[int] = None) -> list[Check]:
     """The merged check of each publish run in a master's file."""
     out = []
     split = runs(traces.read(path)["publish"])
@@ -211,7 +208,7 @@ def _merged_checks(name: str, path: Path, nodes: list[Path], max_steps: int) -> 
         label = name + (f" run {i}" if len(split) > 1 else "")
         try:
             header, steps = traces.publish_run(run)
-            out.append(_merged_check(label, path, header, steps, nodes, max_steps))
+            out.append(_merged_check(label, path, header, steps, nodes, max_steps, max_windows))
         except TraceError as e:
             out.append(Check(label + " merged", 0, why=" ".join(str(e).split())))
     return out
@@ -232,8 +229,8 @@ def check_cell(folder: Path, cell: str, max_steps: int = 1000,
                max_windows: Optional[int] = None) -> list[Check]:
     """Run the checkers that apply to a cell run whose processes recorded to
     ``folder`` (see the module docstring): the publish and lease checks of
-    each master run whole, in windows of at most ``max_steps`` steps (at most
-    ``max_windows`` of them), the merged one up to ``max_steps``."""
+    each master run and the merged one whole, in windows of at most
+    ``max_steps`` (master) steps, at most ``max_windows`` of them."""
     folder = Path(folder)
     masters = sorted((p for p in folder.glob("master-*.trace") if p.stat().st_size),
                      key=lambda p: int(p.stem.split("-")[1]))
@@ -246,7 +243,8 @@ def check_cell(folder: Path, cell: str, max_steps: int = 1000,
         checks += _master_checks(path.name.split(".")[0], path, max_steps, max_windows)
     if nodes and cell not in UNORDERED:
         for path in masters:
-            checks += _merged_checks(path.name.split(".")[0], path, nodes, max_steps)
+            checks += _merged_checks(path.name.split(".")[0], path, nodes, max_steps,
+                                     max_windows)
     if nodes:
         try:
             verdict = failtrace.check(nodes, masters)
