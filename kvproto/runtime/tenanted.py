@@ -321,34 +321,43 @@ class Tenants:
         self.aging &= left
         return out
 
-    def recovered(self, objects: Iterable[tuple[bytes, object]]) -> None:
-        """A new master's registry learns the objects it recovered (directory
-        key -> record; the key names the namespace, so the owner): each is
-        set up as published (``AddObject``, its replicas' bytes held). A
-        namespace the tenants file does not name (created at run time under
-        an earlier master) is set up live with no predecessor
-        (``AddNamespace``): lifecycle phases and grants made at run time are
-        not kept across a failover. An object of no tenant of the file, or
-        over its owner's stored-bytes quota, is an orphan: no tenant can
-        reach it, and the master removes it once its inherited leases end."""
+    def recovered(self, objects: Iterable[tuple[bytes, int]]) -> None:
+        """A new master's registry learns the objects it recovered
+        (``(directory key, size)``; the key names the namespace, so the owner;
+        the size is what its put was charged: its length times the replica
+        count it requested, a replica lost and repaired neither refunded nor
+        charged): each is set up as published (``AddObject``, its replicas'
+        bytes held; all in one ``TenancyCore.add_many``). A namespace the
+        tenants file does not name (created at run time under an earlier
+        master) is set up live with no predecessor (``AddNamespace``, before
+        its objects): lifecycle phases and grants made at run time are not
+        kept across a failover. An object of no tenant of the file, or over
+        its owner's stored-bytes quota, is an orphan: no tenant can reach it,
+        and the master removes it once its inherited leases end."""
         now, reg = self.clock(), self.registry
-        for dkey, record in objects:
-            try:
-                o = _split(dkey)
-                if o is None:
-                    raise errors.InvalidArgument("not a key of a namespace")
-                ns, key = o
-                if ns not in reg.state.namespaces:
-                    reg.step(tm.AddNamespace(ns[0], ns), now)
-                    log.warning("namespace %s/%s of recovered objects is not in the tenants "
-                                "file: it is live again, with no predecessor", *ns)
-                # charged for the count its put requested, as WriteStart charged
-                # it: a replica lost and repaired is neither refunded nor charged
-                reg.step(tm.AddObject(ns, key, record.length * record.requested), now)
-            except errors.KvError as err:
-                self.orphans.append(dkey)
-                log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
-                            dkey, err)
+        objects = objects if isinstance(objects, list) else list(objects)
+        unnamed: list = []       # (position, why) of the keys no namespace takes, in order
+        named = _recovered(objects, lambda ns: self._set_up(ns, now), unnamed)
+        refused = reg.add_many(named, now)
+        if not (unnamed or refused):
+            return
+        skipped = [i for i, _ in unnamed]
+        why = dict(unnamed)
+        for j, effect in refused:
+            why[_position(j, skipped)] = effect.error
+        for i in sorted(why):
+            dkey = objects[i][0]
+            self.orphans.append(dkey)
+            log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
+                        dkey, why[i])
+
+    def _set_up(self, ns: Namespace, now: float) -> None:
+        """Spec ``AddNamespace`` of ``ns`` if the registry lacks it (a
+        recovered object's namespace); raises the refusal."""
+        if ns not in self.registry.state.namespaces:
+            self.registry.step(tm.AddNamespace(ns[0], ns), now)
+            log.warning("namespace %s/%s of recovered objects is not in the tenants file: it "
+                        "is live again, with no predecessor", *ns)
 
     def namespaces(self, tenant: str) -> dict:
         """The namespaces ``tenant`` owns or may read (``owner/name`` for
@@ -412,6 +421,58 @@ def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
                 continue
             ns = prefixes[prefix] = o[0]
         yield ns, dkey[end:]
+
+
+def _recovered(objects: list, set_up: Callable[[Namespace], None],
+               unnamed: list) -> Iterator[tuple[Namespace, bytes, int]]:
+    """``(namespace, key, size)`` of each ``(directory key, size)`` of
+    ``objects`` whose key names a namespace (``set_up`` first: it raises if
+    the registry cannot take it), in order; ``(position, error)`` of each
+    other one is appended to ``unnamed``. Each distinct namespace prefix is
+    decoded and set up once."""
+    prefixes: dict = {}        # prefix -> namespace, or the error of setting it up
+    prefix, ns, end = None, None, 0
+    for i, (dkey, size) in enumerate(objects):
+        if prefix is not None and dkey.startswith(prefix):   # the previous key's namespace
+            yield ns, dkey[end:], size
+            continue
+        prefix = None
+        try:
+            end = 2 + dkey[0] + dkey[1 + dkey[0]]
+        except IndexError:
+            unnamed.append((i, _NOT_NAMED))
+            continue
+        p = dkey[:end]
+        got = prefixes.get(p)
+        if got is None:
+            o = _split(dkey)
+            if o is None:
+                unnamed.append((i, _NOT_NAMED))
+                continue
+            try:
+                set_up(o[0])
+                got = o[0]
+            except errors.KvError as err:
+                got = err
+            prefixes[p] = got
+        if isinstance(got, errors.KvError):
+            unnamed.append((i, got))
+            continue
+        prefix, ns = p, got
+        yield ns, dkey[end:], size
+
+
+def _position(j: int, skipped: list) -> int:
+    """The position in a sequence of its ``j``-th item left after the items
+    at positions ``skipped`` (ascending) were taken out."""
+    for s in skipped:
+        if s > j:
+            break
+        j += 1
+    return j
+
+
+_NOT_NAMED = errors.InvalidArgument("not a key of a namespace")
 
 
 def _split(dkey: bytes) -> Optional[tuple[Namespace, bytes]]:
