@@ -321,12 +321,12 @@ class Tenants:
         self.aging &= left
         return out
 
-    def recovered(self, objects: Iterable[tuple[bytes, int]]) -> None:
-        """A new master's registry learns the objects it recovered
-        (``(directory key, size)``; the key names the namespace, so the owner;
-        the size is what its put was charged: its length times the replica
-        count it requested, a replica lost and repaired neither refunded nor
-        charged): each is set up as published (``AddObject``, its replicas'
+    def recovered(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """A new master's registry learns the objects it recovered: their
+        directory ``keys`` (a key names the namespace, so the owner) and
+        ``sizes`` (what each put was charged: its length times the replica
+        count it requested; a replica lost and repaired is neither refunded
+        nor charged): each is set up as published (``AddObject``, its replicas'
         bytes held; all in one ``TenancyCore.add_many``). A namespace the
         tenants file does not name (created at run time under an earlier
         master) is set up live with no predecessor (``AddNamespace``, before
@@ -335,9 +335,8 @@ class Tenants:
         its owner's stored-bytes quota, is an orphan: no tenant can reach it,
         and the master removes it once its inherited leases end."""
         now, reg = self.clock(), self.registry
-        objects = objects if isinstance(objects, list) else list(objects)
         unnamed: list = []       # (position, why) of the keys no namespace takes, in order
-        named = _recovered(objects, lambda ns: self._set_up(ns, now), unnamed)
+        named = _recovered(keys, sizes, lambda ns: self._set_up(ns, now), unnamed)
         refused = reg.add_many(named, now)
         if not (unnamed or refused):
             return
@@ -346,7 +345,7 @@ class Tenants:
         for j, effect in refused:
             why[_position(j, skipped)] = effect.error
         for i in sorted(why):
-            dkey = objects[i][0]
+            dkey = keys[i]
             self.orphans.append(dkey)
             log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
                         dkey, why[i])
@@ -423,16 +422,16 @@ def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
         yield ns, dkey[end:]
 
 
-def _recovered(objects: list, set_up: Callable[[Namespace], None],
+def _recovered(keys: Sequence[bytes], sizes: Sequence[int], set_up: Callable[[Namespace], None],
                unnamed: list) -> Iterator[tuple[Namespace, bytes, int]]:
-    """``(namespace, key, size)`` of each ``(directory key, size)`` of
-    ``objects`` whose key names a namespace (``set_up`` first: it raises if
+    """``(namespace, key, size)`` of each directory key of ``keys`` (its
+    size in ``sizes``) that names a namespace (``set_up`` first: it raises if
     the registry cannot take it), in order; ``(position, error)`` of each
     other one is appended to ``unnamed``. Each distinct namespace prefix is
     decoded and set up once."""
     prefixes: dict = {}        # prefix -> namespace, or the error of setting it up
     prefix, ns, end = None, None, 0
-    for i, (dkey, size) in enumerate(objects):
+    for i, (dkey, size) in enumerate(zip(keys, sizes)):
         if prefix is not None and dkey.startswith(prefix):   # the previous key's namespace
             yield ns, dkey[end:], size
             continue

@@ -404,7 +404,7 @@ def test_a_new_master_sets_up_what_it_recovered_and_orphans_what_no_tenant_reach
                (b"plain-key", 10),                                # no namespace at all
                (b"", 10),
                (object_key(("alpha", "default"), b"c"), 1000)]
-    tenants.recovered(objects)
+    tenants.recovered([k for k, _ in objects], [n for _, n in objects])
     orphans = [objects[2][0], objects[3][0], objects[4][0], b"plain-key", b""]
     assert tenants.orphans == orphans
     assert tenants.usage("alpha")["alpha"]["held"] == 8000
