@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from typing import Callable, Optional
 
 from kvproto import errors
@@ -395,6 +396,86 @@ class Tenants:
         for name, entry in usage.items():
             entry["namespaces"] = per_ns.get(name, {})
         return usage if tenant is None else {tenant: usage[tenant]}
+
+
+class Losses:
+    """The tenants' accounting of lost segments' objects still owed
+    (:meth:`Tenants.removed_many` of each), carried out a slice per turn of
+    the master's loop: each loss's keys as it came (one list or array) and a
+    cursor, losses in order. No set of the owed keys is built: a key is owed
+    while the registry holds it as published and the directory does not (the
+    tables agree otherwise), which a put of the key asks (:meth:`settle`)
+    only while something is owed. ``len``: keys not yet reached."""
+
+    __slots__ = ("tenants", "_queue", "_left", "_ahead")
+
+    def __init__(self, tenants: Optional[Tenants]) -> None:
+        self.tenants = tenants
+        self._queue: deque = deque()     # [keys, cursor] of each loss, in order
+        self._left = 0
+        #: keys whose accounting a put carried out ahead of their loss's turn,
+        #: with how many times (each passes over that many of its entries)
+        self._ahead: dict = {}
+
+    def __len__(self) -> int:
+        return self._left
+
+    def __repr__(self) -> str:
+        return f"Losses({self._left} keys owed in {len(self._queue)} loss(es))"
+
+    def add(self, keys) -> None:
+        """Owe the accounting of ``keys`` (a list, or an array with
+        ``tolist``), after everything owed already."""
+        if len(keys):
+            self._queue.append([keys, 0])
+            self._left += len(keys)
+
+    def carry_out(self, limit: int) -> None:
+        """Carry out the accounting of the next ``limit`` keys owed (one
+        :meth:`Tenants.removed_many`), passing over those a put settled."""
+        batch: list = []
+        queue = self._queue
+        while limit > 0 and queue:
+            entry = queue[0]
+            keys, at = entry
+            part = keys[at:at + limit]
+            if at + len(part) >= len(keys):
+                queue.popleft()
+            else:
+                entry[1] = at + len(part)
+            part = part.tolist() if hasattr(part, "tolist") else list(part)
+            batch = part if not batch else batch + part
+            limit -= len(part)
+        self._left -= len(batch)
+        if self._ahead:
+            batch = [k for k in batch if not self._passed(k)]
+            if not queue:            # nothing owed: no entry left to pass over
+                self._ahead.clear()
+        self.tenants.removed_many(batch)
+
+    def _passed(self, key: bytes) -> bool:
+        """Whether ``key``'s entry is one a put settled ahead (counted off)."""
+        n = self._ahead.get(key)
+        if n is None:
+            return False
+        if n == 1:
+            del self._ahead[key]
+        else:
+            self._ahead[key] = n - 1
+        return True
+
+    def settle(self, dkey: bytes, directory: Container[bytes]) -> None:
+        """Before a put of ``dkey``: if its accounting is owed (the registry
+        holds it as published, ``directory`` does not hold it), carry it out
+        now; its entry is passed over when its loss's turn comes."""
+        if not self._left or dkey in directory:
+            return
+        o = _split(dkey)
+        obj = self.tenants.registry.state.objects.get(o) if o is not None else None
+        if obj is None or obj.status is not tm.Status.PUBLISHED:
+            return
+        self.tenants.removed(dkey)
+        self._ahead[dkey] = self._ahead.get(dkey, 0) + 1
 
 
 def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
