@@ -40,7 +40,8 @@ embedded coordinator and with etcd (a loopback etcd this benchmark starts),
 median and worst; and the rebuild rate: a new master fenced by storage nodes
 whose indexes hold one million published objects (the nodes' ``fence``
 answers, i.e. the index encoded as each node sends it, decoded, rebuilt and
-opened by the master), in objects per second; and the same end to end
+opened by the master), in objects per second, and with tenants next to
+without (:mod:`kvproto.bench_takeover`); and the same end to end
 (``rebuild-e2e``): storage processes whose nodes published one million
 100-byte objects in their own indexes (through the node's command handlers,
 not through puts: filling a store through puts would take minutes), the
@@ -70,7 +71,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -573,75 +573,6 @@ def failover_bench(trials: int, ttl: float = 1.0) -> dict:
     return results
 
 
-def rebuild_bench(objects: int, nodes: int = 4, replicas: int = 1, tenants: Sequence = ()) -> dict:
-    """A new master fenced by ``nodes`` storage nodes holding ``objects``
-    published 4 KiB objects, each on ``replicas`` of them: the nodes'
-    ``fence`` replies (encoding the index), then the master's decode,
-    ``Recover`` (rebuild), allocator and lease tables, and ``Open``. Returns
-    seconds per stage and objects/s. With ``tenants`` (tenant configs): a
-    master started with them, the objects in the first one's ``default``
-    namespace; ``tenants_s``: the registry's part (``Tenants.recovered``)."""
-    from kvproto.ops.tenants import object_key
-    from kvproto.runtime import wire
-    from kvproto.runtime.master import MasterCore
-    from kvproto.runtime.shm import SegmentMemory
-    from kvproto.runtime.storage import StorageCore
-    from kvproto.statemachines import failover as fm
-
-    per = objects * replicas // nodes       # entries per node
-    page = 4096
-    capacity = per * page
-    cores, memories = {}, []
-    prefix = object_key((tenants[0].name, "default"), b"") if tenants else b""
-    for n in range(nodes):
-        memory = SegmentMemory(page, page)   # the bytes are not what is measured
-        memories.append(memory)
-        segment = f"node{n}"
-        core = StorageCore(memory, segment)
-        step = core.node.step
-        step(fm.Fence(1))
-        group = n // replicas                # the nodes of a group hold the same objects
-        for i in range(per):
-            key = prefix + f"key-{group}-{i:09d}".encode()
-            step(fm.StampedAllocate(segment, key, 1, i * page, page, group * per + i + 1))
-            step(fm.StampedPublish(segment, key, 1))
-        cores[segment] = core
-    try:
-        master = MasterCore(term=None, fence_timeout=600.0, tenants=tenants)
-        loaded = [0.0]
-        if tenants:       # the registry's part of the takeover, timed alone
-            recovered = master.tenants.recovered
-
-            def timed(keys, sizes) -> None:
-                t = time.perf_counter()
-                recovered(keys, sizes)
-                loaded[0] += time.perf_counter() - t
-            master.tenants.recovered = timed
-        master.take_term(2, {s: f"tcp://127.0.0.1:{9000 + i}" for i, s in enumerate(cores)})
-        sent = {body["segment"]: cmd_id for _, op, cmd_id, body in master.outbox if op == "fence"}
-        t0 = time.perf_counter()
-        replies = []
-        for segment, core in cores.items():
-            body, frames = core.handle("fence", {"segment": segment, "term": 2}, [])
-            body = {**body, "segment": segment, "capacity": capacity, "endpoint": "tcp://127.0.0.1:1",
-                    "host": "h", "shm": "s", "gen_shm": "g", "nonce": 1, "page_size": page}
-            replies.append((segment, wire.Reply(0, sent[segment], body, [memoryview(f) for f in frames])))
-        t1 = time.perf_counter()
-        for segment, reply in replies:
-            master.storage_reply(segment, reply)
-        t2 = time.perf_counter()
-        listed = per * nodes // replicas
-        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != listed:
-            raise RuntimeError(f"rebuild incomplete: {master.failover.phase}, {len(master.directory.objects)}")
-    finally:
-        for m in memories:
-            m.close()
-    return {"objects": listed, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
-            "objects_s": listed / (t2 - t0), "tenants_s": loaded[0],
-            "held": len(master.tenants.registry.state.objects) if tenants else 0,
-            "last": master.last_failover}
-
-
 def _filled_storage(master: str, size: int, page: int, first: int, count: int) -> None:
     """A storage process for ``rebuild-e2e``: once registered, its node takes
     ``count`` 100-byte objects ``e2e-{first..}`` through its own command
@@ -802,6 +733,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
                   f"leased / pinned {r['lease'] / r['pin']:.2f}")
     if args.rebuild_objects and "rebuild" in only:
+        from kvproto.bench_takeover import rebuild_bench
         r = rebuild_bench(args.rebuild_objects, replicas=args.rebuild_replicas)
         print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes "
               f"({args.rebuild_replicas} replica(s) each) recovered in "
@@ -809,7 +741,7 @@ def main(args: argparse.Namespace) -> int:
               f"their index {r['encode_s']:.2f}s, master decodes, rebuilds and opens {r['rebuild_s']:.2f}s)")
         if args.rebuild_repeat:
             from kvproto import bench_takeover
-            bench_takeover.report(args.rebuild_objects, args.rebuild_repeat, rebuild_bench)
+            bench_takeover.report(args.rebuild_objects, args.rebuild_repeat)
     if args.failover_trials and "failover" in only:
         print(f"\nkill -9 of the active master -> first successful put on the new one "
               f"({args.failover_trials} trials per coordinator, lease TTL 1 s, one storage node)")
