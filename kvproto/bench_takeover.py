@@ -62,9 +62,9 @@ def rebuild_bench(objects: int, nodes: int = 4, replicas: int = 1, tenants: Sequ
         if tenants:       # the registry's part of the takeover, timed alone
             recovered = master.tenants.recovered
 
-            def timed(keys, sizes) -> None:
+            def timed(*recovery) -> None:
                 t = time.perf_counter()
-                recovered(keys, sizes)
+                recovered(*recovery)
                 loaded[0] += time.perf_counter() - t
             master.tenants.recovered = timed
         master.take_term(2, {s: f"tcp://127.0.0.1:{9000 + i}" for i, s in enumerate(cores)})
