@@ -40,7 +40,8 @@ embedded coordinator and with etcd (a loopback etcd this benchmark starts),
 median and worst; and the rebuild rate: a new master fenced by storage nodes
 whose indexes hold one million published objects (the nodes' ``fence``
 answers, i.e. the index encoded as each node sends it, decoded, rebuilt and
-opened by the master), in objects per second; and the same end to end
+opened by the master), in objects per second, and with tenants next to
+without (:mod:`kvproto.bench_takeover`); and the same end to end
 (``rebuild-e2e``): storage processes whose nodes published one million
 100-byte objects in their own indexes (through the node's command handlers,
 not through puts: filling a store through puts would take minutes), the
@@ -129,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill -9 trials per coordinator backend (0 skips the section)")
     parser.add_argument("--rebuild-objects", type=int, default=1_000_000,
                         help="objects the failover rebuild recovers (0 skips it)")
+    parser.add_argument("--rebuild-repeat", type=int, default=3,
+                        help="runs of the failover rebuild with and without tenants (0 skips those)")
     parser.add_argument("--rebuild-replicas", type=int, choices=(1, 2, 4), default=1,
                         help="replicas of each object the failover rebuild recovers (of 4 nodes)")
     parser.add_argument("--e2e-objects", type=int, default=1_000_000,
@@ -570,60 +573,6 @@ def failover_bench(trials: int, ttl: float = 1.0) -> dict:
     return results
 
 
-def rebuild_bench(objects: int, nodes: int = 4, replicas: int = 1) -> dict:
-    """A new master fenced by ``nodes`` storage nodes holding ``objects``
-    published 4 KiB objects, each on ``replicas`` of them: the nodes'
-    ``fence`` replies (encoding the index), then the master's decode,
-    ``Recover`` (rebuild), allocator and lease tables, and ``Open``. Returns
-    seconds per stage and objects/s."""
-    from kvproto.runtime import wire
-    from kvproto.runtime.master import MasterCore
-    from kvproto.runtime.shm import SegmentMemory
-    from kvproto.runtime.storage import StorageCore
-    from kvproto.statemachines import failover as fm
-
-    per = objects * replicas // nodes       # entries per node
-    page = 4096
-    capacity = per * page
-    cores, memories = {}, []
-    for n in range(nodes):
-        memory = SegmentMemory(page, page)   # the bytes are not what is measured
-        memories.append(memory)
-        segment = f"node{n}"
-        core = StorageCore(memory, segment)
-        step = core.node.step
-        step(fm.Fence(1))
-        group = n // replicas                # the nodes of a group hold the same objects
-        for i in range(per):
-            key = f"key-{group}-{i:09d}".encode()
-            step(fm.StampedAllocate(segment, key, 1, i * page, page, group * per + i + 1))
-            step(fm.StampedPublish(segment, key, 1))
-        cores[segment] = core
-    try:
-        master = MasterCore(term=None, fence_timeout=600.0)
-        master.take_term(2, {s: f"tcp://127.0.0.1:{9000 + i}" for i, s in enumerate(cores)})
-        sent = {body["segment"]: cmd_id for _, op, cmd_id, body in master.outbox if op == "fence"}
-        t0 = time.perf_counter()
-        replies = []
-        for segment, core in cores.items():
-            body, frames = core.handle("fence", {"segment": segment, "term": 2}, [])
-            body = {**body, "segment": segment, "capacity": capacity, "endpoint": "tcp://127.0.0.1:1",
-                    "host": "h", "shm": "s", "gen_shm": "g", "nonce": 1, "page_size": page}
-            replies.append((segment, wire.Reply(0, sent[segment], body, [memoryview(f) for f in frames])))
-        t1 = time.perf_counter()
-        for segment, reply in replies:
-            master.storage_reply(segment, reply)
-        t2 = time.perf_counter()
-        listed = per * nodes // replicas
-        if master.failover.phase is not fm.Phase.OPEN or len(master.directory.objects) != listed:
-            raise RuntimeError(f"rebuild incomplete: {master.failover.phase}, {len(master.directory.objects)}")
-    finally:
-        for m in memories:
-            m.close()
-    return {"objects": listed, "encode_s": t1 - t0, "rebuild_s": t2 - t1,
-            "objects_s": listed / (t2 - t0), "last": master.last_failover}
-
-
 def _filled_storage(master: str, size: int, page: int, first: int, count: int) -> None:
     """A storage process for ``rebuild-e2e``: once registered, its node takes
     ``count`` 100-byte objects ``e2e-{first..}`` through its own command
@@ -784,11 +733,15 @@ def main(args: argparse.Namespace) -> int:
             print(f"  batch {r['batch']:>3}: leased {r['lease']:10,.0f}   pinned {r['pin']:10,.0f}   "
                   f"leased / pinned {r['lease'] / r['pin']:.2f}")
     if args.rebuild_objects and "rebuild" in only:
+        from kvproto.bench_takeover import rebuild_bench
         r = rebuild_bench(args.rebuild_objects, replicas=args.rebuild_replicas)
         print(f"\nfailover rebuild: {r['objects']:,} published objects on 4 nodes "
               f"({args.rebuild_replicas} replica(s) each) recovered in "
               f"{r['encode_s'] + r['rebuild_s']:.2f}s ({r['objects_s']:,.0f} objects/s; nodes encode "
               f"their index {r['encode_s']:.2f}s, master decodes, rebuilds and opens {r['rebuild_s']:.2f}s)")
+        if args.rebuild_repeat:
+            from kvproto import bench_takeover
+            bench_takeover.report(args.rebuild_objects, args.rebuild_repeat)
     if args.failover_trials and "failover" in only:
         print(f"\nkill -9 of the active master -> first successful put on the new one "
               f"({args.failover_trials} trials per coordinator, lease TTL 1 s, one storage node)")

@@ -70,7 +70,7 @@ def _master(objects: int, replicas: int, clock, tenants: bool = False):
         rsegs, roffs, next_token=1)
     master.leases = LeaseCore.inherit(master.directory, master.leases.ttl, clock(), quiet=0)
     if tenants:
-        master.tenants.recovered(master.directory.objects.items())
+        master.tenants.recovered(*master.directory.requested_bytes())
     for i in range(0, objects, max(1, objects // LEASED)):
         err, _ = master._lstep(L.Grant(("bench", i), prefix + b"segloss-%016d" % i))
         assert err is None, err

@@ -664,6 +664,21 @@ class DirectoryCore:
         return (self._len[row], self._sum[row], self._req[row],
                 [(names[s], o) for s, o in self._placed(row)])
 
+    def requested_bytes(self) -> tuple[list, list]:
+        """The keys of the objects held, in the order of :attr:`objects`, and
+        of each its length × the replica count its put requested (what a
+        takeover charges its owner); no record built."""
+        index = self.rows.index
+        if not index:
+            return [], []
+        rows = np.fromiter(index.values(), np.int64, len(index))
+        sizes = np.frombuffer(self._len, np.int64)[rows] * \
+            np.frombuffer(self._req, np.uint16)[rows]
+        held = np.frombuffer(self._st, np.int8)[rows] != 0
+        if held.all():
+            return list(index), sizes.tolist()
+        return ([k for k, h in zip(index, held.tolist()) if h], sizes[held].tolist())
+
     def published(self, key) -> bool:
         """Whether ``key`` names a published object (spec ``Readable(k)``)."""
         row = self.rows.index.get(key)

@@ -20,7 +20,9 @@ Nothing is a persistent map, so a step allocates no map nodes.
 :meth:`TenancyCore.drop_many` is what the master takes for the published
 objects of a lost segment: for each object, the ``Release`` of each of its
 reads, then ``AgeOut`` (its namespace retiring) or ``Remove`` by its owner,
-the steps composed in one pass.
+the steps composed in one pass. :meth:`TenancyCore.add_many` is what a
+takeover takes for the objects it recovered: their ``AddObject`` steps
+composed in one pass.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kvproto.statemachines.tenancy import (
 
 _DONE = (Done(),)
 _RELEASED = Done()
+_NOWHERE = object()       # no namespace yet (of a run of objects)
 
 
 class _Tenant:
@@ -189,6 +192,41 @@ class TenancyCore:
             tenants[rec.owner].held -= run
             self.used -= run
         return tuple(out)
+
+    def add_many(self, objects: Iterable[tuple]) -> list:
+        """``AddObject(ns, key, size)`` of each ``(ns, key, size)`` of
+        ``objects``, in order — those steps composed (what a takeover takes
+        for the objects it recovered). Returns ``(i, Refused)`` of each
+        refused one (``i``: its position in ``objects``; it is not added);
+        every other step's effect is ``Done``."""
+        objs, nss, tenants = self._objects, self._ns, self._tenants
+        refused: list = []
+        used, capacity = self.used, self.capacity
+        last, t, held, stored = _NOWHERE, None, 0, -1
+        for i, (ns, key, size) in enumerate(objects):
+            if ns is not last:       # runs of one namespace: its owner's sums held locally
+                if t is not None:
+                    t.held = held
+                rec = nss.get(ns)
+                last = ns
+                t = tenants[rec.owner] if rec is not None else None
+                held, stored = (t.held, t.quota.stored) if t is not None else (0, -1)
+            if size > 0 and held + size <= stored and used + size <= capacity:
+                n = len(objs)
+                objs.setdefault((ns, key), size)
+                if len(objs) > n:    # accepted: a new object
+                    used += size
+                    held += size
+                    continue
+            self.used = used         # the judgement of the step alone, for its refusal
+            if t is not None:
+                t.held = held
+            refused.append((i, Refused(self._judge_add_object(AddObject(ns, key, size),
+                                                              self.now))))
+        if t is not None:
+            t.held = held
+        self.used = used
+        return refused
 
     # ------------------------------------------------------------------ queries
 

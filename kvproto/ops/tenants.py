@@ -307,6 +307,14 @@ class Registry:
             self.state.step(tm.Tick(now))
         return self.state.drop_many(objects)
 
+    def add_many(self, objects: Iterable[tuple], now: float) -> list:
+        """:meth:`TenancyCore.add_many <kvproto.cores.tenancy.TenancyCore.add_many>`
+        of ``objects`` (``(namespace, key, size)``) at ``now``: ``(i, Refused)``
+        of each refused one (it is not added)."""
+        if now > self.state.now:
+            self.state.step(tm.Tick(now))
+        return self.state.add_many(objects)
+
     def usage(self) -> dict[str, dict[str, Any]]:
         """Per tenant: bytes held and in flight, and its quota (no secrets)."""
         return {name: {"held": t.held, "in_flight": t.in_flight,

@@ -59,13 +59,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Callable, Optional, Sequence
 
 from kvproto import errors
 from kvproto.runtime import tracing, wire
 from kvproto.runtime.allocator import Placer
-from kvproto.runtime.tenanted import Tenants
+from kvproto.runtime.tenanted import Losses, Tenants
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
 from kvproto.statemachines.publish import (
@@ -199,11 +199,9 @@ class MasterCore(MasterRequests, MasterTakeover):
         #: each object's publishing term by its token, sent with a repaired
         #: replica's publish mark (set at each takeover)
         self.publish_terms = PublishTerms()
-        #: keys of lost objects whose tenants' accounting is still to be
-        #: carried out, in order, and the same as a set (a put of one of them
-        #: carries it out first)
-        self._tenant_drops: deque = deque()
-        self._tenant_dropping: set = set()
+        #: lost objects whose tenants' accounting is still to be carried
+        #: out, in order (a put of one of them carries it out first)
+        self._tenant_drops = Losses(self.tenants)
         self._round: Optional[FenceRound] = None
         self.opened_at = 0.0   # when this master last opened (its clock)
         #: the last takeover: term, seconds in each phase, objects recovered/purged
@@ -706,21 +704,15 @@ class MasterCore(MasterRequests, MasterTakeover):
         self._ltick()
         self.leases.drop_many(keys, rows, evicted=self._evicting)
         if self.tenants is not None:
-            keys = keys.tolist()
             if len(keys) <= self.TENANT_SLICE and not self._tenant_drops:
-                self.tenants.removed_many(keys)
+                self.tenants.removed_many(keys.tolist())
             else:     # a slice a turn (tick): the loop keeps serving meanwhile
-                self._tenant_drops.extend(keys)
-                self._tenant_dropping.update(keys)
+                self._tenant_drops.add(keys)
 
     def _tenant_drop(self, limit: int) -> None:
         """Carry out the tenants' accounting of up to ``limit`` lost objects
         (one ``Tenants.removed_many``)."""
-        drops, dropping = self._tenant_drops, self._tenant_dropping
-        keys = [drops.popleft() for _ in range(min(limit, len(drops)))]
-        keys = [key for key in keys if key in dropping]
-        dropping.difference_update(keys)
-        self.tenants.removed_many(keys)
+        self._tenant_drops.carry_out(limit)
 
     def tick(self) -> None:
         """Expire silent clients and storage nodes (cheap when nothing is due);

@@ -203,9 +203,8 @@ class MasterRequests:
         for i, (key, length) in enumerate(body["items"]):
             write = None
             if tenants is not None:
-                if key in self._tenant_dropping:    # lost: its accounting first
-                    self._tenant_dropping.discard(key)
-                    tenants.removed(key)
+                if self._tenant_drops:    # lost, its accounting owed: carried out first
+                    self._tenant_drops.settle(key, self.directory.objects)
                 # the quotas are checked before the allocation (spec WriteStart;
                 # Tenancy_Weak_QuotaAfterAllocation); committed with PutStart
                 try:

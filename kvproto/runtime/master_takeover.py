@@ -218,7 +218,7 @@ class MasterTakeover:
                                         + self.INHERIT_MARGIN_S)
         if self.tenants is not None:   # each tenant's objects, named by their keys
             self._tenant_drop(len(self._tenant_drops))
-            self.tenants.recovered(self.directory.objects.items())
+            self.tenants.recovered(*self.directory.requested_bytes())
         # a large recovery takes a while: the nodes count as heard from now
         recovered_at = self.clock()
         for s in live:

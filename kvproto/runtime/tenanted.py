@@ -32,7 +32,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from typing import Callable, Optional
 
 from kvproto import errors
@@ -321,34 +322,42 @@ class Tenants:
         self.aging &= left
         return out
 
-    def recovered(self, objects: Iterable[tuple[bytes, object]]) -> None:
-        """A new master's registry learns the objects it recovered (directory
-        key -> record; the key names the namespace, so the owner): each is
-        set up as published (``AddObject``, its replicas' bytes held). A
-        namespace the tenants file does not name (created at run time under
-        an earlier master) is set up live with no predecessor
-        (``AddNamespace``): lifecycle phases and grants made at run time are
-        not kept across a failover. An object of no tenant of the file, or
-        over its owner's stored-bytes quota, is an orphan: no tenant can
-        reach it, and the master removes it once its inherited leases end."""
+    def recovered(self, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """A new master's registry learns the objects it recovered: their
+        directory ``keys`` (a key names the namespace, so the owner) and
+        ``sizes`` (what each put was charged: its length times the replica
+        count it requested; a replica lost and repaired is neither refunded
+        nor charged): each is set up as published (``AddObject``, its replicas'
+        bytes held; all in one ``TenancyCore.add_many``). A namespace the
+        tenants file does not name (created at run time under an earlier
+        master) is set up live with no predecessor (``AddNamespace``, before
+        its objects): lifecycle phases and grants made at run time are not
+        kept across a failover. An object of no tenant of the file, or over
+        its owner's stored-bytes quota, is an orphan: no tenant can reach it,
+        and the master removes it once its inherited leases end."""
         now, reg = self.clock(), self.registry
-        for dkey, record in objects:
-            try:
-                o = _split(dkey)
-                if o is None:
-                    raise errors.InvalidArgument("not a key of a namespace")
-                ns, key = o
-                if ns not in reg.state.namespaces:
-                    reg.step(tm.AddNamespace(ns[0], ns), now)
-                    log.warning("namespace %s/%s of recovered objects is not in the tenants "
-                                "file: it is live again, with no predecessor", *ns)
-                # charged for the count its put requested, as WriteStart charged
-                # it: a replica lost and repaired is neither refunded nor charged
-                reg.step(tm.AddObject(ns, key, record.length * record.requested), now)
-            except errors.KvError as err:
-                self.orphans.append(dkey)
-                log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
-                            dkey, err)
+        unnamed: list = []       # (position, why) of the keys no namespace takes, in order
+        named = _recovered(keys, sizes, lambda ns: self._set_up(ns, now), unnamed)
+        refused = reg.add_many(named, now)
+        if not (unnamed or refused):
+            return
+        skipped = [i for i, _ in unnamed]
+        why = dict(unnamed)
+        for j, effect in refused:
+            why[_position(j, skipped)] = effect.error
+        for i in sorted(why):
+            dkey = keys[i]
+            self.orphans.append(dkey)
+            log.warning("recovered object %r belongs to no tenant's namespace it fits: %s",
+                        dkey, why[i])
+
+    def _set_up(self, ns: Namespace, now: float) -> None:
+        """Spec ``AddNamespace`` of ``ns`` if the registry lacks it (a
+        recovered object's namespace); raises the refusal."""
+        if ns not in self.registry.state.namespaces:
+            self.registry.step(tm.AddNamespace(ns[0], ns), now)
+            log.warning("namespace %s/%s of recovered objects is not in the tenants file: it "
+                        "is live again, with no predecessor", *ns)
 
     def namespaces(self, tenant: str) -> dict:
         """The namespaces ``tenant`` owns or may read (``owner/name`` for
@@ -389,6 +398,86 @@ class Tenants:
         return usage if tenant is None else {tenant: usage[tenant]}
 
 
+class Losses:
+    """The tenants' accounting of lost segments' objects still owed
+    (:meth:`Tenants.removed_many` of each), carried out a slice per turn of
+    the master's loop: each loss's keys as it came (one list or array) and a
+    cursor, losses in order. No set of the owed keys is built: a key is owed
+    while the registry holds it as published and the directory does not (the
+    tables agree otherwise), which a put of the key asks (:meth:`settle`)
+    only while something is owed. ``len``: keys not yet reached."""
+
+    __slots__ = ("tenants", "_queue", "_left", "_ahead")
+
+    def __init__(self, tenants: Optional[Tenants]) -> None:
+        self.tenants = tenants
+        self._queue: deque = deque()     # [keys, cursor] of each loss, in order
+        self._left = 0
+        #: keys whose accounting a put carried out ahead of their loss's turn,
+        #: with how many times (each passes over that many of its entries)
+        self._ahead: dict = {}
+
+    def __len__(self) -> int:
+        return self._left
+
+    def __repr__(self) -> str:
+        return f"Losses({self._left} keys owed in {len(self._queue)} loss(es))"
+
+    def add(self, keys) -> None:
+        """Owe the accounting of ``keys`` (a list, or an array with
+        ``tolist``), after everything owed already."""
+        if len(keys):
+            self._queue.append([keys, 0])
+            self._left += len(keys)
+
+    def carry_out(self, limit: int) -> None:
+        """Carry out the accounting of the next ``limit`` keys owed (one
+        :meth:`Tenants.removed_many`), passing over those a put settled."""
+        batch: list = []
+        queue = self._queue
+        while limit > 0 and queue:
+            entry = queue[0]
+            keys, at = entry
+            part = keys[at:at + limit]
+            if at + len(part) >= len(keys):
+                queue.popleft()
+            else:
+                entry[1] = at + len(part)
+            part = part.tolist() if hasattr(part, "tolist") else list(part)
+            batch = part if not batch else batch + part
+            limit -= len(part)
+        self._left -= len(batch)
+        if self._ahead:
+            batch = [k for k in batch if not self._passed(k)]
+            if not queue:            # nothing owed: no entry left to pass over
+                self._ahead.clear()
+        self.tenants.removed_many(batch)
+
+    def _passed(self, key: bytes) -> bool:
+        """Whether ``key``'s entry is one a put settled ahead (counted off)."""
+        n = self._ahead.get(key)
+        if n is None:
+            return False
+        if n == 1:
+            del self._ahead[key]
+        else:
+            self._ahead[key] = n - 1
+        return True
+
+    def settle(self, dkey: bytes, directory: Container[bytes]) -> None:
+        """Before a put of ``dkey``: if its accounting is owed (the registry
+        holds it as published, ``directory`` does not hold it), carry it out
+        now; its entry is passed over when its loss's turn comes."""
+        if not self._left or dkey in directory:
+            return
+        o = _split(dkey)
+        obj = self.tenants.registry.state.objects.get(o) if o is not None else None
+        if obj is None or obj.status is not tm.Status.PUBLISHED:
+            return
+        self.tenants.removed(dkey)
+        self._ahead[dkey] = self._ahead.get(dkey, 0) + 1
+
+
 def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
     """:func:`_split` of each of ``dkeys`` that names an object of a
     namespace, in order; each distinct namespace prefix is decoded once."""
@@ -412,6 +501,58 @@ def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
                 continue
             ns = prefixes[prefix] = o[0]
         yield ns, dkey[end:]
+
+
+def _recovered(keys: Sequence[bytes], sizes: Sequence[int], set_up: Callable[[Namespace], None],
+               unnamed: list) -> Iterator[tuple[Namespace, bytes, int]]:
+    """``(namespace, key, size)`` of each directory key of ``keys`` (its
+    size in ``sizes``) that names a namespace (``set_up`` first: it raises if
+    the registry cannot take it), in order; ``(position, error)`` of each
+    other one is appended to ``unnamed``. Each distinct namespace prefix is
+    decoded and set up once."""
+    prefixes: dict = {}        # prefix -> namespace, or the error of setting it up
+    prefix, ns, end = None, None, 0
+    for i, (dkey, size) in enumerate(zip(keys, sizes)):
+        if prefix is not None and dkey.startswith(prefix):   # the previous key's namespace
+            yield ns, dkey[end:], size
+            continue
+        prefix = None
+        try:
+            end = 2 + dkey[0] + dkey[1 + dkey[0]]
+        except IndexError:
+            unnamed.append((i, _NOT_NAMED))
+            continue
+        p = dkey[:end]
+        got = prefixes.get(p)
+        if got is None:
+            o = _split(dkey)
+            if o is None:
+                unnamed.append((i, _NOT_NAMED))
+                continue
+            try:
+                set_up(o[0])
+                got = o[0]
+            except errors.KvError as err:
+                got = err
+            prefixes[p] = got
+        if isinstance(got, errors.KvError):
+            unnamed.append((i, got))
+            continue
+        prefix, ns = p, got
+        yield ns, dkey[end:], size
+
+
+def _position(j: int, skipped: list) -> int:
+    """The position in a sequence of its ``j``-th item left after the items
+    at positions ``skipped`` (ascending) were taken out."""
+    for s in skipped:
+        if s > j:
+            break
+        j += 1
+    return j
+
+
+_NOT_NAMED = errors.InvalidArgument("not a key of a namespace")
 
 
 def _split(dkey: bytes) -> Optional[tuple[Namespace, bytes]]:

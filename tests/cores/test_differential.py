@@ -236,6 +236,10 @@ class DirectoryDiff(Differential):
                 [(r.segment, r.offset) for r in record.replicas])
         assert set(self.core.below()) == {k for k, r in self.ref.objects.items()
                                           if r.status is P.Status.PUBLISHED and r.below()}
+        keys, sizes = self.core.requested_bytes()   # what a takeover charges, no record built
+        assert keys == list(self.core.objects)
+        assert dict(zip(keys, sizes)) == {k: r.length * r.requested
+                                          for k, r in self.ref.objects.items()}
         if isinstance(event, (P.RepairStart, P.ListReplica, P.RepairCancel)):
             ok = not (expected and isinstance(expected[0], Refused))
             hypothesis_event(f"{type(event).__name__} {'accepted' if ok else 'refused'}")

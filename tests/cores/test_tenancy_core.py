@@ -15,6 +15,12 @@ master took one object at a time: per object present, ``Release`` of each of
 its reads in ``repr`` order, then ``AgeOut`` (retiring namespace) or
 ``Remove`` by its owner — the same effects in the same order, the same state.
 
+``TenancyCore.add_many`` (a takeover's recovered objects) is held to the
+fold of their ``AddObject`` steps: random batches, in runs of one namespace
+(over quotas and memory, keys present or listed twice, bad sizes, unknown
+namespaces), the same refusals at the same positions, every other step
+``Done``, the same state.
+
 The last tests apply a mutation the reference would refuse to the core and
 require these checks to fail."""
 
@@ -60,7 +66,7 @@ class TenancyDiff(Differential):
                "begin_read", "begin_read", "fetch", "renew", "renew", "renew", "release", "write", "write", "write", "write", "end",
                "end", "end", "abort", "remove", "evict",
                "age_out", "create", "pre_warm", "switch", "route_back", "drop", "add_object",
-               "lose", "check", "settle")
+               "lose", "load", "load", "check", "settle")
 
     def begin(self, c: Choose):
         ttl, capacity = c.one([0.5, 1.0, 2.5]), c.one([c.int(40, 200), c.int(200, 3000)])
@@ -246,6 +252,30 @@ class TenancyDiff(Differential):
         assert quiet.reference() == table
         self.table = table
 
+    def load(self, c: Choose):
+        """A takeover's objects in one ``add_many``: the fold of their
+        ``AddObject`` steps (the same refusals at the same positions, every
+        other step ``Done``), the same state."""
+        batch: list = []
+        for _ in range(c.int(0, 4)):             # runs of one namespace
+            ns = self.ns(c)
+            if c.rare(4):                        # equal, not the same tuple
+                ns = (ns[0], ns[1])
+            batch += [(ns, c.one(KEYS), c.int(1, 20) if not c.rare(8) else self.size(c))
+                      for _ in range(c.int(1, 10))]
+        table, expected = self.table, []
+        for i, (ns, key, size) in enumerate(batch):
+            table, effects = T.step(table, T.AddObject(ns, key, size))
+            if effects and isinstance(effects[0], Refused):
+                expected.append((i, effects[0]))
+            else:
+                assert effects == (T.Done(),)
+        got = self.core.add_many(iter(batch))
+        assert [i for i, _ in got] == [i for i, _ in expected]
+        assert_same(tuple(e for _, e in expected), tuple(e for _, e in got))
+        assert self.core.reference() == table
+        self.table = table
+
     def check(self, c: Choose):
         """The check at a later clock changes nothing and says what the
         reference says once ticked there."""
@@ -332,5 +362,24 @@ def test_a_bulk_drop_that_leaves_the_reads_in_flight_is_caught(monkeypatch):
         return tuple(out)
 
     monkeypatch.setattr(TenancyCore, "drop_many", drop_many)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(TenancyDiff, settings=HUNT)
+
+
+def test_a_bulk_load_judged_against_the_state_before_it_is_caught(monkeypatch):
+    """The bulk load judges each object against the sums before the batch, so
+    a batch over a quota or the memory, or listing a key twice, passes whole."""
+    def add_many(self, objects):
+        before, refused = self.copy(), []
+        for i, (ns, key, size) in enumerate(objects):
+            event = T.AddObject(ns, key, size)
+            err = before.refusal(event)
+            if err is None:
+                self._add_object(event)
+            else:
+                refused.append((i, Refused(err)))
+        return refused
+
+    monkeypatch.setattr(TenancyCore, "add_many", add_many)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(TenancyDiff, settings=HUNT)

@@ -200,8 +200,8 @@ def test_the_tenants_accounting_of_a_large_loss_is_carried_out_a_slice_per_turn(
     owed = len(bulk._tenant_drops)
     assert owed > 100 and \
         bulk.tenants.registry.state.reference() != one.tenants.registry.state.reference()
-    again = next(k for k in (b"obj-%06d" % i for i in range(OBJECTS))
-                 if bulk._tenant_drops[-1].endswith(k))
+    last = bulk._tenant_drops._queue[-1][0][-1]      # owed, reached last
+    again = next(k for k in (b"obj-%06d" % i for i in range(OBJECTS)) if last.endswith(k))
     for core in (bulk, one):
         status, body = call(core, "put_start", {"client": "w", "replicas": 1,
                                                 "items": [[again, 100]]})
@@ -214,8 +214,44 @@ def test_the_tenants_accounting_of_a_large_loss_is_carried_out_a_slice_per_turn(
         bulk.tick()
         turns += 1
         assert left - bulk.TENANT_SLICE <= len(bulk._tenant_drops) < left
-    assert turns >= owed // bulk.TENANT_SLICE and not bulk._tenant_dropping
+    assert turns >= owed // bulk.TENANT_SLICE and not bulk._tenant_drops._ahead
     one.tick()
+    assert state(bulk) == state(one)
+
+
+def test_a_key_lost_again_while_its_first_loss_is_owed_is_settled_by_each_put(tmp_path):
+    """A key lost, put again, lost again (with the segment its new replica
+    went to) while the tenants' accounting of the first loss is still owed,
+    and put a third time: each put carries out what is owed of it first, and
+    each loss's turn passes over the entry a put settled; once done, the
+    master is where the one-by-one path left it, the key published."""
+    bulk = loaded_master(tmp_path / "bulk", traced=False)
+    one = loaded_master(tmp_path / "one", traced=True)
+    bulk.TENANT_SLICE = 40
+    for core in (bulk, one):
+        core.segment_lost("seg-1", "deregistered")
+    last = bulk._tenant_drops._queue[-1][0][-1]
+    again = next(k for k in (b"obj-%06d" % i for i in range(OBJECTS)) if last.endswith(k))
+
+    def put(core):
+        status, body = call(core, "put_start", {"client": "w", "replicas": 1,
+                                                "items": [[again, 100]]})
+        (grant,) = items(body)
+        status, body = call(core, "put_end", {"client": "w", "items": [[again, grant["token"]]]})
+        assert status == 0 and len(items(body)) == 1
+
+    for core in (bulk, one):
+        put(core)
+    (segment,) = {core.directory.record(last).replicas[0].segment for core in (bulk, one)}
+    for core in (bulk, one):
+        core.segment_lost(segment, "deregistered")
+    assert len(bulk._tenant_drops._queue) == 2 and not bulk.directory.published(last)
+    for core in (bulk, one):
+        put(core)
+    while bulk._tenant_drops:
+        bulk.tick()
+    one.tick()
+    assert not bulk._tenant_drops._ahead and bulk.directory.published(last)
     assert state(bulk) == state(one)
 
 

@@ -386,33 +386,34 @@ def test_tenants_objects_survive_a_master_failover(tmp_path):
 
 
 def test_a_new_master_sets_up_what_it_recovered_and_orphans_what_no_tenant_reaches():
-    from types import SimpleNamespace
     from kvproto.ops.tenants import object_key, parse_tenants
     from kvproto.runtime.tenanted import Tenants
     tenants = Tenants(parse_tenants({"tenants": {"alpha": {"tokens": [ALPHA], "stored": 10000},
                                                  "beta": {"tokens": [BETA]}}}),
                       ttl=5.0, clock=lambda: 1.0, ticket_key=TICKET_KEY.encode())
 
-    def record(length, replicas=1, requested=None):
-        return SimpleNamespace(length=length, replicas=[None] * replicas,
-                               requested=requested or replicas)
-    # "a" lost one of its two replicas before the takeover: charged for both,
-    # as its put was (the repair restores one its owner already pays for)
-    objects = [(object_key(("alpha", "default"), b"a"), record(3000, 1, requested=2)),
-               (object_key(("alpha", "later"), b"b"), record(1000)),     # made at run time
-               (object_key(("alpha", "default"), b"big"), record(5000)),  # over alpha's quota
-               (object_key(("zeta", "default"), b"z"), record(10)),       # no such tenant
-               (b"plain-key", record(10))]                                # no namespace at all
-    tenants.recovered(objects)
-    orphans = [objects[2][0], objects[3][0], b"plain-key"]
+    # each as the directory charges it: its length times the replica count
+    # its put requested. "a" (3000 bytes) lost one of its two replicas before
+    # the takeover: charged for both, as its put was (the repair restores one
+    # its owner already pays for)
+    objects = [(object_key(("alpha", "default"), b"a"), 3000 * 2),
+               (object_key(("alpha", "later"), b"b"), 1000),     # made at run time
+               (object_key(("alpha", "default"), b"big"), 5000),  # over alpha's quota
+               (object_key(("zeta", "default"), b"z"), 10),       # no such tenant
+               (object_key(("zeta", "default"), b"z2"), 10),      # (its namespace tried once)
+               (b"plain-key", 10),                                # no namespace at all
+               (b"", 10),
+               (object_key(("alpha", "default"), b"c"), 1000)]
+    tenants.recovered([k for k, _ in objects], [n for _, n in objects])
+    orphans = [objects[2][0], objects[3][0], objects[4][0], b"plain-key", b""]
     assert tenants.orphans == orphans
-    assert tenants.usage("alpha")["alpha"]["held"] == 7000
-    assert tenants.usage("alpha")["alpha"]["namespaces"] == {"default": 6000, "later": 1000}
+    assert tenants.usage("alpha")["alpha"]["held"] == 8000
+    assert tenants.usage("alpha")["alpha"]["namespaces"] == {"default": 7000, "later": 1000}
     assert tenants.namespaces("alpha")["later"]["phase"] == "live"
-    assert tenants.aged(lambda k: k != b"plain-key") == orphans[:2]   # those still present
+    assert tenants.aged(lambda k: k not in (b"plain-key", b"")) == orphans[:3]   # still present
     for key in orphans:                    # removing an orphan touches no tenant
         tenants.removed(key)
-    assert tenants.usage()["alpha"]["held"] == 7000 and tenants.usage()["beta"]["held"] == 0
+    assert tenants.usage()["alpha"]["held"] == 8000 and tenants.usage()["beta"]["held"] == 0
 
 
 def test_a_bad_or_missing_token_is_unauthorized_and_the_store_keeps_serving(store, raw):

@@ -465,12 +465,15 @@ def test_kvproto_bench_runs_its_payload_and_metadata_sections():
 
 def test_kvproto_bench_runs_its_rebuild_sections():
     """A short run of the takeover sections: the in-process rebuild with two
-    replicas per object, and the end-to-end one, whose storage nodes fill
-    their own indexes before the active master is killed."""
+    replicas per object, then with and without tenants (it checks that the
+    registry took every object), and the end-to-end one, whose storage nodes
+    fill their own indexes before the active master is killed."""
     out = subprocess.run([sys.executable, "-m", "kvproto", "bench", "--only", "rebuild,rebuild-e2e",
                           "--rebuild-objects", "2000", "--rebuild-replicas", "2",
-                          "--e2e-objects", "5000"],
+                          "--rebuild-repeat", "1", "--e2e-objects", "5000"],
                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "2,000 published objects on 4 nodes (2 replica(s) each) recovered" in out.stdout
+    assert "with tenants (2,000 objects in one tenant's namespace" in out.stdout
+    assert "the registry's load" in out.stdout and "raw dict of the keys" in out.stdout
     assert "the standby recovered 5,000 in" in out.stdout
