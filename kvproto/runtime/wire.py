@@ -267,8 +267,10 @@ MASTER_OPS: dict[str, OpSchema] = {
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
     # ``lease: true`` asks for a read lease per key (lease id + TTL) instead of a pin
     # ``release``: leases this client is done with, ended before the lookup
+    # ``columns: true`` asks for the grants as columns (:data:`READ_COLUMNS`)
     "read_begin": OpSchema({"client": CLIENT, "keys": KEYS},
-                           optional={"lease": boolean(), "release": list_of(uint(_UINT63, 1))}),
+                           optional={"lease": boolean(), "release": list_of(uint(_UINT63, 1)),
+                                     "columns": boolean()}),
     "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
@@ -576,6 +578,79 @@ def items_of(reply: Reply, expected: int) -> list:
         raise errors.MalformedFrame(f"reply has {len(items) if isinstance(items, list) else 'no'} "
                                     f"items, expected {expected}")
     return items
+
+
+#: A ``read_begin`` asked with ``columns`` answers its keys as columns, one
+#: list per field with an entry per key in the request's order, instead of an
+#: item per key: ``errors`` the keys refused, ``[index, code, message]``
+#: (their other entries 0); ``token``, ``length``, ``checksum`` (0: none) and
+#: ``replicas`` (how many); ``segment`` and ``offset`` every key's replicas in
+#: turn (a replica's length is its object's). A leased read adds ``lease`` (the
+#: ids) and ``ttl`` (one for the request); a store with tenants ``tickets``
+#: (each key's, one per replica). :func:`read_items` turns them into items.
+READ_COLUMNS: dict[str, Check] = {
+    "errors": list_of(tuple_of(uint(MAX_BATCH), uint(_UINT63, 1), text(1 << 20))),
+    "token": list_of(uint()), "length": list_of(uint()), "checksum": list_of(CHECKSUM),
+    "replicas": list_of(uint(MAX_REPLICAS)),
+    "segment": list_of(SEGMENT, MAX_BATCH * MAX_REPLICAS),
+    "offset": list_of(uint(), MAX_BATCH * MAX_REPLICAS),
+}
+READ_LEASES = list_of(uint())
+READ_TICKETS = list_of(list_of(TICKET, MAX_REPLICAS))
+
+
+def read_items(columns: dict) -> list:
+    """The items of a ``read_begin`` reply (one per key: ``[0, grant]`` or an
+    error) from its :data:`READ_COLUMNS`."""
+    items: list = [[0, None]] * len(columns["token"])
+    for i, code, message in columns["errors"]:
+        items[i] = [code, message]
+    lease, tickets, at = columns.get("lease"), columns.get("tickets"), 0
+    segment, offset = columns["segment"], columns["offset"]
+    for i, (token, length, checksum, n) in enumerate(zip(
+            columns["token"], columns["length"], columns["checksum"], columns["replicas"])):
+        if items[i][0]:
+            continue
+        item = {"token": token, "length": length,
+                "replicas": [[segment[k], offset[k], length] for k in range(at, at + n)]}
+        at += n
+        if checksum:
+            item["checksum"] = checksum
+        if tickets is not None:
+            item["tickets"] = tickets[i]
+        if lease is not None:
+            item["lease"], item["ttl"] = lease[i], columns["ttl"]
+        items[i] = [0, item]
+    return items
+
+
+def read_columns(reply: Reply, expected: int) -> dict:
+    """The :data:`READ_COLUMNS` of a ``read_begin`` reply for ``expected``
+    keys, checked in one pass per column; a reply of another shape raises
+    :class:`~kvproto.errors.MalformedFrame`."""
+    columns = reply.body.get("columns")
+    if type(columns) is not dict:
+        raise errors.MalformedFrame("read_begin reply has no columns")
+    try:
+        for name, check in READ_COLUMNS.items():
+            if name not in columns:
+                raise errors.MalformedFrame(f"read_begin reply has no column {name!r}")
+            if not check.ok(columns[name]):
+                check(columns[name], f"read_begin.columns.{name}")
+        for name, check in (("lease", READ_LEASES), ("tickets", READ_TICKETS)):
+            if name in columns and not check.ok(columns[name]):
+                check(columns[name], f"read_begin.columns.{name}")
+    except errors.InvalidArgument as err:
+        raise errors.MalformedFrame(str(err)) from None
+    counts = columns["replicas"]
+    if any(len(columns[name]) != expected for name in ("token", "length", "checksum", "replicas")) \
+            or any(len(columns[name]) != expected for name in ("lease", "tickets") if name in columns) \
+            or len(columns["segment"]) != sum(counts) or len(columns["offset"]) != len(columns["segment"]) \
+            or any(i >= expected for i, _, _ in columns["errors"]):
+        raise errors.MalformedFrame(f"read_begin reply's columns do not describe {expected} keys")
+    if "lease" in columns and not (type(columns.get("ttl")) in (int, float) and columns["ttl"] > 0):
+        raise errors.MalformedFrame("read_begin reply has leases but no ttl")
+    return columns
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
