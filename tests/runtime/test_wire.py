@@ -179,7 +179,8 @@ GOOD_COLUMNS = {"errors": [[1, errors.KeyNotFound.code, "b'x'"]], "token": [5, 0
     {"columns": None}, {"token": [5, 0]}, {"token": [5, 0, "6"]}, {"offset": [0, 4096]},
     {"replicas": [1, 0, 3]}, {"segment": ["a", "a", 7]}, {"errors": [[3, 1, "?"]]},
     {"errors": [[0, 0, "ok?"]]}, {"checksum": [0, 0, -1]}, {"lease": [3, 0]}, {"ttl": None},
-    {"tickets": [[], [], "t"]}, {"length": None},
+    {"tickets": [[], [], "t"]}, {"length": None}, {"segment": ["a", ["a"], "b"]},
+    {"offset": [0, 1.5, 0]}, {"lease": [3, 0, True, 1]},
 ])
 def test_a_read_begin_answered_as_columns_is_checked(change):
     """What the client takes from a ``read_begin`` answered as columns is
