@@ -573,51 +573,44 @@ class MasterRequests:
         counters["reads"] += len(hits)
         counters["misses"] += len(keys) - len(hits)
         counters["refused"] += len(keys) - len(hits)
+        rows = results     # each key's (token, length, checksum, placed); a refused key's 0s
         if leased:
             first = self._next_lease
             grants = self.leases.grant_many(
                 [((client, first + n), key) for n, (key, _) in enumerate(hits)])
             self._next_lease = first + len(hits)
-            counters["lease_grants"] += sum(not isinstance(g, errors.KvError) for g in grants)
-            lease_ids, n = columns["lease"], 0
+            ids = iter(range(first, first + len(hits)))
+            columns["lease"] = [next(ids) if type(r) is tuple else 0 for r in results]
+            refusals = sum(isinstance(g, errors.KvError) for g in grants)
+            if refusals:
+                # a grant refused: the tables disagree, a bug; answer it typed
+                rows, at = list(results), iter(i for i, r in enumerate(results) if type(r) is tuple)
+                for i, granted in zip(at, grants):
+                    if isinstance(granted, errors.KvError):
+                        self.leases.touch(keys[i])
+                        log.error("lease grant of %r refused: %s", keys[i], granted)
+                        rows[i], columns["lease"][i] = granted, 0
+            counters["lease_grants"] += len(grants) - refusals
         else:
             touch, pins = self.leases.touch, session.pins
             for pin in hits:
                 touch(pin[0])
                 pins[pin] = pins.get(pin, 0) + 1
-        refused, tokens, lengths, sums = (columns["errors"], columns["token"], columns["length"],
-                                          columns["checksum"])
-        counts, segs, offsets = columns["replicas"], columns["segment"], columns["offset"]
-        segments, infos = {}, self.segments
-        for i, r in enumerate(results):
-            if leased and type(r) is tuple:
-                granted, lease_id = grants[n], first + n
-                n += 1
-                if isinstance(granted, errors.KvError):   # the tables disagree: a bug; answer it typed
-                    self.leases.touch(keys[i])
-                    log.error("lease grant of %r refused: %s", keys[i], granted)
-                    r = granted
-                else:
-                    lease_ids.append(lease_id)
-            if type(r) is not tuple:
-                refused.append([i, *r.to_wire()])
-                for column in (tokens, lengths, sums, counts, lease_ids if leased else None):
-                    if column is not None:
-                        column.append(0)
-                continue
-            token, length, checksum, placed = r
-            tokens.append(token)
-            lengths.append(length)
-            sums.append(checksum)
-            counts.append(len(placed))
-            for segment, offset in placed:
-                segs.append(segment)
-                offsets.append(offset)
-                if segment not in segments:
-                    info = infos.get(segment)
-                    if info is not None:
-                        segments[segment] = info.wire()
-        return segments
+        if len(hits) < len(keys) or rows is not results:
+            rows = list(rows)
+            for i, r in enumerate(rows):
+                if type(r) is not tuple:
+                    columns["errors"].append([i, *r.to_wire()])
+                    rows[i] = (0, 0, 0, ())
+        columns["token"] = [r[0] for r in rows]
+        columns["length"] = [r[1] for r in rows]
+        columns["checksum"] = [r[2] for r in rows]
+        columns["replicas"] = [len(r[3]) for r in rows]
+        columns["segment"] = [segment for r in rows for segment, _ in r[3]]
+        columns["offset"] = [offset for r in rows for _, offset in r[3]]
+        infos = self.segments
+        return {segment: infos[segment].wire() for segment in dict.fromkeys(columns["segment"])
+                if segment in infos}
 
     def _op_read_end(self, body, reply_to, request_id):
         client = body["client"]

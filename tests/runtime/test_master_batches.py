@@ -198,3 +198,32 @@ def test_a_read_answered_as_columns_stands_for_the_same_items(batched, leased):
     assert given["replicas"] == [1, 0, 2, 1, 2, 0] and given["token"][1] == 0
     assert ("lease" in given) == leased
     assert columns == items and state(cores[0]) == state(cores[1])
+
+
+@pytest.mark.parametrize("columns", [True, False])
+def test_a_lease_the_table_refuses_is_answered_typed_and_its_id_left_unused(monkeypatch, columns):
+    """The directory and the lease table disagree (a bug the tables' agreement
+    rules out): the read is refused with the lease table's error, the other
+    reads keep the ids they would have had."""
+    from kvproto.cores.leases import LeaseCore
+    core = new_master(Clock(), True)
+    core.handle("put_start", {"client": "w", "replicas": 1, "items": [[k, 10] for k in KEYS[:3]]})
+    deliver(core, random.Random(1))
+    tokens = list(core.sessions["w"].tokens)
+    core.handle("put_end", {"client": "w", "items": [[k, t] for k, t in zip(KEYS[:3], tokens)]})
+    deliver(core, random.Random(1))
+    plain = LeaseCore.grant_many
+
+    def refusing(self, items):
+        got = plain(self, items)
+        return [errors.LeaseHeld("refused by the test") if n == 1 else g
+                for n, g in enumerate(got)]
+
+    monkeypatch.setattr(LeaseCore, "grant_many", refusing)
+    first = core._next_lease
+    _, body = core.handle("read_begin", {"client": "r", "keys": [KEYS[0], b"absent", *KEYS[1:3]],
+                                         "lease": True, "columns": columns})
+    items = wire.read_items(body["columns"]) if columns else body["items"]
+    assert [item[0] for item in items] == [0, errors.KeyNotFound.code, errors.LeaseHeld.code, 0]
+    assert [items[0][1]["lease"], items[3][1]["lease"]] == [first, first + 2]
+    assert core.counters["lease_grants"] == 2
