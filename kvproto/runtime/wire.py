@@ -9,7 +9,8 @@ Every message is a multipart ZeroMQ message::
 and ``body`` is ``{"message": str}``. Payload frames carry object bytes and are
 never packed into msgpack (so they can be sent and received without a copy).
 Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
-for success, ``[code, message]`` for a per-key error. A request id names one
+for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
+with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`). A request id names one
 request on its connection (a sender numbers every request afresh, a retry
 included; 0 asks for no reply): the master serves an id once, and answers a
 copy :class:`~kvproto.errors.DuplicateRequest`.
