@@ -349,15 +349,17 @@ def metadata_bench(keys: int) -> list[dict]:
 
     def rate(fn, rounds: int, name: str = "") -> float:
         """Keys/s of ``rounds`` calls; with ``name``, also the CPU time the
-        master and the storage node spent per key (``spent``)."""
-        before = [_cpu_seconds(p.pid) for p in procs] if name else []
+        master, the storage node and the client (this process) spent per key
+        (``spent``)."""
+        pids = [p.pid for p in procs] + [os.getpid()]
+        before = [_cpu_seconds(pid) for pid in pids] if name else []
         t0 = time.perf_counter()
         for i in range(rounds):
             fn(i)
         elapsed = time.perf_counter() - t0
         if name and None not in before:
-            for side, proc, was in zip(("node", "master"), procs, before):
-                spent[f"{name}_{side}_us"] = (_cpu_seconds(proc.pid) - was) / keys * 1e6
+            for side, pid, was in zip(("node", "master", "client"), pids, before):
+                spent[f"{name}_{side}_us"] = (_cpu_seconds(pid) - was) / keys * 1e6
         return keys / elapsed
 
     try:
@@ -716,8 +718,9 @@ def main(args: argparse.Namespace) -> int:
                 f"   {op} {r[op + '_keys_s']:,.0f} (raw {r['raw_' + op + '_keys_s']:,.0f}, "
                 f"{r[op + '_keys_s'] / r['raw_' + op + '_keys_s']:.3f})" for op in ("put", "get", "exists")))
             if "put_master_us" in r:
-                print("             CPU per key, master / storage node:" + "".join(
-                    f"   {op} {r[op + '_master_us']:.1f} / {r[op + '_node_us']:.1f} µs"
+                print("             CPU per key, master / storage node / client:" + "".join(
+                    f"   {op} {r[op + '_master_us']:.1f} / {r[op + '_node_us']:.1f} / "
+                    f"{r[op + '_client_us']:.1f} µs"
                     for op in ("put", "get", "exists")))
     if args.xfer_count and "transfers" in only:
         x = transfer_bench(args.xfer_count, args.xfer_repeat)

@@ -342,7 +342,9 @@ class DirectoryCore:
             if pin:
                 reads[row] += 1
             n = nrep[row]
-            if n == 2:
+            if n == 1:
+                placed = [(names[s0[row]], o0[row])]
+            elif n == 2:
                 placed = [(names[s0[row]], o0[row]), (names[s1[row]], o1[row])]
             else:
                 placed = [(names[s], o) for s, o in self._placed(row)]

@@ -547,7 +547,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         results: list = [None] * len(ks)
         leased = self.leases
         with self._lock, self._activity():
-            body = {"client": self.client_id, "keys": ks}
+            body = {"client": self.client_id, "keys": ks, "columns": True}
             if leased:
                 body["lease"] = True
             if self._unreleased:
@@ -562,22 +562,17 @@ class Client(ClientLink, ClientLeases, TenantCalls):
             self._note_interval(reply)
             term = reply.body.get("term", 0)
             segments = reply.body.get("segments", {})
-            granted: dict[int, tuple[int, int, list]] = {}
-            lease_of: dict[int, tuple[int, float]] = {}
+            grants = wire.read_columns(reply, len(ks))
+            tokens, leases = grants["token"], grants.get("lease")
             first_error: Optional[errors.KvError] = None
-            for i, item in enumerate(wire.items_of(reply, len(ks))):
-                err, grant = wire.item_result(item)
-                if err is None:
-                    granted[i] = (grant["token"], grant["length"], list(grant["replicas"]),
-                                  grant.get("checksum", 0), grant.get("tickets"))
-                    if "lease" in grant:
-                        lease_of[i] = (grant["lease"], float(grant["ttl"]))
-                elif raise_miss or not isinstance(err, errors.KeyNotFound):
+            for i, code, message in grants["errors"]:
+                err = errors.from_wire(code, message)
+                if raise_miss or not isinstance(err, errors.KeyNotFound):
                     first_error = first_error or err
             try:
                 started = time.monotonic()
                 done_at: dict[int, float] = {}
-                errs = datapath.read_all(self, ks, granted, segments, deadline, results, done_at,
+                errs = datapath.read_all(self, ks, grants, segments, deadline, results, done_at,
                                          term, into, verify)
                 stale = [i for i in sorted(errs) if isinstance(errs[i], errors.StaleTerm)]
                 if stale:
@@ -596,14 +591,15 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 for i in sorted(errs):
                     first_error = first_error or errs[i]
                 # a key read again was judged by its second read's own lease
-                first_leases = {i: v for i, v in lease_of.items() if i not in stale} \
-                    if stale else lease_of
-                if first_leases:
-                    first_error = self._check_leases(ks, first_leases, sent, started, done_at,
-                                                     results) or first_error
+                if leases:
+                    first_error = self._check_leases(ks, leases, float(grants["ttl"]), sent,
+                                                     started, done_at, results,
+                                                     set(stale)) or first_error
             finally:
-                pins = [[ks[i], g[0]] for i, g in granted.items() if i not in lease_of]
-                self._unreleased.extend(lease for lease, _ in lease_of.values())
+                pins = [] if leases is not None else \
+                    [[ks[i], token] for i, token in enumerate(tokens) if token]
+                if leases is not None:
+                    self._unreleased.extend(lease for lease in leases if lease)
                 try:  # fire-and-forget: the reply is dropped by a later _gather
                     if pins:
                         self._send(self._master(), "read_end", {
@@ -616,24 +612,25 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 raise first_error
         return results
 
-    def _check_leases(self, ks: list, lease_of: dict, sent: float, started: float,
-                      done_at: dict, results: list) -> Optional[errors.KvError]:
-        """The reader's acceptance check (``accept_transfer``) per leased key;
-        a late transfer's bytes are dropped, its rejection classified and counted."""
+    def _check_leases(self, ks: list, leases: list, ttl: float, sent: float, started: float,
+                      done_at: dict, results: list, skip: set) -> Optional[errors.KvError]:
+        """The reader's acceptance check (``accept_transfer``) per leased key
+        (``leases[i]``, 0 for none; not the keys in ``skip``); a late
+        transfer's bytes are dropped, its rejection classified and counted."""
         c = self.lease_counters
         first: Optional[errors.KvError] = None
         queued = max(started - sent, 0.0)
         reads, transferring, verifying = 0, 0.0, 0.0
         last = None
         verified = time.monotonic()         # nothing reads the store after the transfer
-        for i, (lease_id, ttl) in lease_of.items():
-            if results[i] is None:
+        for i, lease_id in enumerate(leases):
+            if not lease_id or results[i] is None or i in skip:
                 continue
             done = done_at.get(i, verified)
             reads += 1
             transferring += max(done - started, 0.0)
             verifying += max(verified - done, 0.0)
-            last = (done, verified)
+            last = done
             if lm.accept_transfer(sent, done, ttl, self.max_skew):
                 c["lease_accepted"] += 1
                 continue
@@ -646,7 +643,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
                 f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
         if last is not None:
-            done, verified = last
+            done = last
             self.last_read = lm.ReadPhases(queued, max(done - started, 0.0),
                                            max(verified - done, 0.0))
             c["lease_reads"] += reads

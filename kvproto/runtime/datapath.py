@@ -179,23 +179,40 @@ class ReadBuffers:
     mapping that the copy then faults in page by page (a 32 MiB ``get`` took
     twice as long as the memcpy). Objects under :data:`MIN_BYTES` get fresh
     memory; the pool holds at most ``capacity`` bytes of buffers, in use or
-    idle (0: none)."""
+    idle (0: none). Objects of at most :data:`SLAB_OBJECT` bytes are cut, one
+    after the other, from a fresh slab of :data:`SLAB_BYTES` (one allocation
+    for a batch of small gets rather than one each; a value still held keeps
+    its slab's memory)."""
 
     #: smaller objects get fresh memory (malloc serves them from its free lists)
     MIN_BYTES = 1 << 20
+    #: objects this small share slabs of SLAB_BYTES, each cut at a cache line
+    SLAB_OBJECT = 64 << 10
+    SLAB_BYTES = 256 << 10
 
     def __init__(self, capacity: int = 128 << 20) -> None:
         self.capacity = capacity
         self._bufs: list[np.ndarray] = []
         #: gets served from an idle buffer, and from fresh memory
         self.reused = self.fresh = 0
+        self._slab, self._cut = memoryview(b""), 0
 
     def _idle(self, k: int) -> bool:
         # references: the list's and getrefcount's argument
         return sys.getrefcount(self._bufs[k]) == 2
 
-    def take(self, length: int) -> np.ndarray:
-        """A uint8 array of ``length`` bytes nobody else holds."""
+    def take(self, length: int):
+        """A writable uint8 buffer (an array, or a byte view of a slab) of
+        ``length`` bytes nobody else holds."""
+        if length <= self.SLAB_OBJECT:
+            at = self._cut
+            if at + length > self._slab.nbytes:
+                slab = np.empty(self.SLAB_BYTES + 64, dtype=np.uint8)
+                skip = -slab.ctypes.data % 64
+                self._slab, at = memoryview(slab)[skip:skip + self.SLAB_BYTES], 0
+            self._cut = (at + length + 63) & ~63
+            self.fresh += 1
+            return self._slab[at:at + length]
         if length >= self.MIN_BYTES:
             best = None
             for k in range(len(self._bufs)):
@@ -221,6 +238,7 @@ class ReadBuffers:
 
     def clear(self) -> None:
         self._bufs.clear()
+        self._slab, self._cut = memoryview(b""), 0
 
 
 def _verified(client, key: bytes, replica: list, data, expected: int
@@ -241,17 +259,17 @@ def _verified(client, key: bytes, replica: list, data, expected: int
         f"its writer recorded {expected:#018x}")
 
 
-def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
+def read_all(client, keys: list, grants: dict, segments: dict, deadline: float,
              results: list, done_at: dict, term: int,
              into: Optional[list] = None, verify: bool = False) -> dict[int, errors.KvError]:
-    """Fill ``results[i]`` for each granted key ``i`` (``granted[i] = (token,
-    length, replicas, checksum, tickets)``, ``tickets`` the read ticket of each
-    replica, in order, or ``None`` at a store without tenants; a network read
-    carries its replica's): the bytes, or with ``into`` the number of
-    bytes read into ``into[i]``; ``done_at[i]`` is when its last byte was read.
-    With ``verify`` a replica whose bytes do not have the checksum is a failure
-    (the next one is tried). Returns the keys no replica could serve, with the
-    reason."""
+    """Fill ``results[i]`` for each key ``i`` the master granted (``grants``:
+    the ``read_begin`` reply's columns, :data:`~kvproto.runtime.wire.READ_COLUMNS`,
+    a refused key's token 0; ``tickets``, where present, the read ticket of
+    each replica, in order, which a network read carries): the bytes, or with
+    ``into`` the number of bytes read into ``into[i]``; ``done_at[i]`` is when
+    its last byte was read. With ``verify`` a replica whose bytes do not have
+    the checksum is a failure (the next one is tried). Returns the keys no
+    replica could serve, with the reason."""
     need: dict[int, list] = {}
     failed: dict[int, errors.KvError] = {}
     # per segment of the reply: (its mapping on this host or None, its nonce);
@@ -260,49 +278,62 @@ def read_all(client, keys: list, granted: dict, segments: dict, deadline: float,
     for name, info in segments.items():
         if isinstance(info, list):
             where[name] = (client._local.get(info), info[4])
-    take, local_reads = client.read_buffers.take, 0
-    for i, (token, length, replicas, expected, _) in granted.items():
+    take, local_reads, nowhere = client.read_buffers.take, 0, (None, 0)
+    segs, offsets, sums, tickets = (grants["segment"], grants["offset"], grants["checksum"],
+                                    grants.get("tickets"))
+    #: the keys read over the network: (token, length, replicas, checksum, tickets)
+    granted: dict[int, tuple] = {}
+    last = 0
+    for i, (token, length, n) in enumerate(zip(grants["token"], grants["length"],
+                                                grants["replicas"])):
+        first = last
+        last += n
+        if not token:
+            continue
         dest = into[i] if into is not None else None
         if dest is not None and dest.nbytes < length:
             failed[i] = errors.InvalidArgument(
                 f"{keys[i]!r} has {length} bytes; the buffer holds {dest.nbytes}")
             continue
-        local, bad = [], []
-        for r in replicas:
-            seg, nonce = where.get(r[0], (None, 0))
+        bad = []
+        for k in range(first, last):
+            seg, nonce = where.get(segs[k], nowhere)
             if seg is None:
                 continue
-            local.append(r)
             if dest is None:    # a plain get: into a buffer of the client's that is idle
                 buf = memoryview(take(length))
-                got = buf if seg.read_into(r[1], length, token, nonce, buf) else None
+                got = buf if seg.read_into(offsets[k], length, token, nonce, buf) else None
                 del buf
             elif isinstance(dest, Consume):
-                got = length if seg.consume(r[1], length, token, nonce, dest.consume) else None
+                got = length if seg.consume(offsets[k], length, token, nonce, dest.consume) \
+                    else None
             else:
-                got = length if seg.read_into(r[1], length, token, nonce, dest) else None
+                got = length if seg.read_into(offsets[k], length, token, nonce, dest) else None
             if got is not None:
                 done = time.monotonic()
                 local_reads += 1
-                mismatch = verify and _verified(client, keys[i], r, got if dest is None
-                                                else dest[:length], expected)
+                mismatch = verify and _verified(client, keys[i], [segs[k], offsets[k], length],
+                                                got if dest is None else dest[:length], sums[i])
                 if mismatch:
                     failed[i] = mismatch
-                    bad.append(r)
+                    bad.append(k)
                     continue
                 results[i], done_at[i] = got, done
                 if failed:
                     failed.pop(i, None)
                 break
         if results[i] is None:
-            usable = [r for r in replicas if r[0] in where]
+            replicas = [[segs[k], offsets[k], length] for k in range(first, last)]
+            granted[i] = (token, length, replicas, sums[i], tickets[i] if tickets else None)
+            usable = [k for k in range(first, last) if segs[k] in where]
+            local = [k for k in usable if where[segs[k]][0] is not None]
             # remote replicas first (spread by token), then the local ones over
             # the network (not one whose bytes were just found wrong)
-            remote = [r for r in usable if r not in local]
+            remote = [replicas[k - first] for k in usable if k not in local]
             if remote:
-                k = token % len(remote)
-                remote = remote[k:] + remote[:k]
-            need[i] = remote + [r for r in local if r not in bad]
+                j = token % len(remote)
+                remote = remote[j:] + remote[:j]
+            need[i] = remote + [replicas[k - first] for k in local if k not in bad]
     client.transfer_counters["local_reads"] += local_reads
     for i in [i for i, left in need.items() if not left]:
         if i not in failed:

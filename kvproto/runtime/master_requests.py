@@ -411,22 +411,41 @@ class MasterRequests:
         # TTL, which is after the reader sent it (what the reader's check
         # counts from), so no later than a tick per key would make it
         self._ltick()
+        columns = {"errors": [], "token": [], "length": [], "checksum": [], "replicas": [],
+                   "segment": [], "offset": []}
+        if leased:
+            columns["lease"], columns["ttl"] = [], self.leases.ttl
         if self._batched():
-            items, segments = self._read_batch(body["keys"], client, leased, session)
+            segments = self._read_batch(body["keys"], client, leased, session, columns)
         else:
-            items, segments = self._read_items(body, client, leased, session)
+            segments = self._read_items(body, client, leased, session, columns)
         if session.empty():
             del self.sessions[client]
-        return 0, {"items": items, "segments": segments, "heartbeat": self.writer_timeout / 4,
-                   "term": self.failover.term}
+        reply = {"columns": columns} if body.get("columns") else {"items": wire.read_items(columns)}
+        reply.update(segments=segments, heartbeat=self.writer_timeout / 4, term=self.failover.term)
+        return 0, reply
 
-    def _read_items(self, body, client, leased, session) -> tuple[list, dict]:
-        """The reads of :meth:`_op_read_begin` one key at a time: the reply's
-        items and the segments they name."""
-        items, segments = [], {}
+    def _read_items(self, body, client, leased, session, columns) -> dict:
+        """The reads of :meth:`_op_read_begin` one key at a time, into the
+        reply's ``columns`` (:data:`~kvproto.runtime.wire.READ_COLUMNS`);
+        returns the segments they name."""
+        segments: dict = {}
         tenants, step, counters, touch = self.tenants, self._step, self.counters, self.leases.touch
-        infos, ok_item = self.segments, wire.ok_item
-        for key in body["keys"]:
+        infos = self.segments
+        refused, tokens, lengths, sums = (columns["errors"], columns["token"], columns["length"],
+                                          columns["checksum"])
+        counts, segs, offsets, lease_ids = (columns["replicas"], columns["segment"],
+                                            columns["offset"], columns.get("lease"))
+        if tenants is not None:
+            columns["tickets"] = []
+
+        def refuse(i, err):
+            refused.append([i, *err.to_wire()])
+            for column in (tokens, lengths, sums, counts, lease_ids, columns.get("tickets")):
+                if column is not None:
+                    column.append([] if column is columns.get("tickets") else 0)
+
+        for i, key in enumerate(body["keys"]):
             read = None
             if tenants is not None:
                 # spec Begin before ReadBegin: the grant, the object in the
@@ -436,24 +455,20 @@ class MasterRequests:
                     read = tenants.begin((client, self._next_lease), body["tenant"], key)
                 except errors.KvError as err:
                     self.counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
-                    items.append(wire.error_item(err))
+                    refuse(i, err)
                     continue
             err, effects = step(ReadBegin(key))
             if err is not None:
                 counters["misses" if isinstance(err, errors.KeyNotFound) else "refused"] += 1
-                items.append(wire.error_item(err))
+                refuse(i, err)
                 continue
             grant = effects[0]
             counters["reads"] += 1
             if not leased:
                 touch(key)      # a leased read's Grant marks it used itself
             replicas = grant.replicas
-            item = {"token": grant.token, "length": grant.length,
-                    "replicas": [[r.segment, r.offset, r.length] for r in replicas]}
-            if grant.checksum:
-                item["checksum"] = grant.checksum
             if tenants is not None:   # one per replica, for the nodes (NodeAdmits)
-                item["tickets"] = tenants.read_tickets(body["tenant"], grant.token, grant.replicas)
+                tickets = tenants.read_tickets(body["tenant"], grant.token, grant.replicas)
             if leased:
                 step(ReadEnd(key, grant.token))
                 lease_id = self._next_lease
@@ -461,74 +476,81 @@ class MasterRequests:
                 if lerr is not None:   # the tables disagree: a bug; answer it typed
                     touch(key)
                     log.error("lease grant of %r refused: %s", key, lerr)
-                    items.append(wire.error_item(lerr))
+                    refuse(i, lerr)
                     continue
                 self._next_lease += 1
                 counters["lease_grants"] += 1
                 if read is not None:
                     tenants.commit(read)
-                item["lease"] = lease_id
-                item["ttl"] = leffects[0].ttl
+                lease_ids.append(lease_id)
             else:
                 pin = (key, grant.token)
                 session.pins[pin] = session.pins.get(pin, 0) + 1
+            if tenants is not None:
+                columns["tickets"].append(tickets)
+            tokens.append(grant.token)
+            lengths.append(grant.length)
+            sums.append(grant.checksum or 0)
+            counts.append(len(replicas))
             for r in replicas:
+                segs.append(r.segment)
+                offsets.append(r.offset)
                 if r.segment not in segments:
                     info = infos.get(r.segment)
                     if info is not None:
                         segments[r.segment] = info.wire()
-            items.append(ok_item(item))
-        return items, segments
+        return segments
 
-    def _read_batch(self, keys, client, leased, session) -> tuple[list, dict]:
+    def _read_batch(self, keys, client, leased, session, columns) -> dict:
         """:meth:`_read_items` with the cores' batch steps: the directory's
         ``read_many`` (a leased read's pin ended at once) and the lease
         table's ``grant_many``. Lease ids are taken in order by the reads
         granted (a grant the lease table refuses, which the tables' agreement
         rules out, leaves its id unused)."""
         results = self.directory.read_many(keys, pin=not leased)
-        items, segments, infos, wanted = [], {}, self.segments, []
-        for key, r in zip(keys, results):
-            if type(r) is not tuple:
-                items.append(wire.error_item(r))
-                continue
-            token, length, checksum, placed = r
-            item = {"token": token, "length": length,
-                    "replicas": [[segment, offset, length] for segment, offset in placed]}
-            if checksum:
-                item["checksum"] = checksum
-            for segment, _ in placed:
-                if segment not in segments:
-                    info = infos.get(segment)
-                    if info is not None:
-                        segments[segment] = info.wire()
-            wanted.append((key, token, item, len(items)))
-            items.append([0, item])
+        hits = [(key, r[0]) for key, r in zip(keys, results) if type(r) is tuple]
         counters = self.counters
-        counters["reads"] += len(wanted)
-        counters["misses"] += len(items) - len(wanted)
-        counters["refused"] += len(items) - len(wanted)
-        if not leased:
+        counters["reads"] += len(hits)
+        counters["misses"] += len(keys) - len(hits)
+        counters["refused"] += len(keys) - len(hits)
+        rows = results     # each key's (token, length, checksum, placed); a refused key's 0s
+        if leased:
+            first = self._next_lease
+            grants = self.leases.grant_many(
+                [((client, first + n), key) for n, (key, _) in enumerate(hits)])
+            self._next_lease = first + len(hits)
+            ids = iter(range(first, first + len(hits)))
+            columns["lease"] = [next(ids) if type(r) is tuple else 0 for r in results]
+            refusals = sum(isinstance(g, errors.KvError) for g in grants)
+            if refusals:
+                # a grant refused: the tables disagree, a bug; answer it typed
+                rows, at = list(results), iter(i for i, r in enumerate(results) if type(r) is tuple)
+                for i, granted in zip(at, grants):
+                    if isinstance(granted, errors.KvError):
+                        self.leases.touch(keys[i])
+                        log.error("lease grant of %r refused: %s", keys[i], granted)
+                        rows[i], columns["lease"][i] = granted, 0
+            counters["lease_grants"] += len(grants) - refusals
+        else:
             touch, pins = self.leases.touch, session.pins
-            for key, token, _, _ in wanted:
-                touch(key)
-                pin = (key, token)
+            for pin in hits:
+                touch(pin[0])
                 pins[pin] = pins.get(pin, 0) + 1
-            return items, segments
-        first, ttl = self._next_lease, self.leases.ttl
-        grants = self.leases.grant_many(
-            [((client, first + n), key) for n, (key, _, _, _) in enumerate(wanted)])
-        self._next_lease = first + len(wanted)
-        for n, ((key, _, item, at), expires) in enumerate(zip(wanted, grants)):
-            if isinstance(expires, errors.KvError):   # the tables disagree: a bug; answer it typed
-                self.leases.touch(key)
-                log.error("lease grant of %r refused: %s", key, expires)
-                items[at] = wire.error_item(expires)
-                continue
-            item["lease"] = first + n
-            item["ttl"] = ttl
-        counters["lease_grants"] += sum(not isinstance(g, errors.KvError) for g in grants)
-        return items, segments
+        if len(hits) < len(keys) or rows is not results:
+            rows = list(rows)
+            for i, r in enumerate(rows):
+                if type(r) is not tuple:
+                    columns["errors"].append([i, *r.to_wire()])
+                    rows[i] = (0, 0, 0, ())
+        columns["token"] = [r[0] for r in rows]
+        columns["length"] = [r[1] for r in rows]
+        columns["checksum"] = [r[2] for r in rows]
+        columns["replicas"] = [len(r[3]) for r in rows]
+        columns["segment"] = [segment for r in rows for segment, _ in r[3]]
+        columns["offset"] = [offset for r in rows for _, offset in r[3]]
+        infos = self.segments
+        return {segment: infos[segment].wire() for segment in dict.fromkeys(columns["segment"])
+                if segment in infos}
 
     def _op_read_end(self, body, reply_to, request_id):
         client = body["client"]

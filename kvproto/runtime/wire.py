@@ -9,7 +9,8 @@ Every message is a multipart ZeroMQ message::
 and ``body`` is ``{"message": str}``. Payload frames carry object bytes and are
 never packed into msgpack (so they can be sent and received without a copy).
 Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
-for success, ``[code, message]`` for a per-key error. A request id names one
+for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
+with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`). A request id names one
 request on its connection (a sender numbers every request afresh, a retry
 included; 0 asks for no reply): the master serves an id once, and answers a
 copy :class:`~kvproto.errors.DuplicateRequest`.
@@ -37,6 +38,7 @@ fields are ignored (forward compatibility). The per-op schemas live in
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import msgpack
@@ -267,8 +269,10 @@ MASTER_OPS: dict[str, OpSchema] = {
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
     # ``lease: true`` asks for a read lease per key (lease id + TTL) instead of a pin
     # ``release``: leases this client is done with, ended before the lookup
+    # ``columns: true`` asks for the grants as columns (:data:`READ_COLUMNS`)
     "read_begin": OpSchema({"client": CLIENT, "keys": KEYS},
-                           optional={"lease": boolean(), "release": list_of(uint(_UINT63, 1))}),
+                           optional={"lease": boolean(), "release": list_of(uint(_UINT63, 1)),
+                                     "columns": boolean()}),
     "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
@@ -576,6 +580,79 @@ def items_of(reply: Reply, expected: int) -> list:
         raise errors.MalformedFrame(f"reply has {len(items) if isinstance(items, list) else 'no'} "
                                     f"items, expected {expected}")
     return items
+
+
+#: A ``read_begin`` asked with ``columns`` answers its keys as columns, one
+#: list per field with an entry per key in the request's order, instead of an
+#: item per key: ``errors`` the keys refused, ``[index, code, message]``
+#: (their other entries 0); ``token``, ``length``, ``checksum`` (0: none) and
+#: ``replicas`` (how many); ``segment`` and ``offset`` every key's replicas in
+#: turn (a replica's length is its object's). A leased read adds ``lease`` (the
+#: ids) and ``ttl`` (one for the request); a store with tenants ``tickets``
+#: (each key's, one per replica). :func:`read_items` turns them into items;
+#: :func:`read_columns` is the client's check of them.
+READ_COLUMNS = ("token", "length", "checksum", "replicas", "offset")
+READ_ERRORS = list_of(tuple_of(uint(MAX_BATCH), uint(_UINT63, 1), text(1 << 20)))
+READ_TICKETS = list_of(list_of(TICKET, MAX_REPLICAS))
+
+
+def read_items(columns: dict) -> list:
+    """The items of a ``read_begin`` reply (one per key: ``[0, grant]`` or an
+    error) from its :data:`READ_COLUMNS`."""
+    items: list = [[0, None]] * len(columns["token"])
+    for i, code, message in columns["errors"]:
+        items[i] = [code, message]
+    lease, tickets, at = columns.get("lease"), columns.get("tickets"), 0
+    segment, offset = columns["segment"], columns["offset"]
+    for i, (token, length, checksum, n) in enumerate(zip(
+            columns["token"], columns["length"], columns["checksum"], columns["replicas"])):
+        if items[i][0]:
+            continue
+        item = {"token": token, "length": length,
+                "replicas": [[segment[k], offset[k], length] for k in range(at, at + n)]}
+        at += n
+        if checksum:
+            item["checksum"] = checksum
+        if tickets is not None:
+            item["tickets"] = tickets[i]
+        if lease is not None:
+            item["lease"], item["ttl"] = lease[i], columns["ttl"]
+        items[i] = [0, item]
+    return items
+
+
+def read_columns(reply: Reply, expected: int) -> dict:
+    """The columns of a ``read_begin`` reply for ``expected`` keys (see
+    :data:`READ_COLUMNS`), checked a column at a time; a reply of another
+    shape raises :class:`~kvproto.errors.MalformedFrame`."""
+    columns = reply.body.get("columns")
+    if type(columns) is not dict:
+        raise errors.MalformedFrame("read_begin reply has no columns")
+    ints = [*READ_COLUMNS, *(["lease"] if "lease" in columns else [])]
+    for name in ints:
+        try:   # unsigned 64-bit ints, in one pass in C
+            if type(columns.get(name)) is not list or array("Q", columns[name]) is None:
+                raise TypeError
+        except (TypeError, OverflowError):
+            raise errors.MalformedFrame(f"read_begin reply's column {name!r} is not unsigned "
+                                        "ints") from None
+    segments = columns.get("segment")
+    try:    # a few segments named over and over: each name checked once
+        names = set(segments) if type(segments) is list else None
+    except TypeError:
+        names = None
+    if names is None or not all(SEGMENT.ok(s) for s in names) \
+            or not READ_ERRORS.ok(columns.get("errors")) \
+            or ("tickets" in columns and not READ_TICKETS.ok(columns["tickets"])):
+        raise errors.MalformedFrame("read_begin reply's segments, errors or tickets are malformed")
+    if any(len(columns[name]) != expected for name in ints if name != "offset") \
+            or ("tickets" in columns and len(columns["tickets"]) != expected) \
+            or len(segments) != sum(columns["replicas"]) or len(columns["offset"]) != len(segments) \
+            or any(i >= expected for i, _, _ in columns["errors"]):
+        raise errors.MalformedFrame(f"read_begin reply's columns do not describe {expected} keys")
+    if "lease" in columns and not (type(columns.get("ttl")) in (int, float) and columns["ttl"] > 0):
+        raise errors.MalformedFrame("read_begin reply has leases but no ttl")
+    return columns
 
 
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)

@@ -195,3 +195,14 @@ def test_placements_of_acknowledged_puts(net):
     send(client, "put_end", 2, {"client": "c", "items": [[b"a", 40]]})
     assert replies(client, 2) == [1, 2]
     assert control.call("placements")["placements"] == {b"a": ["seg-a", "seg-b"]}
+
+
+def test_a_reader_is_learned_from_a_read_begin_answered_as_items_or_as_columns():
+    """The proxy learns which client a read token was granted to (its rules
+    pick a ``read`` by its reader) from either shape of the reply."""
+    from collections import OrderedDict
+    proxy = Proxy.__new__(Proxy)       # no sockets: only what the learning keeps
+    proxy.token_pid = OrderedDict()
+    proxy._learn("read_begin", 7, True, {"columns": {"token": [5, 0, 6]}})
+    proxy._learn("read_begin", 8, True, {"items": [[0, {"token": 9}], [1, "no such key"]]})
+    assert dict(proxy.token_pid) == {5: 7, 6: 7, 9: 8}

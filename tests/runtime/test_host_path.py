@@ -82,6 +82,21 @@ def test_small_objects_get_fresh_memory_and_the_pool_holds_at_most_its_capacity(
     assert off._bufs == [] and off.take(BIG).nbytes == BIG
 
 
+def test_small_objects_are_cut_from_shared_slabs_without_overlapping():
+    pool = ReadBuffers()
+    sizes = [1, 4096, 5000, ReadBuffers.SLAB_OBJECT] * 12     # several slabs' worth
+    views = [pool.take(n) for n in sizes]
+    assert [v.nbytes for v in views] == sizes and not any(v.readonly for v in views)
+    for n, v in enumerate(views):
+        v[:] = bytes([n]) * v.nbytes
+    spans = sorted((address(v), address(v) + v.nbytes) for v in views)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(bytes(v) == bytes([n]) * v.nbytes for n, v in enumerate(views))
+    assert len({v.obj.ctypes.data for v in views}) > 1 and pool._bufs == []
+    assert pool.take(ReadBuffers.SLAB_OBJECT + 1).nbytes == ReadBuffers.SLAB_OBJECT + 1
+
+
 def test_a_held_get_keeps_its_bytes_while_later_gets_reuse_released_memory(client):
     a, b = data_of(b"held-a", BIG), data_of(b"held-b", BIG)
     client.put(b"held-a", a)

@@ -167,3 +167,38 @@ def test_the_fast_test_of_nested_fields(op, field, value, ok):
     schema = wire.STORAGE_OPS[op]
     check = {**schema.fields, **schema.optional}[field]
     assert check.ok(value) is ok and _passes(check, value) is ok
+
+
+GOOD_COLUMNS = {"errors": [[1, errors.KeyNotFound.code, "b'x'"]], "token": [5, 0, 6],
+                "length": [10, 0, 20], "checksum": [0, 0, 9], "replicas": [1, 0, 2],
+                "segment": ["a", "a", "b"], "offset": [0, 4096, 0], "lease": [3, 0, 4],
+                "ttl": 2.0}
+
+
+@pytest.mark.parametrize("change", [
+    {"columns": None}, {"token": [5, 0]}, {"token": [5, 0, "6"]}, {"offset": [0, 4096]},
+    {"replicas": [1, 0, 3]}, {"segment": ["a", "a", 7]}, {"errors": [[3, 1, "?"]]},
+    {"errors": [[0, 0, "ok?"]]}, {"checksum": [0, 0, -1]}, {"lease": [3, 0]}, {"ttl": None},
+    {"tickets": [[], [], "t"]}, {"length": None}, {"segment": ["a", ["a"], "b"]},
+    {"offset": [0, 1.5, 0]}, {"lease": [3, 0, True, 1]},
+])
+def test_a_read_begin_answered_as_columns_is_checked(change):
+    """What the client takes from a ``read_begin`` answered as columns is
+    checked as a whole: a column missing, of the wrong type or length, or not
+    matching the replicas' counts, is MalformedFrame."""
+    n = 3
+    assert wire.read_columns(wire.Reply(0, 1, {"columns": GOOD_COLUMNS}, []), n) is GOOD_COLUMNS
+    columns = {k: v for k, v in {**GOOD_COLUMNS, **change}.items() if v is not None}
+    body = {"columns": columns} if "columns" not in change else {"items": []}
+    with pytest.raises(errors.MalformedFrame):
+        wire.read_columns(wire.Reply(0, 1, body, []), n)
+    with pytest.raises(errors.MalformedFrame):
+        wire.read_columns(wire.Reply(0, 1, {"columns": GOOD_COLUMNS}, []), n + 1)
+
+
+def test_columns_read_back_as_items():
+    assert wire.read_items(GOOD_COLUMNS) == [
+        [0, {"token": 5, "length": 10, "replicas": [["a", 0, 10]], "lease": 3, "ttl": 2.0}],
+        [errors.KeyNotFound.code, "b'x'"],
+        [0, {"token": 6, "length": 20, "replicas": [["a", 4096, 20], ["b", 0, 20]],
+             "checksum": 9, "lease": 4, "ttl": 2.0}]]

@@ -372,6 +372,15 @@ class Proxy:
     def _learn(self, op: str, pid: Optional[int], summary: Any, body: dict) -> None:
         """Remember read tokens' readers and acknowledged puts' placements."""
         items = body.get("items")
+        columns = body.get("columns")
+        if op == "read_begin" and pid is not None and type(columns) is dict \
+                and type(columns.get("token")) is list:
+            for token in columns["token"]:     # a read_begin answered as columns
+                if token:
+                    self.token_pid[token] = pid
+            while len(self.token_pid) > MEMORY:
+                self.token_pid.popitem(last=False)
+            return
         if type(items) is not list:
             return
         if op == "read_begin" and pid is not None:
