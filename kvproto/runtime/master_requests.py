@@ -694,7 +694,10 @@ class MasterRequests:
         others, each removal carried out as its effects are (``Removed``: the
         lease table's ``drop_many``, one step for all; ``FreeRegion``: the
         region back to the allocator unless a direct writer's, and a ``free``
-        queued; ``RepairCancelled``: the repair ended)."""
+        queued; ``RepairCancelled``: the repair ended). No key, no tick of the
+        lease clock, as one key at a time."""
+        if not keys:
+            return []
         self._ltick()
         leases, counters = self.leases, self.counters
         cached, reclaimable = leases.objects, leases.reclaimable

@@ -167,6 +167,19 @@ def test_the_comparison_sees_a_batch_step_that_differs(monkeypatch):
             run(Pair(random.Random(seed)), 150)
 
 
+def test_a_remove_of_no_keys_changes_the_lease_table_in_neither():
+    """A leased read's lease has run out by the time a remove names no key:
+    one key at a time, no key means no tick of the lease clock, and the
+    batch path must not tick it either (the lease stays until a later step)."""
+    pair = Pair(random.Random(0))
+    pair.call("put_start", {"client": "c1", "replicas": 1, "items": [[KEYS[0], 4096]]})
+    token = pair.cores[0].directory.objects[KEYS[0]].token
+    pair.call("put_end", {"client": "c1", "items": [[KEYS[0], token]]})
+    pair.call("read_begin", {"client": "r1", "keys": [KEYS[0]], "lease": True})
+    pair.clock.t += 3.0
+    pair.call("remove", {"keys": []})
+
+
 @pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("leased", [True, False])
 def test_a_read_answered_as_columns_stands_for_the_same_items(batched, leased):
