@@ -78,6 +78,10 @@ SLOW = {
     "tests/test_runtime_mutants.py::test_quick_mutants_are_killed": 30,
     "tests/runtime/test_repair_runtime.py": 55,
     "tests/runtime/test_takeover_trace.py": 45,
+    "tests/test_trace_windows.py": 80,
+    "tests/runtime/test_failover_trace.py": 60,
+    "tests/runtime/test_merged_windows.py": 35,
+    "tests/cores/test_differential.py": 40,
 }
 
 

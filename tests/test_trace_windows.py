@@ -215,8 +215,9 @@ def _keep_a_region(row):
 
 
 @needs_java
-@pytest.mark.parametrize("kind, change, prefix", [("PutEnd", _publish_the_refused, True),
-                                                  ("Remove", _keep_a_region, False)])
+@pytest.mark.parametrize("kind, change, prefix", [
+    ("PutEnd", _publish_the_refused, True),
+    pytest.param("Remove", _keep_a_region, False, marks=pytest.mark.soak)])
 def test_a_step_changed_past_step_1000_is_rejected_with_its_number(recorded, tmp_path,
                                                                    kind, change, prefix):
     bad = tmp_path / "bad.trace"
