@@ -295,10 +295,13 @@ class LocalSegment:
     def _seqlocked(self, offset: int, length: int, token: int, nonce: int, copy) -> bool:
         """The seqlock of every read: ``copy(src)`` (``src`` a byte view of the
         region) runs only if the region is complete, and the result counts
-        only if it still is afterwards (same generation word, same segment nonce)."""
-        if offset < 0 or offset % self.page_size or offset + length > self.capacity:
-            return False
+        only if it still is afterwards (same generation word, same segment nonce).
+        A mapping closed meanwhile (its node gone, pruned by another lookup of
+        the same batch) has nothing complete in it."""
         words = self._words
+        if words is None or offset < 0 or offset % self.page_size \
+                or offset + length > self.capacity:
+            return False
         idx = HEADER_WORDS + offset // self.page_size
         want = gen_word(token, True)
         if words[1] != nonce or words[idx] != want:
@@ -322,8 +325,8 @@ class LocalSegment:
     def region(self, offset: int, length: int) -> Optional[np.ndarray]:
         """The region's bytes as a writable array (a direct writer's destination),
         or ``None`` for a read-only mapping or a region outside the segment."""
-        if not self.writable or offset < 0 or offset % self.page_size \
-                or offset + length > self.capacity:
+        if not self.writable or self._data is None or offset < 0 \
+                or offset % self.page_size or offset + length > self.capacity:
             return None
         return self._data[offset:offset + length]
 
@@ -331,8 +334,8 @@ class LocalSegment:
         """Whether the node has applied the region's assign to ``token`` (and
         nobody reported a write yet): a direct writer may write it."""
         words = self._words
-        return words[1] == nonce and words[HEADER_WORDS + offset // self.page_size] \
-            == gen_word(token, False)
+        return words is not None and words[1] == nonce \
+            and words[HEADER_WORDS + offset // self.page_size] == gen_word(token, False)
 
     def write(self, offset: int, view: memoryview) -> bool:
         """Copy ``view`` (a flat byte view) into the region at ``offset`` (one
@@ -340,8 +343,8 @@ class LocalSegment:
         region outside the segment."""
         if type(view) is not memoryview or view.format != "B" or view.ndim != 1:
             view = memoryview(view).cast("B")
-        if not self.writable or offset < 0 or offset % self.page_size \
-                or offset + view.nbytes > self.capacity:
+        if not self.writable or self._bytes is None or offset < 0 \
+                or offset % self.page_size or offset + view.nbytes > self.capacity:
             return False
         self._bytes[offset:offset + view.nbytes] = view
         return True

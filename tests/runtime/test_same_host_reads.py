@@ -67,6 +67,20 @@ def test_a_region_rewritten_during_the_copy_is_not_kept(segment):
     assert local.read(0, LENGTH, 8, mem.nonce) is None
 
 
+def test_a_mapping_closed_under_a_batch_reads_and_writes_nothing(segment):
+    """A batch holds a segment's mapping while a later lookup in it prunes the
+    mapping (the node is gone): the read is a miss of this path, never an
+    untyped error."""
+    mem, local = segment
+    publish(mem, 0, 7, 0xAA)
+    local.close()
+    assert local.read(0, LENGTH, 7, mem.nonce) is None
+    assert not local.read_into(0, LENGTH, 7, mem.nonce, bytearray(LENGTH))
+    assert not local.consume(0, LENGTH, 7, mem.nonce, lambda src: None)
+    assert not local.assigned(0, 7, mem.nonce)
+    assert not local.write(0, memoryview(b"x" * LENGTH))
+
+
 def test_a_descriptor_of_a_segment_that_started_over_is_not_read(segment):
     """A node that starts over (new segment id) may carry the same token again
     for other bytes; a descriptor from before (old nonce) must not read them."""
