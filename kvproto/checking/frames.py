@@ -184,7 +184,7 @@ def wrong(src: Source, f: Field) -> Any:
             return v
     if f.kind == "uint":   # outside the range, still a msgpack integer
         return src.pick([v for v in (f.lo - 1, f.hi + 1, -1, -(2 ** 63), UINT64)
-                         if not f.lo <= v <= f.hi])
+                         if not f.lo <= v <= f.hi and -(2 ** 63) <= v <= UINT64])
     if f.kind in ("bytes", "str"):
         n = src.pick([n for n in (f.lo - 1, f.hi + 1) if n >= 0])
         return b"k" * n if f.kind == "bytes" else "s" * n
