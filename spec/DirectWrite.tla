@@ -68,7 +68,12 @@ Init ==
     /\ writer = [w \in Writers |-> None]
     /\ bytes = [i \in Slots |-> 0]
 
-(* The master grants a free slot to an idle direct writer. *)
+(* The master grants a free slot to an idle direct writer.  The master's   *)
+(* decision and the node's taking the region are one step here; the        *)
+(* runtime keeps them one for the writer, which writes only once the node  *)
+(* shows the assign in the region's generation word.  A writer that wrote  *)
+(* before could write a region a failed-over master's node never took,     *)
+(* which the next master grants again.                                     *)
 Grant(w, k, i) ==
     /\ writer[w] = None
     /\ dir[k] = None

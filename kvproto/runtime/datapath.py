@@ -398,7 +398,14 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
     region shows its assign to ``token``, copy ``view`` in (or let a
     :class:`Fill` produce it there), report it. False (nothing written) if the
     assign did not show by ``deadline``. A :class:`Fill`'s error is raised, its
-    report left to the copy (``on_late``)."""
+    report left to the copy (``on_late``).
+
+    The wait is a poll of the region's word: the node tells the writer
+    nothing, the word is where its assign shows. The master sends the
+    assign before the grant, so the first look finds it at least half the
+    time at batch 1 (docs/gpu.md, "Where a 4 KiB put and get spend their
+    time"); why the writer may not write before it shows:
+    docs/protocols/directwrite.md, "The write"."""
     spins = 0
     while not seg.assigned(offset, token, nonce):
         if time.monotonic() >= deadline:
