@@ -94,6 +94,27 @@ TLC walks the merged behaviour with a module ``FailoverTrace`` that extends
 state the steps before it reached, and the spec's invariants are checked in
 every state. A behaviour that the spec does not allow fails at the first
 step TLC cannot take, named by its node file and recorded number.
+
+Long runs. The merged behaviour is checked whole, in windows of at most
+1,000 merged steps (:func:`check`), each its own TLC run, chained state to
+state. No recorded line holds the spec's state here (the nodes record their
+own steps, not the spec's variables), so TLC itself says where a window
+ended: the invariant ``WindowEnd`` (always TRUE) prints every state the
+window ends in, and the next window starts in exactly those states
+(``WindowInit``, from ``Starts``): every variable of the spec, the history
+variables ``promised``, ``staleAccepted`` and ``told`` and the fence's
+``acked`` included, and the module's ``pending`` and ``recoveredTerms``. A
+window may end after any step. Each window's model holds only the keys its
+steps name (and the replicas its recoveries list) and the keys that still
+hold something where it starts (:func:`_empty`: an entry at a node or at a
+master that is not on standby, a purge owed, an acknowledged publish on a
+live node); another key's ``told`` and its entries at masters on standby,
+which no step of the run and no invariant reads while nothing names the key,
+are set aside unchanged and come back when a later window names it. So a
+window's model is as small as its own steps however long the run, and
+together the windows check the whole run: a step the spec does not allow
+fails in its window, named by its node file and recorded number and by its
+place in the whole merged run (``merged step i of N, window w``).
 """
 
 from __future__ import annotations
@@ -105,7 +126,7 @@ from types import SimpleNamespace
 from typing import Callable, Optional
 
 from kvproto.checking import windows
-from kvproto.checking.tla import Fn, ModelValue, format_value, parse_value, ParseError
+from kvproto.checking.tla import Fn, ModelValue, format_value
 from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
                                        failure, first_unmatched, json_lines, machine_lines,
                                        outcome, run_module)
@@ -622,28 +643,6 @@ def _on_keys(state: dict, keys: set, aside: dict) -> dict:
     return out
 
 
-def _window_ends(output: str) -> list[dict]:
-    """The states TLC printed where a window ended (``WindowEnd``: a line
-    ``<< "WindowEnd",`` and the indented lines after it)."""
-    blocks: list[list[str]] = []
-    for line in output.splitlines():
-        if line.startswith('<< "WindowEnd"'):
-            blocks.append([line])
-        elif blocks and blocks[-1] is not None and line[:1].isspace():
-            blocks[-1].append(line)
-        elif blocks:
-            blocks.append(None)
-    ends = []
-    for block in filter(None, blocks):
-        try:
-            _, state = parse_value("\n".join(block))
-            ends.append({name: state[name] for name in CARRIED})
-        except (ParseError, KeyError, TypeError, ValueError) as e:
-            raise TraceError(f"TLC printed a window's end the checker cannot read ({e})") \
-                from None
-    return ends
-
-
 def _text(model: "FailoverModel", lo: int, hi: int, keys: set, starts: Optional[list],
           last: bool) -> tuple[str, str]:
     """The trace module and cfg of the steps ``lo:hi`` on the keys ``keys``,
@@ -712,9 +711,8 @@ def check(nodes: list, masters: Optional[list] = None, *, size: int = windows.SI
                 aside[k] = _aside(starts[0], k)
             keys |= stay
             starts = [_on_keys(s, keys, aside) for s in starts]
-        last = w == count - 1
         where = keep if keep is None or count == 1 else Path(keep) / f"window-{w + 1}"
-        text, cfg = _text(model, lo, hi, keys, starts, last and hi == n)
+        text, cfg = _text(model, lo, hi, keys, starts, w == count - 1)
         result = run_module("Failover", "FailoverTrace", text, cfg, keep=where,
                             on_output=on_output)
         states += result.distinct_states or 0
@@ -723,8 +721,8 @@ def check(nodes: list, masters: Optional[list] = None, *, size: int = windows.SI
                       windows=w + 1)
         if result.verdict != "ok":
             return _failed(model, result, lo, hi, w + 1 if n > size else 0, common)
-        if hi < n:
-            starts, held = _window_ends(result.output), keys
+        if w < count - 1:
+            starts, held = windows.printed_ends(result.output, CARRIED), keys
             if not starts:
                 raise failure(result)
     spread = f" in {count} windows" if n > size else ""
@@ -776,7 +774,9 @@ def add_arguments(sub) -> None:
         description="Merge the storage nodes' traces (ordered by their term fences) into one "
                     "run and check with TLC that their fence, index and purge steps, with the "
                     "masters' takeovers between them, are a behaviour of spec/Failover.tla, or "
-                    "name the first step that is not.")
+                    "name the first step that is not. A long run is checked whole, in windows "
+                    "of at most 1,000 merged steps, each its own TLC run from the states the "
+                    "one before ended in.")
     parser.add_argument("nodes", type=Path, nargs="+", metavar="NODE_FILE",
                         help="the storage nodes' trace files")
     parser.add_argument("--master", type=Path, action="append", default=[], metavar="FILE",
