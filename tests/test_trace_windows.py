@@ -479,3 +479,15 @@ def test_a_failover_step_forged_past_the_first_window_is_rejected_with_its_place
     assert f"(merged step {at} of {len(model.records)}, window 2 of steps " \
         f"{FAILOVER_WINDOW + 1} to {2 * FAILOVER_WINDOW})" in verdict.message, verdict.message
     assert verdict.windows == 2
+
+
+@needs_java
+@pytest.mark.soak
+def test_a_failover_run_past_the_old_cap_is_checked_whole(tmp_path):
+    """A run of some 6,500 merged steps (one TLC run took at most 5,000) is
+    checked whole in windows of the default 1,000."""
+    nodes, masters = long_failover_run(tmp_path, terms=4, rounds=200)
+    verdict = failtrace.check(nodes, masters)
+    assert verdict.ok, verdict.message
+    assert verdict.steps > 6000 and verdict.windows == -(-verdict.steps // 1000)
+    assert f"in {verdict.windows} windows" in verdict.message
