@@ -461,7 +461,7 @@ def test_a_failover_step_forged_past_the_first_window_is_rejected_with_its_place
     dropping nothing: the allocation it keeps was made in window 1, and what
     the spec's Recover purged is carried to the next window, so the purge
     fails, named by its number in b's file and its place in the whole merged
-    run; window 1 passed."""
+    run; window 1 passes (alone too, capped at one window: and says so)."""
     nodes, masters = takeovers
     rows = [json.loads(line) for line in nodes[1].read_text().splitlines()]
     forged = next(r for r in rows if r.get("event", {}).get("type") == "PurgeUnpublished"
@@ -473,6 +473,9 @@ def test_a_failover_step_forged_past_the_first_window_is_rejected_with_its_place
     at = next(i for i, (path, n, _, _) in enumerate(model.origins, 1)
               if path == bad and n == forged["n"])
     assert FAILOVER_WINDOW < at <= 2 * FAILOVER_WINDOW
+    first = failtrace.check([nodes[0], bad], masters, size=FAILOVER_WINDOW, max_windows=1)
+    assert first.ok and first.steps == FAILOVER_WINDOW, first.message
+    assert "the rest are not checked: at most 1 window(s) of 50 steps" in first.message
     verdict = failtrace.check([nodes[0], bad], masters, size=FAILOVER_WINDOW)
     assert not verdict.ok and verdict.failed_step == forged["n"], verdict.message
     assert verdict.message.startswith(f"b.trace step {forged['n']} "), verdict.message

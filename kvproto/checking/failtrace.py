@@ -683,8 +683,8 @@ def check(nodes: list, masters: Optional[list] = None, *, size: int = windows.SI
     TLC run from the states the window before it ended in."""
     if not nodes:
         raise TraceError("no storage node trace to check")
-    if size < 1:
-        raise TraceError("a window needs at least one step")
+    if size < 1 or (max_windows is not None and max_windows < 1):
+        raise TraceError("a window needs at least one step, and a check at least one window")
     read, files = [], []
     for path in nodes:
         for segment in read_node(path):
@@ -725,7 +725,7 @@ def check(nodes: list, masters: Optional[list] = None, *, size: int = windows.SI
             starts, held = windows.printed_ends(result.output, CARRIED), keys
             if not starts:
                 raise failure(result)
-    spread = f" in {count} windows" if n > size else ""
+    spread = f" in {count} windows" if count > 1 else ""
     what = f"{len(files)} segment(s) and {len(model.masters)} term(s)"
     if hi == n:
         return Verdict(True, message=f"all {n} fence, index and recovery steps of {what} are "
