@@ -94,6 +94,27 @@ TLC walks the merged behaviour with a module ``FailoverTrace`` that extends
 state the steps before it reached, and the spec's invariants are checked in
 every state. A behaviour that the spec does not allow fails at the first
 step TLC cannot take, named by its node file and recorded number.
+
+Long runs. The merged behaviour is checked whole, in windows of at most
+1,000 merged steps (:func:`check`), each its own TLC run, chained state to
+state. No recorded line holds the spec's state here (the nodes record their
+own steps, not the spec's variables), so TLC itself says where a window
+ended: the invariant ``WindowEnd`` (always TRUE) prints every state the
+window ends in, and the next window starts in exactly those states
+(``WindowInit``, from ``Starts``): every variable of the spec, the history
+variables ``promised``, ``staleAccepted`` and ``told`` and the fence's
+``acked`` included, and the module's ``pending`` and ``recoveredTerms``. A
+window may end after any step. Each window's model holds only the keys its
+steps name (and the replicas its recoveries list) and the keys that still
+hold something where it starts (:func:`_empty`: an entry at a node or at a
+master that is not on standby, a purge owed, an acknowledged publish on a
+live node); another key's ``told`` and its entries at masters on standby,
+which no step of the run and no invariant reads while nothing names the key,
+are set aside unchanged and come back when a later window names it. So a
+window's model is as small as its own steps however long the run, and
+together the windows check the whole run: a step the spec does not allow
+fails in its window, named by its node file and recorded number and by its
+place in the whole merged run (``merged step i of N, window w``).
 """
 
 from __future__ import annotations
@@ -101,8 +122,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Optional
 
+from kvproto.checking import windows
 from kvproto.checking.tla import Fn, ModelValue, format_value
 from kvproto.checking.tracerun import (Numbered, TraceError, Verdict, accepted, cfg_text,
                                        failure, first_unmatched, json_lines, machine_lines,
@@ -122,8 +145,6 @@ INVARIANTS = ("TypeOK", "NoSplitBrainAllocation", "NoStaleTermWriteAccepted",
               "DirectoryOnlyListsLiveBytes", "UnpublishedPurgedAfterRecovery",
               "AcknowledgedChangesSurvive", "NoPublishedCopyOrphaned",
               "ReadsReturnPublishedBytesOrMiss")
-#: at most this many merged steps are checked
-MAX_STEPS = 5000
 NONE = ModelValue("None")
 
 
@@ -518,6 +539,30 @@ TraceInit ==
     /\ pending = [n \in Nodes |-> {}]
     /\ recoveredTerms = {}
 
+\* A window of a longer run (kvproto.checking.failtrace) starts in a state the
+\* window before it ended in: every variable of the spec and of this module,
+\* on the keys this window names or whose entries are not empty there.
+Starts == %(starts)s
+WindowInit ==
+    \E s \in Starts :
+        /\ coordTerm = s.coordTerm /\ phase = s.phase /\ mterm = s.mterm /\ acked = s.acked
+        /\ dir = s.dir /\ live = s.live /\ nodeTerm = s.nodeTerm /\ idx = s.idx
+        /\ desc = s.desc /\ got = s.got /\ promised = s.promised
+        /\ staleAccepted = s.staleAccepted /\ told = s.told
+        /\ pending = s.pending /\ recoveredTerms = s.recoveredTerms
+        /\ pos = 1
+
+\* Each state a window ends in, printed for the next window to start from
+\* (always TRUE: not a property).
+WindowEnd ==
+    pos > Len(Trace) =>
+        PrintT(<<"WindowEnd", [coordTerm |-> coordTerm, phase |-> phase, mterm |-> mterm,
+                              acked |-> acked, dir |-> dir, live |-> live,
+                              nodeTerm |-> nodeTerm, idx |-> idx, desc |-> desc, got |-> got,
+                              promised |-> promised, staleAccepted |-> staleAccepted,
+                              told |-> told, pending |-> pending,
+                              recoveredTerms |-> recoveredTerms]>>)
+
 Done == pos > Len(Trace) /\ UNCHANGED <<vars, pos, Others>>
 
 TraceNext ==
@@ -533,13 +578,113 @@ def _fn(value: Fn) -> str:
     return format_value(value) if value else "<<>>"
 
 
-def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] = None,
+# --- windows ---------------------------------------------------------------------
+
+#: what a window carries to the next: the spec's variables and the trace module's
+CARRIED = ("coordTerm", "phase", "mterm", "acked", "dir", "live", "nodeTerm", "idx", "desc",
+           "got", "promised", "staleAccepted", "told", "pending", "recoveredTerms")
+_TOLD_NONE = Fn.of({"what": "none", "node": NONE})
+
+
+def _dict(value) -> dict:
+    """A function TLC printed (``<<>>`` over an empty domain) as a dict."""
+    return dict(value.items()) if isinstance(value, Fn) else {}
+
+
+def _named(model: "FailoverModel", lo: int, hi: int) -> set:
+    """The keys the steps ``lo:hi`` name, and those their recoveries list."""
+    out: set = set()
+    for r in model.records[lo:hi]:
+        if r["k"] != NONE:
+            out.add(r["k"])
+        out |= r["keys"]
+        if r["act"] == "Recover" and r["t"] in model.replicas:
+            out |= model.replicas[r["t"]]
+    return out
+
+
+def _empty(state: dict, k) -> bool:
+    """Whether key ``k`` holds nothing in ``state`` that a later step or an
+    invariant reads: no node's entry, no serving or fencing master's
+    directory entry, no purge owed, no descriptor, and no acknowledged
+    publish on a live node (a ``told`` of a remove, or of a publish on a
+    lost node, obliges nothing: a later publish of ``k`` resets it)."""
+    told = _dict(state["told"]).get(k, _TOLD_NONE)
+    phase = _dict(state["phase"])
+    return (all(_dict(keys).get(k, NONE) == NONE for keys in _dict(state["idx"]).values())
+            and all(_dict(keys).get(k, NONE) == NONE for m, keys in _dict(state["dir"]).items()
+                    if phase[m] != "standby")
+            and all(k not in owed for owed in _dict(state["pending"]).values())
+            and all(d == NONE or d["key"] != k for d in _dict(state["desc"]).values())
+            and not (told["what"] == "published" and told["node"] in state["live"]))
+
+
+def _aside(state: dict, k) -> tuple:
+    """What an empty key keeps while no window names it: its ``told`` and the
+    directory entries of masters on standby (read by no step or invariant)."""
+    return (_dict(state["told"]).get(k, _TOLD_NONE),
+            tuple(sorted(((m.name, _dict(keys).get(k, NONE))
+                          for m, keys in _dict(state["dir"]).items()), key=lambda x: x[0])))
+
+
+def _on_keys(state: dict, keys: set, aside: dict) -> dict:
+    """``state`` on exactly the keys ``keys``: those it does not hold come
+    back from ``aside`` (or start empty), the others are dropped."""
+    def keyed(fn, default) -> Fn:
+        held = _dict(fn)
+        return Fn.of({k: held[k] if k in held else default(k) for k in keys})
+
+    dir_aside = {k: dict(aside[k][1]) for k in aside}
+    out = dict(state)
+    out["told"] = keyed(state["told"], lambda k: aside[k][0] if k in aside else _TOLD_NONE)
+    out["idx"] = Fn.of({n: keyed(v, lambda k: NONE) for n, v in _dict(state["idx"]).items()})
+    out["dir"] = Fn.of({m: keyed(v, lambda k, m=m: dir_aside.get(k, {}).get(m.name, NONE))
+                        for m, v in _dict(state["dir"]).items()})
+    return out
+
+
+def _text(model: "FailoverModel", lo: int, hi: int, keys: set, starts: Optional[list],
+          last: bool) -> tuple[str, str]:
+    """The trace module and cfg of the steps ``lo:hi`` on the keys ``keys``,
+    from ``starts`` (None: the spec's ``Init``), printing where it ends
+    unless ``last``."""
+    records = model.records[lo:hi]
+    recovering = {r["t"] for r in records if r["act"] == "Recover"}
+    ordered = sorted(keys, key=lambda k: int(k.name[1:]))
+    values = list(model.masters) + [v for v in model.model_values
+                                    if v in model.constants["Nodes"]] + ordered \
+        + sorted(model.constants["Readers"], key=lambda v: v.name)
+    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in records) + "\n  >>" \
+        if records else "<<>>"
+    state = "{" + ",\n    ".join(format_value(Fn.of({n: s[n] for n in CARRIED}))
+                                 for s in starts) + "}" if starts else "{}"
+    text = _MODULE % {"values": ", ".join(v.name for v in values), "trace": trace,
+                      "masters": format_value(model.masters),
+                      "objects": _fn(Fn.of({k: v for k, v in model.objects.items() if k in keys})),
+                      "count": _fn(model.count), "keys": _fn(model.keys),
+                      "replicas": _fn(Fn.of({t: v for t, v in model.replicas.items()
+                                             if t in recovering})),
+                      "starts": state}
+    window = SimpleNamespace(constants={**model.constants, "Keys": frozenset(keys)},
+                             model_values=values)
+    cfg = cfg_text(window, INVARIANTS + (() if last else ("WindowEnd",)))
+    if starts is not None:
+        cfg = cfg.replace("INIT TraceInit", "INIT WindowInit")
+    return text, cfg
+
+
+def check(nodes: list, masters: Optional[list] = None, *, size: int = windows.SIZE,
+          max_windows: Optional[int] = None, keep: Optional[Path] = None,
           on_output: Optional[Callable[[str], None]] = None) -> Verdict:
     """Have TLC check the fence and index steps in the node files ``nodes``
     (with what the masters' files ``masters`` say they recovered) against
-    ``spec/Failover.tla``."""
+    ``spec/Failover.tla``: the whole merged run, in windows of at most
+    ``size`` merged steps (at most ``max_windows`` of them), each its own
+    TLC run from the states the window before it ended in."""
     if not nodes:
         raise TraceError("no storage node trace to check")
+    if size < 1 or (max_windows is not None and max_windows < 1):
+        raise TraceError("a window needs at least one step, and a check at least one window")
     read, files = [], []
     for path in nodes:
         for segment in read_node(path):
@@ -551,33 +696,64 @@ def check(nodes: list, masters: Optional[list] = None, *, keep: Optional[Path] =
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         raise TraceError(f"a step the checker cannot read ({e!r})") from None
     n = len(model.records)
-    if n > MAX_STEPS:
-        raise TraceError(f"the merged run has {n} steps; at most {MAX_STEPS} are checked "
-                         "(record a shorter run)")
-    trace = "<<\n    " + ",\n    ".join(format_value(r) for r in model.records) + "\n  >>" \
-        if model.records else "<<>>"
-    text = _MODULE % {"values": ", ".join(v.name for v in model.model_values), "trace": trace,
-                      "masters": format_value(model.masters), "objects": _fn(model.objects),
-                      "count": _fn(model.count), "keys": _fn(model.keys),
-                      "replicas": _fn(model.replicas)}
-    cfg = cfg_text(model, INVARIANTS)
-    result = run_module("Failover", "FailoverTrace", text, cfg, keep=keep, on_output=on_output)
-    common = dict(steps=n, distinct_states=result.distinct_states, seconds=result.seconds,
-                  machine="failover")
-    if result.verdict == "ok":
-        return Verdict(True, message=f"all {n} fence, index and recovery steps of "
-                                     f"{len(files)} segment(s) and {len(model.masters)} term(s) "
-                                     "are steps of spec/Failover.tla", **common)
+    count = max(1, -(-n // size))
+    if max_windows is not None:
+        count = min(count, max_windows)
+    starts, held, aside = None, set(), {}
+    states, seconds = 0, 0.0
+    for w in range(count):
+        lo, hi = w * size, min(n, (w + 1) * size)
+        keys = _named(model, lo, hi) if n > size else set(model.constants["Keys"])
+        if starts is not None:
+            stay = {k for k in held if any(not _empty(s, k) for s in starts)
+                    or len({_aside(s, k) for s in starts}) > 1}
+            for k in held - stay - keys:
+                aside[k] = _aside(starts[0], k)
+            keys |= stay
+            starts = [_on_keys(s, keys, aside) for s in starts]
+        where = keep if keep is None or count == 1 else Path(keep) / f"window-{w + 1}"
+        text, cfg = _text(model, lo, hi, keys, starts, w == count - 1)
+        result = run_module("Failover", "FailoverTrace", text, cfg, keep=where,
+                            on_output=on_output)
+        states += result.distinct_states or 0
+        seconds += result.seconds
+        common = dict(steps=hi, distinct_states=states, seconds=seconds, machine="failover",
+                      windows=w + 1)
+        if result.verdict != "ok":
+            return _failed(model, result, lo, hi, w + 1 if n > size else 0, common)
+        if w < count - 1:
+            starts, held = windows.printed_ends(result.output, CARRIED), keys
+            if not starts:
+                raise failure(result)
+    spread = f" in {count} windows" if count > 1 else ""
+    what = f"{len(files)} segment(s) and {len(model.masters)} term(s)"
+    if hi == n:
+        return Verdict(True, message=f"all {n} fence, index and recovery steps of {what} are "
+                                     f"steps of spec/Failover.tla{spread}", **common)
+    stopped = f"at most {max_windows} window(s) of {size} steps are checked"
+    return Verdict(True, message=f"the first {hi} of {n} fence, index and recovery steps of "
+                                 f"{what} are steps of spec/Failover.tla{spread}; the rest "
+                                 f"are not checked: {stopped}", stopped=stopped, **common)
+
+
+def _failed(model: "FailoverModel", result, lo: int, hi: int, window: int,
+            common: dict) -> Verdict:
+    """The verdict of a window TLC found wanting: the first step it could not
+    take, named by its node file and recorded number and by its place in the
+    whole merged run."""
     unmatched = first_unmatched(result, "Failover")
-    if unmatched is not None:
-        i, what = unmatched
-        path, recorded, line, step = model.origins[i]
-        if path is None:        # a master's step placed between the nodes' steps
-            return Verdict(False, **common, message=f"{step} {what}")
-        return Verdict(False, failed_step=recorded, line=line, **common,
-                       message=f"{path.name} step {recorded} (line {line}) {what}: "
-                               f"{describe(step)}")
-    raise failure(result)
+    if unmatched is None:
+        raise failure(result)
+    i, what = unmatched
+    i += lo
+    within = f" (merged step {i + 1} of {len(model.records)}, window {window} of steps " \
+             f"{lo + 1} to {hi})" if window else ""
+    path, recorded, line, step = model.origins[i]
+    if path is None:        # a master's step placed between the nodes' steps
+        return Verdict(False, **common, message=f"{step} {what}{within}")
+    return Verdict(False, failed_step=recorded, line=line, **common,
+                   message=f"{path.name} step {recorded} (line {line}) {what}: "
+                           f"{describe(step)}{within}")
 
 
 def describe(step: dict) -> str:
@@ -598,7 +774,9 @@ def add_arguments(sub) -> None:
         description="Merge the storage nodes' traces (ordered by their term fences) into one "
                     "run and check with TLC that their fence, index and purge steps, with the "
                     "masters' takeovers between them, are a behaviour of spec/Failover.tla, or "
-                    "name the first step that is not.")
+                    "name the first step that is not. A long run is checked whole, in windows "
+                    "of at most 1,000 merged steps, each its own TLC run from the states the "
+                    "one before ended in.")
     parser.add_argument("nodes", type=Path, nargs="+", metavar="NODE_FILE",
                         help="the storage nodes' trace files")
     parser.add_argument("--master", type=Path, action="append", default=[], metavar="FILE",

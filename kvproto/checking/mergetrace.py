@@ -79,10 +79,11 @@ master that took over:
 
 A run longer than one TLC run may take is checked whole in windows
 (:func:`check_windows`, :mod:`kvproto.checking.windows`) that end only where
-the run is quiet (:class:`Windows`: no put pending, no repair in flight, no
-command on its way to a node), so that the state there is the directory and
-the nodes' tables; TLC checks each window ends in it (``WindowEnd``,
-``NodesWindowEnd``) and the next starts from it, as from a takeover's opening.
+the run is quiet (:class:`Windows`: nothing of a pending put or repair
+written on a traced node), so that the state there is the directory (pending
+puts' writers busy), the nodes' tables and the commands on their way; TLC
+checks each window ends in it (``WindowEnd``, ``NodesWindowEnd``) and the
+next starts from it, as from a takeover's opening.
 """
 
 from __future__ import annotations
@@ -209,15 +210,18 @@ def _replay(regions: Optional[dict], kind: str, ev: dict, ok: bool) -> None:
         regions[ev["offset"]] = (ev["token"], True)
 
 
-def recovery_frees(header: dict) -> list[tuple]:
-    """The frees the master's recovery sent itself (its ``opened`` line's
-    ``frees``: replicas left out for their checksum), on their way when the
-    run opened: ``(segment, "FreeRegion", offset, token)`` each, in order."""
+def opened_commands(header: dict) -> list[tuple]:
+    """The master's commands on their way to the nodes when the run opened
+    (``(segment, kind, offset, token)`` each, in order): its recovery's own
+    frees (an ``opened`` line's ``frees``: replicas left out for their
+    checksum), or those a window before left on their way (``sent``)."""
     try:
         return [(f["segment"], "FreeRegion", f["offset"], f["token"])
-                for f in header.get("frees", ())]
+                for f in header.get("frees", ())] \
+            + [(c["segment"], c["type"], c["offset"], c["token"]) for c in header.get("sent", ())]
     except (KeyError, TypeError) as e:
-        raise TraceError(f"a free of the opened line the checker cannot read ({e!r})") from None
+        raise TraceError(f"a command of the opened line the checker cannot read ({e!r})") \
+            from None
 
 
 class Causes:
@@ -231,7 +235,7 @@ class Causes:
         self.issued: dict[tuple, list[int]] = defaultdict(list)   # command -> positions
         self.granted: dict[int, int] = {}                         # token -> its PutStart
         self.first = header.get("next_token", 1)
-        for command in recovery_frees(header):
+        for command in opened_commands(header):
             self.issued[command].append(0)
         for pos, (_, step) in enumerate(master, 1):
             for e in step["effects"] if accepted(step) else ():
@@ -313,6 +317,15 @@ def _regions(m, tables: dict) -> Fn:
                   for offset, (token, written) in regions.items()})
 
 
+def _queues(m, commands: list[tuple]) -> Fn:
+    """Commands on their way (:func:`opened_commands`) as the module's ``sent``."""
+    sent: dict = defaultdict(list)
+    for segment, kind, offset, token in commands:
+        seg, slot = m.slot(segment, offset)
+        sent[seg].append((COMMANDS[kind], slot, m.token(token)))
+    return Fn.of({seg: tuple(q) for seg, q in sent.items()})
+
+
 class MergedModel:
     """The merged behaviour on model values: what :func:`traces.module` and
     :func:`cfg_text` take, and where each record came from. ``tables``: the
@@ -322,7 +335,7 @@ class MergedModel:
     def __init__(self, header, master, nodes, files, tables: Optional[dict] = None,
                  end: Optional[dict] = None, end_tables: Optional[dict] = None) -> None:
         tables = tables or {}
-        frees = recovery_frees(header)
+        frees = opened_commands(header)
         m = traces.run_mapping(header, master, frozenset(
             [t for regions in tables.values() for t, _ in regions.values()]
             + [token for *_, token in frees]))
@@ -341,11 +354,9 @@ class MergedModel:
         self.nodes_opened = _regions(m, tables)
         #: the regions the nodes hold where a window ends (``NodesEnd``)
         self.nodes_end = _regions(m, end_tables or {})
-        sent: dict = defaultdict(list)
-        for segment, _, offset, token in frees:
-            seg, slot = m.slot(segment, offset)
-            sent[seg].append(("free", slot, m.token(token)))
-        self.sent_opened = Fn.of({seg: tuple(q) for seg, q in sent.items()})
+        self.sent_opened = _queues(m, frees)
+        #: the commands on their way where a window ends (``SentEnd``)
+        self.sent_end = _queues(m, opened_commands({"sent": (end or {}).get("sent", ())}))
         records, self.origins = [], []
         for source, index, (line, step) in merged:
             if source < 0:
@@ -378,16 +389,19 @@ Traced == %(traced)s
 NodesOpened == %(nodes)s
 SentOpened == %(sent)s
 \* Where a window of a longer run ends (kvproto.checking.windows): the
-\* regions its nodes hold there, built from their recorded steps.
+\* regions its nodes hold there, built from their recorded steps, and the
+\* master's commands still on their way to them.
 NodesEnd == %(nodes_end)s
+SentEnd == %(sent_end)s
 \* The segments whose nodes take no step after the window (killed): commands
 \* on their way there can never be taken, and the next window drops them.
 Idle == %(idle)s
 
 Applied(s, x, t) == nodes[s][x] # None /\ nodes[s][x].token = t
 StoreOwns(s, x, t) == store[s][x] # None /\ store[s][x].token = t
-\* The master freed the region and its free is on its way to the node.
+\* The master freed (assigned) the region and the command is on its way to the node.
 FreeInFlight(s, x, t) == \E j \in 1..Len(sent[s]) : sent[s][j] = <<"free", x, t>>
+AssignInFlight(s, x, t) == \E j \in 1..Len(sent[s]) : sent[s][j] = <<"assign", x, t>>
 
 MasterStep ==
     /\ R.src = "master"
@@ -456,24 +470,26 @@ UntracedCopy ==
 
 \* The directory the run opened with is what its traced nodes held: each
 \* listed replica's region under its object's token, written as the spec's
-\* store has it; and every region a node held carries a token issued before
-\* the run (below nextToken). Checked where the run starts.
+\* store has it (or unwritten, its assign on its way); and every region a node
+\* held carries a token issued before the run (below nextToken). Checked
+\* where the run starts.
 OpenedOnNodes ==
     pos = 1 =>
         \A s \in Traced, x \in Slots :
-            /\ store[s][x] # None => /\ Applied(s, x, store[s][x].token)
-                                    /\ nodes[s][x].done = store[s][x].done
+            /\ store[s][x] # None =>
+                  \/ Applied(s, x, store[s][x].token) /\ nodes[s][x].done = store[s][x].done
+                  \/ AssignInFlight(s, x, store[s][x].token) /\ ~store[s][x].done
             /\ nodes[s][x] # None => nodes[s][x].token \in 1..(nextToken - 1)
 
-\* A window ends only where no command is on its way to a node that steps
-\* again (and, by the cut, no put pending, no repair in flight): with
-\* WindowEnd, every variable of the merged spec that a later step can read is
-\* the next window's initial state.
+\* A window ends where the nodes hold the regions their steps left and the
+\* commands on their way to a node that steps again are SentEnd (by the cut,
+\* nothing of a pending put or repair written): with WindowEnd, every variable
+\* a later step can read is the next window's initial state.
 NodesWindowEnd ==
     pos > Len(Trace) =>
         /\ nodes = [s \in Segments |-> [x \in Slots |->
                       IF <<s, x>> \in DOMAIN NodesEnd THEN NodesEnd[<<s, x>>] ELSE None]]
-        /\ \A s \in Segments \ Idle : sent[s] = <<>>
+        /\ \A s \in Segments \ Idle : sent[s] = IF s \in DOMAIN SentEnd THEN SentEnd[s] ELSE <<>>
 
 MergedInit ==
     /\ TraceInit
@@ -537,11 +553,12 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     """:func:`check` of a master's run (:func:`traces.publish_run`) and its
     nodes' region steps (:func:`read_nodes`, one list per file of ``files[1:]``;
     ``files[0]`` the master's) on the ``segments`` the node files cover, from
-    the region ``tables`` the nodes held at its start. With ``end`` (an
-    ``opened`` header, :func:`traces.boundary`) and ``end_tables``: a window
-    of a longer run (:func:`check_windows`) that must end in that state,
-    commands on their way to the ``idle`` segments (whose nodes take no step
-    later) apart."""
+    the region ``tables`` the nodes held at its start (and the commands on
+    their way then: :func:`opened_commands` of ``header``). With ``end`` (an
+    ``opened`` header, :meth:`Windows.boundary`: with its ``sent``) and
+    ``end_tables``: a window of a longer run (:func:`check_windows`) that
+    must end in that state, commands on their way to the ``idle`` segments
+    (whose nodes take no step later) apart."""
     try:
         model = MergedModel(header, steps, node_steps, files, tables, end, end_tables)
     except (KeyError, TypeError, AttributeError) as e:
@@ -558,7 +575,8 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
     text = _MODULE % {"traced": format_value(traced), "idle": format_value(idle),
                       "nodes": format_value(model.nodes_opened),
                       "sent": format_value(model.sent_opened),
-                      "nodes_end": format_value(model.nodes_end)}
+                      "nodes_end": format_value(model.nodes_end),
+                      "sent_end": format_value(model.sent_end)}
     ends = ("WindowEnd", "NodesWindowEnd") if end is not None else ()
     cfg = cfg_text(model, traces.INVARIANTS + ("OpenedOnNodes",) + ends) \
         .replace("INIT TraceInit", "INIT MergedInit").replace("NEXT TraceNext", "NEXT MergedNext")
@@ -593,7 +611,8 @@ class Windows:
     cut at the master's steps for :func:`check_windows`: the node steps of a
     window are those merged after its master steps' first and up to the one
     after its last, and a window may end after master step ``p`` only where
-    the run is quiet there (:attr:`quiet`)."""
+    the state is the directory, the nodes' tables and the commands on their
+    way (:attr:`quiet`)."""
 
     def __init__(self, header: dict, steps: list[tuple[int, dict]],
                  node_steps: list[list[tuple[int, dict]]]) -> None:
@@ -604,7 +623,10 @@ class Windows:
         #: the last p whose group holds a step on each segment
         self.last: dict = {}
         #: idle[p]: the segments with commands on their way after master step p
+        #: whose nodes take no step later (a killed node's: they are dropped)
         self.idle: list[frozenset] = []
+        #: sent[p]: those on their way to the other nodes (a header's ``sent``)
+        self.sent: list[list[dict]] = []
         try:
             p = 0
             for source, index, _ in merge(steps, node_steps, header):
@@ -619,17 +641,17 @@ class Windows:
 
     def _quiet(self, header: dict) -> list[bool]:
         """``quiet[p]``: after master step ``p`` and the node steps merged up to
-        it, no put is pending in the directory, no repair in flight, and no
-        command on its way to a node that takes a step later (commands to a
-        node that never does, a killed one, can never be taken, and are
-        dropped): the merged spec's state there is the directory and the
-        nodes' tables (an ``opened`` header with no writer busy, and
-        :class:`NodeRun`-style tables)."""
+        it, no put pending and no repair in flight has a region written on a
+        traced node (an untraced one is written just before its ``PutEnd`` or
+        ``ListReplica``): the merged spec's state there is an ``opened``
+        header (pending puts' writers busy, nothing written), the nodes'
+        tables and the commands on their way (:attr:`sent`, :attr:`idle`)."""
         directory = dict(traces.opened_objects(header))
         busy = {k for k, rec in directory.items() if _busy(rec)}
-        in_flight: dict = defaultdict(int)
-        for segment, *_ in recovery_frees(header):
-            in_flight[segment] += 1
+        queues: dict = defaultdict(list)
+        for segment, kind, offset, token in opened_commands(header):
+            queues[segment].append((kind, offset, token))
+        written: set = set()            # (segment, offset, token) a traced node wrote
         out = []
         for p in range(len(self.steps) + 1):
             if p:
@@ -647,14 +669,24 @@ class Windows:
                     if _busy(directory.get(k))}
                 for e in step["effects"] if ok else ():
                     if e["type"] in COMMANDS:
-                        in_flight[e["segment"]] += 1
+                        queues[e["segment"]].append((e["type"], e["offset"], e["token"]))
             for n, i in self.groups[p]:
                 node_step = self.node_steps[n][i][1]
-                if node_step["event"]["type"] in COMMANDS and not node_step.get("purge"):
-                    in_flight[node_step["event"]["segment"]] -= 1
-            waiting = {s for s, k in in_flight.items() if k}
-            self.idle.append(frozenset(waiting))
-            out.append(not busy and all(self.last.get(s, -1) <= p for s in waiting))
+                ev = node_step["event"]
+                if ev["type"] in COMMANDS and not node_step.get("purge") and queues[ev["segment"]]:
+                    queues[ev["segment"]].pop(0)
+                elif ev["type"] == "WriteReplica" and accepted(node_step):
+                    written.add((ev["segment"], ev["offset"], ev["token"]))
+            waiting = {s for s, q in queues.items() if q}
+            idle = {s for s in waiting if self.last.get(s, -1) <= p}
+            self.idle.append(frozenset(idle))
+            self.sent.append([{"segment": s, "type": kind, "offset": offset, "token": token}
+                              for s in sorted(waiting - idle)
+                              for kind, offset, token in queues[s]])
+            out.append(not any((r["segment"], r["offset"], directory[k]["token"]) in written
+                               for k in busy for r in (directory[k]["replicas"] if
+                                                       directory[k]["status"] == "pending"
+                                                       else directory[k]["repairs"])))
         return out
 
     def span(self, part: list) -> tuple[int, int]:
@@ -678,15 +710,16 @@ class Windows:
 
     def boundary(self, start: dict, part: list) -> dict:
         """The state the window of ``part`` from ``start`` ends in: the
-        directory's (:func:`traces.boundary`) and the nodes' tables, each node's
-        steps applied to them."""
+        directory's (:func:`traces.boundary`, with the commands on their way,
+        ``sent``) and the nodes' tables, each node's steps applied to them."""
         tables = {segment: dict(regions) for segment, regions in start["tables"].items()}
         for steps in self.nodes_of(part):
             for _, step in steps:
                 ev = step["event"]
                 _replay(tables.setdefault(ev["segment"], {}), ev["type"], ev, accepted(step))
-        return {"header": traces.boundary(start["header"], part), "tables": tables,
-                "idle": self.idle[self.span(part)[1]]}
+        p1 = self.span(part)[1]
+        header = {**traces.boundary(start["header"], part), "sent": self.sent[p1]}
+        return {"header": header, "tables": tables, "idle": self.idle[p1]}
 
     def merged(self, upto: int) -> int:
         """The merged steps up to master step ``upto``: its steps and the nodes'."""
@@ -706,8 +739,9 @@ def check_windows(header: dict, steps: list[tuple[int, dict]],
     ``size`` master steps chained state to state (:mod:`kvproto.checking.windows`;
     at most ``max_windows`` of them). A window ends only where the run is
     quiet (:class:`Windows`): there the state of ``MergedTrace`` is the
-    directory and the nodes' tables, which TLC checks the window ends in
-    (``WindowEnd``, ``NodesWindowEnd``) and the next one starts from."""
+    directory, the nodes' tables and the commands on their way, which TLC
+    checks the window ends in (``WindowEnd``, ``NodesWindowEnd``) and the
+    next one starts from."""
     cuts = Windows(header, steps, node_steps)
 
     def fits(start: dict, part: list) -> None:
@@ -758,7 +792,7 @@ def add_arguments(sub) -> None:
                     "causality: commands, tokens) into one run and check with TLC that it is "
                     "a behaviour of spec/Publish.tla, or name the first step that is not. "
                     "A long run is checked whole, in windows of at most 1,000 master steps "
-                    "that end where no put is pending and no command is on its way to a node, "
+                    "that end where no pending put or repair has a region written on a node, "
                     "each its own TLC run from the state the one before ended in.")
     parser.add_argument("file", type=Path, help="the master's trace file")
     parser.add_argument("nodes", type=Path, nargs="*", metavar="NODE_FILE",

@@ -27,7 +27,16 @@ the publish machine (:func:`kvproto.checking.traces.check_windows`):
 
 The lease table's windows (:func:`kvproto.checking.leasetrace.check_windows`)
 chain the same way, and end only where the table is quiet (no read in
-progress, so no lease held), where its state is the objects cached.
+progress, so no lease held), where its state is the objects cached. The
+merged master-and-nodes check (:func:`kvproto.checking.mergetrace.check_windows`)
+ends its windows where no put is pending and no command is on its way to a
+node, and checks the nodes' tables there too (``NodesWindowEnd``).
+
+The failover check (:func:`kvproto.checking.failtrace.check`) chains its
+windows without this module's loop: its nodes record their own steps, not
+the spec's state, so no boundary can be built from the recorded lines;
+instead TLC prints every state a window ends in and the next window starts
+in exactly those, and a window may end after any step.
 
 A window is the longest run of steps from its start that fits the model's
 limits, up to ``size`` steps (:func:`longest_fit`), cut back to the last
@@ -40,9 +49,11 @@ windows (a cap for short CI runs).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable, Optional
 
+from kvproto.checking.tla import ParseError, parse_value
 from kvproto.checking.tracerun import TraceError, Verdict
 
 #: steps per window unless told: one TLC run of a window takes seconds
@@ -141,3 +152,29 @@ def check(header: dict, steps: list[tuple[int, dict]], *, spec: str,
                    f"step {n} and after are not checked: {stopped}")
     return Verdict(True, steps=at, message=message, distinct_states=states, seconds=seconds,
                    machine=machine, windows=window, stopped=stopped)
+
+
+_END = re.compile(r'<<\s*"WindowEnd"')
+
+
+def printed_ends(output: str, names: tuple[str, ...]) -> list[dict]:
+    """The states a window's TLC run printed where it ended: each a line
+    ``<< "WindowEnd",`` and the indented lines after it (a record of the
+    variables, printed by ``PrintT`` in an invariant ``WindowEnd``), as
+    ``{name: value}`` for ``names``."""
+    ends, block = [], None
+    for line in output.splitlines() + [""]:
+        if block is not None and line[:1].isspace():
+            block.append(line)
+            continue
+        if block is not None:
+            try:
+                _, state = parse_value("\n".join(block))
+                ends.append({name: state[name] for name in names})
+            except (ParseError, KeyError, TypeError, ValueError) as e:
+                raise TraceError(f"TLC printed a window's end the checker cannot read ({e})") \
+                    from None
+            block = None
+        if _END.match(line):
+            block = [line]
+    return ends

@@ -3,13 +3,15 @@
 
 A real run of 36 puts, each read back (24 of them removed), names more keys
 than one TLC run may (32): its merged behaviour is checked in windows that
-end where the run is quiet (no put pending, no command on its way to a node),
+end where the run is quiet (no pending put with a replica written),
 each from the directory and region tables the one before ended in. A node
 step changed by hand in a later window is rejected at its own recorded
 number (the first window alone, all a prefix check walks, passes); a window
-that claims the nodes ended in other tables than their steps left fails
-``NodesWindowEnd``; a run that is never quiet again (an attempt left pending)
-is checked up to there, and the verdict says so."""
+that claims the nodes ended in other tables than their steps left, or with a
+command on its way that is not, fails ``NodesWindowEnd``; an attempt left
+pending with nothing written is carried from window to window, and a run
+that is never quiet again (an attempt written and never ended) is checked up
+to there, and the verdict says so."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import kvproto
-from kvproto import cli
-from kvproto.checking import mergetrace, traces
+from kvproto import cli, errors
+from kvproto.checking import mergetrace
 from kvproto.checking.tracerun import TraceError
 from kvproto.runtime import tracing
 
@@ -178,10 +180,23 @@ def test_a_window_held_to_other_node_tables_fails_nodes_window_end(run):
     verdict = mergetrace.check_steps(header, part, cuts.nodes_of(part), files, segments,
                                      tables=tables, end=end["header"], end_tables=wrong)
     assert not verdict.ok and "invariant NodesWindowEnd is violated" in verdict.message
+    # and to a command on its way that the master never sent (or a node took)
+    assert end["header"]["sent"] == [] and not end["idle"]
+    region = {"segment": segment, "type": "FreeRegion", "offset": offset,
+              "token": regions[offset][0]}
+    verdict = mergetrace.check_steps(header, part, cuts.nodes_of(part), files, segments,
+                                     tables=tables, end={**end["header"], "sent": [region]},
+                                     end_tables=end["tables"])
+    assert not verdict.ok and "invariant NodesWindowEnd is violated" in verdict.message
 
 
 @needs_java
-def test_a_run_never_quiet_again_is_checked_up_to_there_and_says_so(tmp_path):
+def test_a_pending_put_unwritten_is_carried_and_one_written_and_never_ended_stops_it(tmp_path):
+    """An attempt granted and assigned but never written (its writer stalled)
+    does not stop the windows: a window ends with its writer busy, nothing
+    written, and the next starts so. One written on a traced node and never
+    ended (its put_end lost, never reclaimed) is where no later point is
+    quiet: the run is checked up to its PutStart, and the verdict says so."""
     path = tmp_path / "pending.trace"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(tracing.ENV, str(path))
@@ -192,23 +207,48 @@ def test_a_run_never_quiet_again_is_checked_up_to_there_and_says_so(tmp_path):
             try:
                 for i in range(4):
                     c.put(b"a%d" % i, b"a" * 2000, replicas=2)
-                # an attempt left pending: no later point is quiet
                 status, _ = raw.call("put_start", {"client": "w9", "replicas": 2,
                                                    "items": [[b"stuck", 4096]]},
                                      timeout=30).body["items"][0]
                 assert status == 0
-                for i in range(6):
+                for i in range(3):
                     c.put(b"b%d" % i, b"b" * 2000, replicas=2)
+                lost = cluster.client(local_reads=False, local_writes=False)
+                real = lost._call_master
+
+                def drop_put_end(op, body, deadline):
+                    if op == "put_end":
+                        raise errors.RequestTimeout("put_end lost")
+                    return real(op, body, deadline)
+
+                mp.setattr(lost, "_call_master", drop_put_end)
+                mp.setattr(lost, "_revoke", lambda *a, **k: None)
+                with pytest.raises(errors.RequestTimeout):
+                    lost.put(b"written", b"w" * 2000, replicas=2)
+                for i in range(6):
+                    c.put(b"c%d" % i, b"c" * 2000, replicas=2)
             finally:
                 raw.close()
     header, steps, node_steps, files, segments, tables = parts(path)
-    stuck = next(p for p, (_, s) in enumerate(steps)
-                 if s["event"]["type"] == "PutStart" and s["event"]["key"] == "stuck")
+    starts = [p for p, (_, s) in enumerate(steps) if s["event"]["type"] == "PutStart"]
+    stuck, written = (next(p for p in starts if steps[p][1]["event"]["key"] == key)
+                      for key in ("stuck", "written"))
+    # the cluster's shutdown loses its segments, and with them the written attempt
+    shutdown = next(p for p, (_, s) in enumerate(steps) if s["event"]["type"] == "SegmentLost")
+    cuts = mergetrace.Windows(header, steps, node_steps)
+    assert cuts.quiet[stuck + 1] and not any(cuts.quiet[written + 1:shutdown + 1])
+    size = stuck + 2
+    assert shutdown - written > size
+    keep = tmp_path / "windows"
     verdict = mergetrace.check_windows(header, steps, node_steps, files, segments,
-                                       tables=tables, size=5)
+                                       tables=tables, size=size, keep=keep)
     assert verdict.ok, verdict.message
-    assert "no point where a window may end in the 5 steps" in verdict.stopped
-    n = steps[stuck][1]["n"]
-    assert verdict.steps == mergetrace.Windows(header, steps, node_steps).merged(stuck)
+    # window 1 ends after the stuck PutStart (the next PutStart's writes are merged after it)
+    assert verdict.windows == 2
+    opened = (keep / "window-2" / "PublishTrace.tla").read_text()
+    assert "writers |-> (wr" in opened.split("Opened == ")[1].split("\n")[0]
+    assert "no point where a window may end in the" in verdict.stopped
+    n = steps[written][1]["n"]
+    assert verdict.steps == cuts.merged(written)
     assert f"before the master's step {n} are steps of spec/Publish.tla" in verdict.message
     assert "from there on nothing is checked" in verdict.message
