@@ -198,7 +198,10 @@ class DirectoryCore(DirectoryBuild):
         self._req[row] = n
         for ledger in chosen:
             ledger.free -= length
-        if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
+        if n == 1 and chosen[0].id < SEGMENT_ID_LIMIT:
+            self._nrep[row] = 1
+            self._s0[row], self._o0[row] = chosen[0].id, placement[0].offset
+        elif n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
             self._nrep[row] = 2
             self._s0[row], self._o0[row] = chosen[0].id, placement[0].offset
             self._s1[row], self._o1[row] = chosen[1].id, placement[1].offset
@@ -639,9 +642,14 @@ class DirectoryCore(DirectoryBuild):
         return self._placed_at(self.rows.index[key])
 
     def _placed_at(self, row: int) -> tuple[int, int, int, list[tuple[str, int]]]:
-        names = self._names
-        return (self._len[row], self._sum[row], self._req[row],
-                [(names[s], o) for s, o in self._placed(row)])
+        names, n = self._names, self._nrep[row]
+        if n == 1:
+            placed = [(names[self._s0[row]], self._o0[row])]
+        elif n == 2:
+            placed = [(names[self._s0[row]], self._o0[row]), (names[self._s1[row]], self._o1[row])]
+        else:
+            placed = [(names[s], o) for s, o in self._placed(row)]
+        return self._len[row], self._sum[row], self._req[row], placed
 
     def requested_bytes(self) -> tuple[list, list]:
         """The keys of the objects held, in the order of :attr:`objects`, and
