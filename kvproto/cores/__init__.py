@@ -2,6 +2,8 @@
 
 * :mod:`kvproto.cores.directory` — the master's directory
   (reference: ``publish.Directory`` + ``publish.master_step``);
+  its bulk constructors in :mod:`kvproto.cores.directory_build`, its results in
+  the reference's shape in :mod:`kvproto.cores.directory_views`;
 * :mod:`kvproto.cores.leases` — the master's lease table
   (reference: ``lease.LeaseTable`` + ``lease.master_step``);
 * :mod:`kvproto.cores.storage` — a storage node's region table and index

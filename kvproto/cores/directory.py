@@ -21,20 +21,30 @@ per-object Python object except the key's row; ``SegmentLost`` finds the
 objects on the segment with one vectorised scan of the replica columns and
 forgets the published ones that had their only replica there in bulk,
 returning their effects in columns (:meth:`DirectoryCore.lose`).
+
+The bulk constructors and the column layout's constants are in
+:mod:`kvproto.cores.directory_build`; the batch steps' effects, the
+``SegmentLost`` effects in columns and the read views in
+:mod:`kvproto.cores.directory_views`.
 """
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from operator import itemgetter
 from typing import Optional
 
 import immutables
 import numpy as np
 
 from kvproto import errors
+from kvproto.cores.directory_build import (  # noqa: F401  (the layout, for the core's users)
+    INLINE, OVERFLOW, PENDING, PUBLISHED, SEGMENT_ID_LIMIT, DirectoryBuild,
+)
+from kvproto.cores.directory_views import (  # noqa: F401  (the batch effects, with the core)
+    Loss, _dropped, _Ledgers, _Objects, put_end_effects, put_start_effects, read_effects,
+    remove_effects,
+)
 from kvproto.cores.rows import Rows, grow
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.publish import (
@@ -44,15 +54,6 @@ from kvproto.statemachines.publish import (
     RepairStart, RepairStarted, Replica, ReplicaListed, Revoked, SegmentLedger, SegmentLost,
     Status,
 )
-
-#: status column values (0: the row holds no object of this directory)
-PENDING, PUBLISHED = 1, 2
-#: replicas kept in the row's own columns; more go to the overflow dict
-INLINE = 2
-#: ``nrep`` of a row whose replicas are all in the overflow dict
-OVERFLOW = 255
-#: segment ids from here on do not fit the 16-bit columns (overflow path)
-SEGMENT_ID_LIMIT = 0xFFFF
 
 _STATUS = {PENDING: Status.PENDING, PUBLISHED: Status.PUBLISHED}
 _CODE = {Status.PENDING: PENDING, Status.PUBLISHED: PUBLISHED}
@@ -74,31 +75,7 @@ class Ledger:
         return SegmentLedger(self.capacity, self.free, self.live)
 
 
-class Loss:
-    """The effects of one ``SegmentLost`` step in columns.
-
-    ``keys``, ``tokens`` and ``rows`` (arrays, in row order): the published
-    objects forgotten whole, each with the single effect ``Removed(key,
-    token)`` (their only replica was on the segment, none in repair); ``runs``:
-    ``(row, effects)`` of every other object the step changed, in row order.
-    :meth:`effects` is the tuple ``step`` returns (objects in row order);
-    ``refused``: its single ``Refused`` effect, or ``()``."""
-
-    __slots__ = ("refused", "keys", "tokens", "rows", "runs")
-
-    def __init__(self, refused: tuple, keys=(), tokens=(), rows=()) -> None:
-        self.refused, self.keys, self.tokens, self.rows = refused, keys, tokens, rows
-        self.runs: list[tuple[int, tuple]] = []
-
-    def effects(self) -> tuple:
-        if self.refused:
-            return self.refused
-        bulk = ((row, (Removed(key, token),)) for row, key, token in
-                zip(self.rows.tolist(), self.keys.tolist(), self.tokens.tolist()))
-        return tuple(e for _, run in heapq.merge(bulk, self.runs, key=itemgetter(0)) for e in run)
-
-
-class DirectoryCore:
+class DirectoryCore(DirectoryBuild):
     """The master's directory: ``step(event) -> effects``, mutating in place.
 
     ``rows`` may be shared with other cores (:class:`~kvproto.cores.leases.LeaseCore`);
@@ -221,7 +198,10 @@ class DirectoryCore:
         self._req[row] = n
         for ledger in chosen:
             ledger.free -= length
-        if n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
+        if n == 1 and chosen[0].id < SEGMENT_ID_LIMIT:
+            self._nrep[row] = 1
+            self._s0[row], self._o0[row] = chosen[0].id, placement[0].offset
+        elif n == 2 and chosen[0].id < SEGMENT_ID_LIMIT and chosen[1].id < SEGMENT_ID_LIMIT:
             self._nrep[row] = 2
             self._s0[row], self._o0[row] = chosen[0].id, placement[0].offset
             self._s1[row], self._o1[row] = chosen[1].id, placement[1].offset
@@ -662,9 +642,14 @@ class DirectoryCore:
         return self._placed_at(self.rows.index[key])
 
     def _placed_at(self, row: int) -> tuple[int, int, int, list[tuple[str, int]]]:
-        names = self._names
-        return (self._len[row], self._sum[row], self._req[row],
-                [(names[s], o) for s, o in self._placed(row)])
+        names, n = self._names, self._nrep[row]
+        if n == 1:
+            placed = [(names[self._s0[row]], self._o0[row])]
+        elif n == 2:
+            placed = [(names[self._s0[row]], self._o0[row]), (names[self._s1[row]], self._o1[row])]
+        else:
+            placed = [(names[s], o) for s, o in self._placed(row)]
+        return self._len[row], self._sum[row], self._req[row], placed
 
     def requested_bytes(self) -> tuple[list, list]:
         """The keys of the objects held, in the order of :attr:`objects`, and
@@ -714,281 +699,8 @@ class DirectoryCore:
         new.rows.attach(new._grow)
         return new
 
-    # ------------------------------------------------------------------ bulk construction
-
-    @classmethod
-    def restored(cls, capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int,
-                 rows: Optional[Rows] = None) -> "DirectoryCore":
-        """:func:`kvproto.statemachines.publish.restored` as a core: every
-        ``(key, token, length, replicas[, checksum])`` published on its replicas on live
-        segments (others dropped; an object left with none is not listed), the
-        segments of ``capacities`` live with those bytes taken, tokens from
-        ``next_token``. A replica whose length is not its object's is refused
-        with ``ValueError`` (the protocol never makes one)."""
-        ids = {name: i for i, name in enumerate(capacities)}
-        used = [0] * len(ids)
-        listed: dict = {}
-        for key, token, length, replicas, *extra in objects:
-            checksum, requested = (list(extra) + [0, 0])[:2]
-            kept = []
-            for r in replicas:
-                s = ids.get(r.segment)
-                if s is not None:
-                    if r.length != length:
-                        raise ValueError(f"replica of {key!r} has length {r.length}, not {length}")
-                    kept.append((s, r.offset))
-                    used[s] += length
-            if kept:
-                listed[key] = (token, length, kept, checksum, requested)
-                next_token = max(next_token, token + 1)
-        width = max((len(k) for _, _, k, _, _ in listed.values()), default=1)
-        n = len(listed)
-        sids = np.full((n, width), -1, np.int64)
-        offs = np.zeros((n, width), np.int64)
-        for i, (_, _, kept, _, _) in enumerate(listed.values()):
-            for j, (s, o) in enumerate(kept):
-                sids[i, j], offs[i, j] = s, o
-        tokens = np.fromiter((t for t, _, _, _, _ in listed.values()), np.int64, n)
-        lengths = np.fromiter((l for _, l, _, _, _ in listed.values()), np.int64, n)
-        sums = np.fromiter((c for _, _, _, c, _ in listed.values()), np.uint64, n)
-        req = np.fromiter((r for _, _, _, _, r in listed.values()), np.int64, n)
-        return cls._build(capacities, list(listed), tokens, lengths, sids, offs, next_token,
-                          used, rows, sums, req)
-
-    @classmethod
-    def from_columns(cls, capacities: Mapping[str, int], segments: Sequence[str],
-                     keys: bytes, key_offsets, tokens, lengths, replica_segments,
-                     replica_offsets, next_token: int,
-                     rows: Optional[Rows] = None, checksums=None,
-                     requested=None) -> "DirectoryCore":
-        """:meth:`restored` from columns, as a columnar index frame decodes:
-        object ``i`` has key ``keys[key_offsets[i]:key_offsets[i + 1]]``, token
-        ``tokens[i]``, length ``lengths[i]``, checksum ``checksums[i]`` (none:
-        0), requested replica count ``requested[i]`` (none, or 0: the replicas
-        it has) and replicas ``(segments[j], replica_offsets[i, c])`` for each
-        ``j = replica_segments[i, c] >= 0``. Keys must be distinct. No Python
-        object is made per object but its key and row."""
-        tokens = np.asarray(tokens, np.int64)
-        lengths = np.asarray(lengths, np.int64)
-        sums = np.zeros(len(tokens), np.uint64) if checksums is None else \
-            np.asarray(checksums, np.uint64)
-        req = np.zeros(len(tokens), np.int64) if requested is None else \
-            np.asarray(requested, np.int64)
-        rsegs = np.asarray(replica_segments, np.int64)
-        roffs = np.asarray(replica_offsets, np.int64)
-        if rsegs.ndim == 1:
-            rsegs, roffs = rsegs[:, None], roffs[:, None]
-        ids = {name: i for i, name in enumerate(capacities)}
-        lut = np.full(len(segments) + 1, -1, np.int64)   # the last entry maps -1 to -1
-        for j, name in enumerate(segments):
-            lut[j] = ids.get(name, -1)
-        sids = lut[rsegs]
-        kept = sids >= 0
-        used = np.zeros(len(ids), np.int64)
-        np.add.at(used, sids[kept], np.broadcast_to(lengths[:, None], sids.shape)[kept])
-        if kept.all():
-            offs, listed = roffs, kept[:, 0]
-        else:
-            order = np.argsort(~kept, axis=1, kind="stable")   # kept replicas first, in order
-            sids = np.take_along_axis(sids, order, 1)
-            offs = np.take_along_axis(roffs, order, 1)
-            listed = kept.any(1)
-        names = _slices(keys, np.asarray(key_offsets, np.int64), listed)
-        if not listed.all():
-            tokens, lengths, sids, offs = tokens[listed], lengths[listed], sids[listed], offs[listed]
-            sums, req = sums[listed], req[listed]
-        if len(tokens):
-            next_token = max(next_token, int(tokens.max()) + 1)
-        return cls._build(capacities, names, tokens, lengths, sids, offs, next_token,
-                          used.tolist(), rows, sums, req)
-
-    @classmethod
-    def _build(cls, capacities, keys, tokens, lengths, sids, offs, next_token: int,
-               used: Sequence[int], rows: Optional[Rows], sums, requested=None) -> "DirectoryCore":
-        """A directory of published objects: ``keys`` (a list) at rows
-        ``0..n-1``, or ``(index, names, held)`` (:meth:`Rows.adopt`) at the
-        held rows in row order; ``sids``/``offs`` (n x width, kept replicas
-        first, -1 after) in the ids of ``capacities``, checksums ``sums``,
-        requested counts ``requested`` (none, or below the replicas kept: the
-        replicas kept)."""
-        core = cls(rows)
-        for (name, capacity), u in zip(capacities.items(), used):
-            core._join(name, capacity, capacity - u)
-        if any(l.free < 0 for l in core._by_id):
-            raise ValueError("recovered objects exceed a segment's capacity")
-        if isinstance(keys, list):
-            core.rows.bulk(keys, cls.BIT)
-            at = slice(0, len(keys))
-        else:
-            core.rows.adopt(*keys, cls.BIT)
-            held = keys[2]
-            at = slice(0, len(held)) if held.all() else np.flatnonzero(held)
-        n = len(tokens)
-        core.count, core.next_token = n, next_token
-        if not n:
-            return core
-        width = sids.shape[1]
-        nrep = (sids >= 0).sum(1)
-        inline = (nrep <= INLINE) & (sids[:, :min(width, INLINE)] < SEGMENT_ID_LIMIT).all(1)
-        every = bool(inline.all())             # no overflow: the columns as they are
-
-        def kept(values, mask=inline, other=0):
-            return values if every and mask is inline else np.where(mask, values, other)
-
-        req = nrep if requested is None else np.maximum(np.asarray(requested, np.int64), nrep)
-        cols = {"_st": PUBLISHED, "_tok": tokens, "_len": lengths, "_sum": sums,
-                "_req": np.minimum(req, 0xFFFF), "_nrep": kept(nrep, other=OVERFLOW),
-                "_s0": kept(sids[:, 0]), "_o0": kept(offs[:, 0])}
-        if width > 1:
-            cols["_s1"] = kept(sids[:, 1], inline & (nrep > 1))
-            cols["_o1"] = kept(offs[:, 1], inline & (nrep > 1))
-        size = len(core.rows.owners)           # the columns grew to it when the rows filled
-        for name, values in cols.items():
-            col = getattr(core, name)
-            view = np.frombuffer(col, np.dtype(col.typecode), size)
-            view[at] = values
-            del view                           # the column may grow again
-        rows_of = np.arange(at.start, at.stop) if isinstance(at, slice) else at
-        for i in np.flatnonzero(~inline).tolist():
-            core._extra[int(rows_of[i])] = tuple(
-                (s, o) for s, o in zip(sids[i].tolist(), offs[i].tolist()) if s >= 0)
-        return core
-
-
-def _slices(blob: bytes, offsets: np.ndarray, listed: np.ndarray) -> list[bytes]:
-    """``blob[offsets[i]:offsets[i + 1]]`` for each listed ``i``. The bounds are
-    taken one at a time (no list of n ints outlives the loop to leave the
-    allocator's arenas fragmented under the keys)."""
-    starts, ends = offsets[:-1], offsets[1:]
-    if listed.all():
-        widths = ends - starts
-        if len(widths) and widths[0] > 0 and (widths == widths[0]).all():
-            w, first = int(widths[0]), int(starts[0])
-            return [blob[i:i + w] for i in range(first, first + w * len(widths), w)]
-    else:
-        starts, ends = starts[listed], ends[listed]
-    return [blob[a:b] for a, b in zip(array("q", starts.tobytes()), array("q", ends.tobytes()))]
-
-
-def put_start_effects(items: Sequence[tuple], results: Sequence) -> tuple:
-    """The effects of the steps :meth:`DirectoryCore.put_start_many` folded,
-    from its ``items`` and ``results``."""
-    out: list = []
-    for (key, length, placement), token in zip(items, results):
-        if type(token) is not int:
-            out.append(Refused(token))
-            continue
-        out.append(PutGranted(key, token, tuple(placement)))
-        out.extend(AssignRegion(r.segment, r.offset, length, key, token) for r in placement)
-    return tuple(out)
-
-
-def put_end_effects(items: Sequence[tuple], results: Sequence) -> tuple:
-    """The effects of the steps :meth:`DirectoryCore.put_end_many` folded."""
-    return tuple(Published(key, token) if type(r) is tuple else Refused(r)
-                 for (key, token, _), r in zip(items, results))
-
-
-def _dropped(key, token: int, length: int, freed: list, repairs: list) -> tuple:
-    """The effects of freeing an object (:meth:`DirectoryCore._unhold`)."""
-    out = [FreeRegion(segment, offset, token, length) for segment, offset in freed]
-    for segment, offset, rid, free in repairs:
-        out.append(RepairCancelled(key, token, rid, segment))
-        if free:
-            out.append(FreeRegion(segment, offset, token, length))
-    return tuple(out)
-
-
-def remove_effects(keys: Sequence, results: Sequence) -> tuple:
-    """The effects of the steps :meth:`DirectoryCore.remove_many` folded."""
-    out: list = []
-    for key, r in zip(keys, results):
-        if type(r) is not tuple:
-            out.append(Refused(r))
-            continue
-        out.append(Removed(key, r[0]))
-        out.extend(_dropped(key, *r))
-    return tuple(out)
-
-
-def read_effects(keys: Sequence, results: Sequence) -> tuple:
-    """The effects of the steps :meth:`DirectoryCore.read_many` folded (an
-    accepted ``ReadEnd`` has none)."""
-    out: list = []
-    for key, r in zip(keys, results):
-        if type(r) is not tuple:
-            out.append(Refused(r))
-            continue
-        token, length, checksum, placed = r
-        out.append(ReadGranted(key, token, tuple(Replica(s, o, length) for s, o in placed),
-                               length, checksum))
-    return tuple(out)
-
 
 def restored(capacities: Mapping[str, int], objects: Iterable[tuple], next_token: int
              ) -> DirectoryCore:
     """:meth:`DirectoryCore.restored` (the drop-in for ``publish.restored``)."""
     return DirectoryCore.restored(capacities, objects, next_token)
-
-
-# --------------------------------------------------------------------------
-# Read views with the frozen Directory's shape
-# --------------------------------------------------------------------------
-
-
-class _Objects(Mapping):
-    """``key -> ObjectRecord`` over a :class:`DirectoryCore` (records built on access)."""
-
-    __slots__ = ("_core",)
-
-    def __init__(self, core: DirectoryCore) -> None:
-        self._core = core
-
-    def __getitem__(self, key) -> ObjectRecord:
-        record = self._core.record(key)
-        if record is None:
-            raise KeyError(key)
-        return record
-
-    def get(self, key, default=None):
-        record = self._core.record(key)
-        return default if record is None else record
-
-    def __contains__(self, key) -> bool:
-        row = self._core.rows.index.get(key)
-        return row is not None and self._core._st[row] != 0
-
-    def __len__(self) -> int:
-        return self._core.count
-
-    def __iter__(self) -> Iterator:
-        return (key for key, _ in self._core._items())
-
-    def items(self):
-        core = self._core
-        return [(key, core._record(row)) for key, row in core._items()]
-
-    def values(self):
-        core = self._core
-        return [core._record(row) for _, row in core._items()]
-
-
-class _Ledgers(Mapping):
-    """``segment -> SegmentLedger`` over a :class:`DirectoryCore`."""
-
-    __slots__ = ("_core",)
-
-    def __init__(self, core: DirectoryCore) -> None:
-        self._core = core
-
-    def __getitem__(self, name: str) -> SegmentLedger:
-        return self._core._ledgers[name].value()
-
-    def __contains__(self, name) -> bool:
-        return name in self._core._ledgers
-
-    def __len__(self) -> int:
-        return len(self._core._ledgers)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._core._ledgers)

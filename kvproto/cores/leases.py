@@ -170,14 +170,17 @@ class LeaseCore:
         row = self.rows.index.get(key)
         if row is not None and self._flags[row] & CACHED:
             return errors.KeyExists(f"{key!r} is cached")
-        if self._region_row(region) is not None:
+        own = type(region) is tuple and len(region) == 2 and region[0] == key \
+            and type(region[1]) is int and _INT64[0] <= region[1] < _INT64[1]
+        # an own region (key, token) of an uncached key can only be held
+        # through the dict (:meth:`_region_row`'s second test needs it cached)
+        if (region in self._regions) if own else self._region_row(region) is not None:
             return errors.NoSpace(f"region {region!r} holds another object")
         if size <= 0:
             return errors.InvalidArgument("object size must be positive")
         row = self.rows.acquire(key, self.BIT)
         flags = CACHED | (INHERITED if inherited else 0)
-        if type(region) is tuple and len(region) == 2 and region[0] == key \
-                and type(region[1]) is int and _INT64[0] <= region[1] < _INT64[1]:
+        if own:
             flags |= OWN_REGION
             self._rtok[row] = region[1]
         else:

@@ -260,6 +260,7 @@ class MasterRequests:
         # itself (spec/DirectWrite.tla Grant)
         near = {s for s, info in self.segments.items() if info.host == writing[1]} \
             if writing is not None else ()
+        append, assign = queue.append, "assign"
         for (i, (key, length, placement)), token in zip(taken, results):
             if type(token) is not int:
                 items[i] = wire.error_item(token)
@@ -267,20 +268,18 @@ class MasterRequests:
             started += 1
             tokens[token] = [key, now]
             owner[token] = client
-            granted, mine = [], None
-            grant = {"token": token, "replicas": granted}
+            granted, mine = [], []
             for r in placement:
                 segment, offset = r.segment, r.offset
                 granted.append([segment, offset, length])
                 if segment in near:
                     direct[(segment, offset)] = token
-                    queue.append((segment, "assign", [offset, length, key, token, writing[0]]))
-                    mine = [segment] if mine is None else mine + [segment]
+                    append((segment, assign, [offset, length, key, token, writing[0]]))
+                    mine.append(segment)
                 else:
-                    queue.append((segment, "assign", [offset, length, key, token]))
-            if mine is not None:
-                grant["direct"] = mine
-            items[i] = [0, grant]
+                    append((segment, assign, [offset, length, key, token]))
+            items[i] = [0, {"token": token, "replicas": granted, "direct": mine} if mine
+                        else {"token": token, "replicas": granted}]
         self.counters["puts_started"] += started
         self.counters["refused"] += len(taken) - started
 
@@ -337,19 +336,21 @@ class MasterRequests:
         batch step (``put_end_many``); each publish carried out as its
         ``Published`` effect is, in bulk: the lease table's ``Put``
         (``put_many``), the publish marks queued in order. The reply's items."""
-        ends = [(key, token, checksum[0] if checksum else 0) for key, token, *checksum in given]
+        ends = given if all(len(item) == 3 for item in given) else \
+            [(key, token, checksum[0] if checksum else 0) for key, token, *checksum in given]
         results = self.directory.put_end_many(ends)
         items, puts, queue, forget = [], [], self._queue, self._forget_pending
+        append, publish = queue.append, "publish"
         for (key, token, _), r in zip(ends, results):
             if type(r) is not tuple:
                 items.append(wire.error_item(r))
                 continue
             length, checksum, requested, placed = r
             forget(token)
-            puts.append((key, (key, token), length * max(len(placed), 1)))
+            puts.append((key, (key, token), length * (len(placed) or 1)))
             # the storage nodes' index learns the publish (StampedPublish)
             for segment, offset in placed:
-                queue.append((segment, "publish", [offset, key, token, checksum, requested]))
+                append((segment, publish, [offset, key, token, checksum, requested]))
             items.append([0, None])
         self.counters["puts_published"] += len(puts)
         self.counters["refused"] += len(ends) - len(puts)
