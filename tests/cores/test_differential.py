@@ -463,8 +463,11 @@ class LeaseDiff(Differential):
 
     def put(self, c: Choose):
         key, token = c.one(LKEYS), c.int(1, 50)
-        kind = c.one(["own", "own", "slot", "taken", "float"])
+        kind = c.one(["own", "own", "slot", "taken", "float", "named"])
         if kind == "own":
+            region = (key, token)
+        elif kind == "named":   # (key, token) first held by another key, then put as key's own
+            self.step(L.Put(c.one(LKEYS), (key, token), c.int(1, 1 << 20)))
             region = (key, token)
         elif kind == "slot":
             region = c.one(SLOTS)
