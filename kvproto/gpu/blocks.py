@@ -285,6 +285,8 @@ class Copier:
         """One copy unit that writes several ``buffers`` of ``pool`` (a scatter
         into blocks): an ``Issue`` per buffer, stepped all or none, one
         submission; each buffer's generation completes with the unit."""
+        if not buffers:
+            raise errors.InvalidArgument("a copy unit writes at least one buffer")
         sources = frozenset(sources)
         with self.cv:
             issued = self.check(pool.step_all([T.Issue(request, b, sources) for b in buffers]))

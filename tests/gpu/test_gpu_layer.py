@@ -450,3 +450,17 @@ def test_blocks_in_runs_round_trip_as_one_copy_unit(cluster, layers_major):
     finally:
         kv.close()
         client.close()
+
+
+def test_a_copy_unit_of_no_buffer_is_refused():
+    pool = BlockPool.allocate(LAYOUT, 2, device="cpu")
+    backend = CpuBackend()
+    copier = Copier(backend)
+    try:
+        copier.step(pool, T.StartRequest("r"))
+        with pytest.raises(errors.InvalidArgument):
+            copier.issue_into(pool, "r", [], [], 1.0)
+        assert copier.tracked() == 0 and pool.state.next_gen == 1
+    finally:
+        copier.close()
+        backend.close()
