@@ -13,7 +13,9 @@ dropped stale callback counts it in the stats, as the reference does).
 :meth:`PoolCore.step_all` steps several events as one: all of them, or, when
 one is refused, none (the state as before, and that event's refusal). A block
 copy unit issues into every block it writes, and an engine gives back or
-reads a run of blocks, this way.
+reads a run of blocks, this way. A copy unit's ``Issue``s (one request,
+distinct buffers, the same sources, none a destination) are checked whole
+and then applied, since none changes what another checks.
 
 Layout. Buffers and transfers are dicts of the reference's own frozen
 ``Buffer`` and ``Transfer`` records (a step stores a new record; a free buffer
