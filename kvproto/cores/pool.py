@@ -13,7 +13,9 @@ dropped stale callback counts it in the stats, as the reference does).
 :meth:`PoolCore.step_all` steps several events as one: all of them, or, when
 one is refused, none (the state as before, and that event's refusal). A block
 copy unit issues into every block it writes, and an engine gives back or
-reads a run of blocks, this way.
+reads a run of blocks, this way. A copy unit's ``Issue``s (one request,
+distinct buffers, the same sources, none a destination) are checked whole
+and then applied, since none changes what another checks.
 
 Layout. Buffers and transfers are dicts of the reference's own frozen
 ``Buffer`` and ``Transfer`` records (a step stores a new record; a free buffer
@@ -137,8 +139,15 @@ class PoolCore:
         refused, that refusal with the state (stats included) as before."""
         if self._log is not None:
             raise RuntimeError("step_all does not nest")
+        if type(events) is not list and type(events) is not tuple:
+            events = list(events)
         log = self._log = []
         try:
+            if len(events) > 1:
+                run = self._runs.get(type(events[0]))
+                effects = run(self, events) if run is not None else None
+                if effects is not None:
+                    return effects
             out: list = []
             for event in events:
                 effects = self.step(event)
@@ -152,6 +161,57 @@ class PoolCore:
             raise
         finally:
             self._log = None
+
+    def _issue_run(self, events) -> Optional[tuple]:
+        """``step_all`` of a copy unit: ``Issue``s of one request into distinct
+        buffers with the same sources, none of them a destination. No such
+        event changes what another checks (its buffer, that buffer's readers,
+        the request, the sources), so all are checked before any is applied:
+        the first refusal is the one stepping them in order gives. None when
+        the run is not of that shape."""
+        first = events[0]
+        r, sources = first.request, first.sources
+        buffers = []
+        for ev in events:
+            if type(ev) is not Issue or ev.request != r or (ev.sources is not sources
+                                                            and ev.sources != sources):
+                return None
+            buffers.append(ev.buffer)
+        if len(set(buffers)) != len(buffers) or not sources.isdisjoint(buffers):
+            return None
+        refusal = self._issue_refusal(r, buffers[0], sources)
+        if refusal is not None:
+            return _refused(refusal)
+        bufs, readers = self._bufs, self._readers
+        for b in buffers:   # the request and the sources passed: the rest is each buffer's own
+            buf = bufs.get(b)
+            if buf is None or buf.owner != r or buf.state is not _HELD or b in readers:
+                refusal = self._issue_refusal(r, b, ())
+                if refusal is not None:
+                    return _refused(refusal)
+        log, pending, xfers = self._log, self._rpending[r], self._xfers
+        gen0 = gen = self._n["next_gen"]
+        effects = []
+        for b in buffers:
+            log.append((pending, gen, _MISSING))
+            pending[gen] = True
+            log.append((bufs, b, bufs[b]))
+            bufs[b] = Buffer(r, gen, _LOADING)
+            log.append((xfers, gen, _MISSING))
+            xfers[gen] = Transfer(gen, r, b, _INFLIGHT, 0, sources)
+            effects.append(Issued(r, b, gen))
+            gen += 1
+        for src in sources:
+            for g in range(gen0, gen):
+                reading = readers.get(src)
+                if reading is None:
+                    self._set(readers, src, {g: True})
+                else:
+                    self._set(reading, g, True)
+        self._set(self._n, "next_gen", gen)
+        return tuple(effects)
+
+    _runs = {Issue: _issue_run}
 
     @staticmethod
     def _undo(log: list) -> None:
@@ -263,33 +323,39 @@ class PoolCore:
         self._set(self._bufs, b, FREE_BUFFER)
         return (Released(r, b),)
 
-    def _issue(self, ev: Issue) -> tuple:
-        """Spec ``Issue``: a fresh generation for a load into a held buffer."""
-        r, b = ev.request, ev.buffer
+    def _issue_refusal(self, r, b, sources: frozenset) -> Optional[errors.KvError]:
+        """Why ``Issue(r, b, sources)`` is refused (None: it may start)."""
         refusal = self._owned(r, b)
         if refusal is not None:
-            return _refused(refusal)
+            return refusal
         bufs = self._bufs
         buf = bufs[b]
         if buf.state is _LOADING:
-            return _refused(errors.TransferInFlight(f"buffer {b!r}: transfer {buf.gen} in flight"))
+            return errors.TransferInFlight(f"buffer {b!r}: transfer {buf.gen} in flight")
         if buf.state is not _HELD:
-            return _refused(errors.BufferBusy(f"buffer {b!r} holds loaded data; release it first"))
+            return errors.BufferBusy(f"buffer {b!r} holds loaded data; release it first")
         refusal = self._read_refusal(r, b)
         if refusal is not None:
-            return _refused(refusal)
-        for src in ev.sources:
+            return refusal
+        for src in sources:
             if src == b:
-                return _refused(errors.InvalidArgument(f"buffer {src!r} cannot be its own copy's source"))
+                return errors.InvalidArgument(f"buffer {src!r} cannot be its own copy's source")
             refusal = self._buffer_refusal(bufs.get(src), src, r)
             if refusal is not None:
-                return _refused(refusal)
+                return refusal
             if bufs[src].state is _LOADING:
-                return _refused(errors.TransferInFlight(
-                    f"source {src!r}: transfer {bufs[src].gen} still writes it"))
+                return errors.TransferInFlight(f"source {src!r}: transfer {bufs[src].gen} still writes it")
+        return None
+
+    def _issue(self, ev: Issue) -> tuple:
+        """Spec ``Issue``: a fresh generation for a load into a held buffer."""
+        r, b = ev.request, ev.buffer
+        refusal = self._issue_refusal(r, b, ev.sources)
+        if refusal is not None:
+            return _refused(refusal)
         gen = self._n["next_gen"]
         self._set(self._rpending[r], gen, True)
-        self._set(bufs, b, Buffer(r, gen, _LOADING))
+        self._set(self._bufs, b, Buffer(r, gen, _LOADING))
         self._set(self._xfers, gen, Transfer(gen, r, b, sources=ev.sources))
         for src in ev.sources:
             readers = self._readers.get(src)

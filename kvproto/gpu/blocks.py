@@ -58,6 +58,8 @@ class BlockPool(MachinePool):
         self.layers = list(kv) if layout.layers_major else None
         self.device = (self.layers[0] if self.layers else kv).device
         self._bytes = None if self.layers else kv.view(torch.uint8).reshape(n, layout.block_bytes)
+        #: each cache tensor as rows of bytes, one row a block (of one layer, layers first)
+        self._rows = [t.view(torch.uint8).reshape(n, -1) for t in (self.layers or [kv])]
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_blocks: int, device: Any = None, **kw) -> "BlockPool":
@@ -104,20 +106,44 @@ class BlockPool(MachinePool):
         return [typed[i * per:(i + 1) * per].view(n, *lay.layer_block_shape)
                 for i in range(lay.num_layers)]
 
+    @staticmethod
+    def runs(blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+        """The runs of consecutive block ids in ``blocks``: ``(position in the
+        object, first block, count)`` each."""
+        out: list = []
+        pos = 0
+        for i in range(1, len(blocks) + 1):
+            if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                out.append((pos, blocks[pos], i - pos))
+                pos = i
+        return out
+
+    def _parts(self, host, n: int) -> list:
+        """``host`` (a 1-D uint8 tensor of ``n`` blocks' bytes) as rows of bytes
+        in the order :attr:`_rows` holds them: one ``(n, block_bytes)`` for
+        blocks first, one ``(n, layer block bytes)`` per layer for layers first."""
+        per = host.numel() // len(self._rows)
+        return [host[i * per:(i + 1) * per].view(n, -1) for i in range(len(self._rows))]
+
     def gather(self, blocks: Sequence[int]):
         """A copy unit's function: ``gather(blocks)(dst)`` writes the blocks'
         bytes into ``dst`` (a 1-D uint8 host tensor), on the copy stream: on the
-        CPU straight into ``dst``; on a GPU into one device buffer, then one DMA."""
+        CPU straight into ``dst``, one copy per run of consecutive blocks (and
+        layer); on a GPU into one device buffer, then one DMA."""
         import torch
+        if self.device.type == "cpu":
+            runs = self.runs(blocks)
+
+            def copy_runs(dst) -> None:
+                for rows, part in zip(self._rows, self._parts(dst, len(blocks))):
+                    for pos, first, count in runs:
+                        part.narrow(0, pos, count).copy_(rows.narrow(0, first, count))
+            return copy_runs
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         sources = self.layers if self.layers is not None else [self.kv]
 
-        def op(dst) -> None:
+        def op(dst) -> None:   # pragma: no cover - needs a CUDA device
             n = len(idx)
-            if self.device.type == "cpu":
-                for src, out in zip(sources, self._views(dst, n)):
-                    torch.index_select(src, 0, idx, out=out)
-                return
             staged = torch.empty(dst.numel(), dtype=torch.uint8, device=self.device)
             for src, out in zip(sources, self._views(staged, n)):
                 torch.index_select(src, 0, idx, out=out)
@@ -127,18 +153,25 @@ class BlockPool(MachinePool):
     def scatter(self, blocks: Sequence[int]):
         """A copy unit's function: ``scatter(blocks)(src)`` writes the bytes in
         ``src`` (a 1-D uint8 host tensor) into the blocks, on the copy stream:
-        on the CPU straight from ``src``; on a GPU one DMA, then a scatter."""
+        on the CPU straight from ``src``, one copy per run of consecutive
+        blocks (and layer); on a GPU one DMA, then a scatter."""
         import torch
+        if self.device.type == "cpu":
+            runs = self.runs(blocks)
+
+            def copy_runs(src) -> None:
+                for rows, part in zip(self._rows, self._parts(src, len(blocks))):
+                    for pos, first, count in runs:
+                        rows.narrow(0, first, count).copy_(part.narrow(0, pos, count))
+            return copy_runs
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         targets = self.layers if self.layers is not None else [self.kv]
 
-        def op(src) -> None:
+        def op(src) -> None:   # pragma: no cover - needs a CUDA device
             n = len(idx)
-            if self.device.type != "cpu":
-                staged = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-                staged.copy_(src, non_blocking=True)
-                src = staged
-            for dst, part in zip(targets, self._views(src, n)):
+            staged = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+            staged.copy_(src, non_blocking=True)
+            for dst, part in zip(targets, self._views(staged, n)):
                 dst.index_copy_(0, idx, part)
         return op
 
@@ -172,49 +205,60 @@ class StagingBuffers:
         return self._views[name]
 
 
-class _Copy:
-    __slots__ = ("pool", "gen", "buffer", "request", "handle", "deadline", "unit",
-                 "done", "error", "next_cancel", "on_settled")
+class _Unit:
+    """One submission: a copy (a generation of ``pool``) into each of its
+    destination buffers, one backend handle, one deadline."""
 
-    def __init__(self, pool, gen, buffer, request, handle, deadline, unit: list) -> None:
-        self.pool, self.gen, self.buffer, self.request = pool, gen, buffer, request
-        self.handle, self.deadline = handle, deadline
-        self.unit = unit                       # the records of one submission, this one among them
-        self.done = False                      # the copy's outcome is known (set under the copier's cv)
-        self.error: Optional[errors.KvError] = None
-        self.next_cancel: Optional[float] = None
-        self.on_settled: list = []             # called once it can no longer write
+    __slots__ = ("pool", "request", "handle", "deadline", "tracked", "unknown", "errors",
+                 "next_cancel", "on_settled")
+
+    def __init__(self, pool, request, handle, deadline: float, gens: dict) -> None:
+        self.pool, self.request, self.handle, self.deadline = pool, request, handle, deadline
+        self.tracked = gens                    # gen -> buffer: copies that may still write
+        self.unknown = set(gens)               # gens whose outcome is not known yet
+        self.errors: dict = {}                 # gen -> the error of a copy that failed
+        self.next_cancel: dict = {}            # gen -> when to send its next cancel
+        self.on_settled: list = []             # called once none of it can write
 
 
 class DeviceCopy:
-    """A copy in flight; :meth:`wait` for it."""
+    """A copy unit in flight (one or several destination buffers); :meth:`wait` for it."""
 
-    def __init__(self, copier: "Copier", rec: _Copy) -> None:
-        self._copier, self._rec = copier, rec
-        self.gen, self.buffer = rec.gen, rec.buffer
+    def __init__(self, copier: "Copier", unit: _Unit) -> None:
+        self._copier, self._unit = copier, unit
+        self.gens = list(unit.tracked)
+        self.buffers = list(unit.tracked.values())
+        self.gen, self.buffer = self.gens[0], self.buffers[0]
 
     def done(self) -> bool:
-        return self._rec.done
+        """The outcome of every copy of the unit is known."""
+        return not self._unit.unknown
 
     def wait(self) -> None:
-        """Until the copy completed (returns) or failed: ``TransferTimeout`` past
-        its deadline (the destination is quarantined), ``RequestNotActive`` when
-        its request ended first."""
-        self._copier._wait(self._rec)
-        if self._rec.error is not None:
-            raise self._rec.error
+        """Until every copy of the unit completed (returns) or one failed:
+        ``TransferTimeout`` past its deadline (the destinations are
+        quarantined), ``RequestNotActive`` when its request ended first."""
+        unit = self._unit
+        self._copier._wait(unit)
+        if unit.errors:
+            raise unit.errors[min(unit.errors)]
 
 
 class Copier:
     """Issues copies into machine pools on one backend and turns completions,
-    deadlines and cancels into pool machine steps (one lock, one poller thread)."""
+    deadlines and cancels into pool machine steps (one lock, one poller thread).
+
+    It tracks copy units, not blocks: a unit's generations (one per
+    destination buffer) point to it, and a completion or deadline is observed
+    once per unit, then stepped for each of its generations."""
 
     def __init__(self, backend, *, cancel_interval: float = 0.05, poll_interval: float = 0.002) -> None:
         self.backend = backend
         self.cancel_interval = float(cancel_interval)
         self.poll_interval = float(poll_interval)
         self.cv = threading.Condition(threading.RLock())
-        self._copies: dict[tuple, _Copy] = {}      # (id(pool), gen) -> tracked copy
+        self._copies: dict[tuple, _Unit] = {}      # (id(pool), gen) -> the unit of a tracked copy
+        self._units: dict[int, _Unit] = {}         # id(unit) -> a unit with a tracked copy
         self._closed = False
         self._thread = threading.Thread(target=self._poll_loop, daemon=True, name="kvproto-gpu-copier")
         self._thread.start()
@@ -233,15 +277,16 @@ class Copier:
         ``pool``) and submit it; ``sources`` are buffers of ``pool`` the copy
         reads: the machine keeps them from being released or loaded into while
         the copy is awaited."""
-        (copy,) = self.issue_into(pool, request, [buffer], pairs, timeout, sources=sources)
-        return copy
+        return self.issue_into(pool, request, [buffer], pairs, timeout, sources=sources)
 
     def issue_into(self, pool: MachinePool, request: str, buffers: Sequence[str],
                    pairs: Sequence[tuple], timeout: float, *,
-                   sources: Iterable[str] = ()) -> list[DeviceCopy]:
+                   sources: Iterable[str] = ()) -> DeviceCopy:
         """One copy unit that writes several ``buffers`` of ``pool`` (a scatter
         into blocks): an ``Issue`` per buffer, stepped all or none, one
         submission; each buffer's generation completes with the unit."""
+        if not buffers:
+            raise errors.InvalidArgument("a copy unit writes at least one buffer")
         sources = frozenset(sources)
         with self.cv:
             issued = self.check(pool.step_all([T.Issue(request, b, sources) for b in buffers]))
@@ -254,23 +299,22 @@ class Copier:
                     self._apply(pool.step(T.Cancel(ev.gen)))
                     self._apply(pool.step(T.CancelAck(ev.gen)))
                 raise
-            deadline = time.monotonic() + timeout
-            copies, unit = [], []
-            for ev, buffer in zip(issued, buffers):
-                rec = _Copy(pool, ev.gen, buffer, request, handle, deadline, unit)
-                unit.append(rec)
-                self._copies[(id(pool), ev.gen)] = rec
-                copies.append(DeviceCopy(self, rec))
+            unit = _Unit(pool, request, handle, time.monotonic() + timeout,
+                         {ev.gen: ev.buffer for ev in issued})
+            pid, copies = id(pool), self._copies
+            for gen in unit.tracked:
+                copies[(pid, gen)] = unit
+            self._units[id(unit)] = unit
             self.cv.notify_all()
-            return copies
+            return DeviceCopy(self, unit)
 
     def when_settled(self, copy: DeviceCopy, callback) -> None:
-        """Call ``callback()`` once ``copy`` can no longer write (completed,
-        drained, cancelled before it ran), or now if it already cannot."""
+        """Call ``callback()`` once no copy of ``copy``'s unit can still write
+        (completed, drained, cancelled before it ran), or now if none can."""
         with self.cv:
-            rec = copy._rec
-            if self._copies.get((id(rec.pool), rec.gen)) is rec:
-                rec.on_settled.append(callback)
+            unit = copy._unit
+            if unit.tracked:
+                unit.on_settled.append(callback)
                 return
         callback()
 
@@ -298,6 +342,7 @@ class Copier:
             return effects
 
     def tracked(self) -> int:
+        """Copies (generations) that may still write."""
         with self.cv:
             return len(self._copies)
 
@@ -310,14 +355,19 @@ class Copier:
         or was written off (a written-off one is recovered later by the poller)."""
         def gone() -> bool:
             for c in copies:
-                rec = c._rec
-                if self._copies.get((id(rec.pool), rec.gen)) is rec:
-                    t = rec.pool.state.transfers.get(rec.gen)
+                unit = c._unit
+                for gen in unit.tracked:
+                    t = unit.pool.state.transfers.get(gen)
                     if t is not None and t.state is not T.XferState.LEAKED:
                         return False
             return True
         with self.cv:
             return self.cv.wait_for(gone, timeout)
+
+    def expire(self, copy: DeviceCopy) -> None:
+        """Stop waiting for the copies of ``copy`` still in flight: ``Timeout``
+        (their destinations quarantined) and ``Cancel``."""
+        self._expire(copy._unit)
 
     def close(self) -> None:
         with self.cv:
@@ -327,80 +377,89 @@ class Copier:
 
     # ------------------------------------------------------------------ observing
 
-    def _wait(self, rec: _Copy) -> None:
-        while not rec.done:
-            left = rec.deadline - time.monotonic()
+    def _wait(self, unit: _Unit) -> None:
+        while unit.unknown:
+            left = unit.deadline - time.monotonic()
             if left <= 0:
-                self._expire(rec)
+                self._expire(unit)
                 break
-            if rec.handle.wait(min(left, 0.01)):   # the outcome may also come from elsewhere
-                self._observe(rec)
+            if unit.handle.wait(min(left, 0.01)):   # the outcome may also come from elsewhere
+                self._observe(unit)
                 break
         with self.cv:
-            self.cv.wait_for(lambda: rec.done)
+            self.cv.wait_for(lambda: not unit.unknown)
 
-    def _observe(self, rec: _Copy) -> None:
-        """The backend says the copy can no longer write: completion or cancel
-        ack, for every copy of its unit (one submission) still tracked."""
+    def _observe(self, unit: _Unit) -> None:
+        """The backend says the unit can no longer write: a completion, or a
+        cancel ack, for each of its copies still tracked."""
         with self.cv:
-            pool, stopped = rec.pool, rec.handle.stopped
+            pool, step = unit.pool, unit.pool.step
             effects: list = []
-            for r in rec.unit:
-                if self._copies.get((id(pool), r.gen)) is r:
-                    effects.extend(pool.step(T.CancelAck(r.gen) if stopped
-                                             else T.Complete(r.gen, r.buffer)))
+            if unit.handle.stopped:
+                for gen in list(unit.tracked):
+                    effects.extend(step(T.CancelAck(gen)))
+            else:
+                complete = T.Complete
+                for gen, buffer in list(unit.tracked.items()):
+                    effects.extend(step(complete(gen, buffer)))
             if effects:
                 self._apply(tuple(effects), pool)
 
-    def _expire(self, rec: _Copy) -> None:
+    def _expire(self, unit: _Unit) -> None:
+        """``Timeout`` and ``Cancel`` each copy of ``unit`` still in flight."""
         with self.cv:
-            t = rec.pool.state.transfers.get(rec.gen)
-            if t is not None and t.state is T.XferState.INFLIGHT:
-                self._apply(rec.pool.step(T.Timeout(rec.gen)), rec.pool)
-                self._retry(rec)
+            transfers = unit.pool.state.transfers
+            for gen in list(unit.tracked):
+                t = transfers.get(gen)
+                if t is not None and t.state is T.XferState.INFLIGHT:
+                    self._apply(unit.pool.step(T.Timeout(gen)), unit.pool)
+                    self._retry(unit, gen)
 
-    def _retry(self, rec: _Copy) -> None:
-        effects = rec.pool.step(T.Cancel(rec.gen))
+    def _retry(self, unit: _Unit, gen: int) -> None:
+        pool = unit.pool
+        effects = pool.step(T.Cancel(gen))
         if effects and isinstance(effects[0], T.Refused):   # cancels exhausted: write off
-            effects = rec.pool.step(T.GiveUp(rec.gen))
+            effects = pool.step(T.GiveUp(gen))
             if effects and isinstance(effects[0], T.Refused):   # ledger full: later
-                rec.next_cancel = time.monotonic() + self.cancel_interval
+                unit.next_cancel[gen] = time.monotonic() + self.cancel_interval
                 return
-            rec.next_cancel = None
-        self._apply(effects, rec.pool)
+            unit.next_cancel.pop(gen, None)
+        self._apply(effects, pool)
 
-    def _untrack(self, rec: _Copy) -> None:
-        self._copies.pop((id(rec.pool), rec.gen), None)
-        callbacks, rec.on_settled = rec.on_settled, []
-        for callback in callbacks:
-            callback()
+    def _untrack(self, unit: _Unit, gen: int) -> None:
+        self._copies.pop((id(unit.pool), gen), None)
+        unit.tracked.pop(gen, None)
+        unit.next_cancel.pop(gen, None)
+        if not unit.tracked:
+            self._units.pop(id(unit), None)
+            callbacks, unit.on_settled = unit.on_settled, []
+            for callback in callbacks:
+                callback()
 
     def _apply(self, effects: tuple, pool: Optional[MachinePool] = None) -> None:
         """Carry out pool machine effects (under ``cv``)."""
+        copies, pid = self._copies, id(pool)
         for eff in effects:
-            gen = getattr(eff, "gen", None)
-            rec = self._copies.get((id(pool), gen)) if pool is not None and gen is not None else None
-            if isinstance(eff, T.Loaded):
-                if rec is not None:
-                    self._untrack(rec)
-                    rec.done = True
-            elif isinstance(eff, T.LoadFailed):
-                if rec is not None:
-                    rec.error = eff.error
-                    rec.done = True
-                    if isinstance(eff.error, errors.RequestNotActive):   # abandoned: cancel it
-                        self._retry(rec)
-            elif isinstance(eff, T.SendCancel):
-                if rec is not None:
-                    rec.next_cancel = time.monotonic() + self.cancel_interval
-                    self.backend.cancel(rec.handle)     # stopped -> handle done, stopped
-            elif isinstance(eff, T.WrittenOff):
-                if rec is not None:
-                    rec.next_cancel = None             # still tracked: a late completion recovers it
-            elif isinstance(eff, T.Drained):
-                if rec is not None:
-                    self._untrack(rec)
-                    rec.done = True
+            kind = type(eff)
+            if pool is None or kind not in _TRACKED:
+                continue
+            gen = eff.gen
+            unit = copies.get((pid, gen))
+            if unit is None:
+                continue
+            if kind is T.Loaded or kind is T.Drained:
+                self._untrack(unit, gen)
+                unit.unknown.discard(gen)
+            elif kind is T.LoadFailed:
+                unit.errors[gen] = eff.error
+                unit.unknown.discard(gen)
+                if isinstance(eff.error, errors.RequestNotActive):   # abandoned: cancel it
+                    self._retry(unit, gen)
+            elif kind is T.SendCancel:
+                unit.next_cancel[gen] = time.monotonic() + self.cancel_interval
+                self.backend.cancel(unit.handle)     # stopped -> handle done, stopped
+            else:   # WrittenOff: still tracked, a late completion recovers it
+                unit.next_cancel.pop(gen, None)
         self.cv.notify_all()
 
     def _poll_loop(self) -> None:
@@ -408,27 +467,32 @@ class Copier:
             with self.cv:
                 if self._closed:
                     return
-                if not self._copies:
+                if not self._units:
                     self.cv.wait(0.1)
                     continue
-                units = list({id(rec.unit): rec.unit for rec in self._copies.values()}.values())
+                units = list(self._units.values())
             now = time.monotonic()
             for unit in units:
-                if unit[0].handle.query():
-                    self._observe(unit[0])
+                if unit.handle.query():
+                    self._observe(unit)
                     continue
-                if now < unit[0].deadline and all(rec.next_cancel is None for rec in unit):
+                if now < unit.deadline and not unit.next_cancel:
                     continue
                 with self.cv:
-                    for rec in unit:
-                        t = rec.pool.state.transfers.get(rec.gen)
-                        if t is None or self._copies.get((id(rec.pool), rec.gen)) is not rec:
+                    transfers = unit.pool.state.transfers
+                    for gen in list(unit.tracked):
+                        t = transfers.get(gen)
+                        if t is None:
                             continue
                         if t.state is T.XferState.INFLIGHT:
-                            if now >= rec.deadline:
-                                self._expire(rec)
-                        elif t.state is T.XferState.TIMEDOUT and rec.next_cancel is not None \
-                                and now >= rec.next_cancel:
-                            self._retry(rec)
+                            if now >= unit.deadline:
+                                self._apply(unit.pool.step(T.Timeout(gen)), unit.pool)
+                                self._retry(unit, gen)
+                        elif t.state is T.XferState.TIMEDOUT and gen in unit.next_cancel \
+                                and now >= unit.next_cancel[gen]:
+                            self._retry(unit, gen)
             time.sleep(self.poll_interval)
 
+
+#: the pool machine effects that concern a tracked copy
+_TRACKED = frozenset({T.Loaded, T.Drained, T.LoadFailed, T.SendCancel, T.WrittenOff})

@@ -218,7 +218,7 @@ class DeviceKV:
     def counts(self) -> dict:
         with self.copier.cv:
             return {"blocks": self.blocks.counts(), "staging": self.staging.counts(),
-                    "host": self.engine.counts(), "copies": len(self.copier._copies)}
+                    "host": self.engine.counts(), "copies": self.copier.tracked()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -370,21 +370,20 @@ class DeviceKV:
                 host = staged
             chain._reach(RestoreState.IN_HOST)
             entered.append(True)
-            copies = copier.issue_into(self.blocks, name, [self.blocks.name(b) for b in chain.blocks],
-                                       [(host, self.blocks.scatter(chain.blocks))], timeout)
+            names = [self.blocks.name(b) for b in chain.blocks]
+            copy = copier.issue_into(self.blocks, name, names,
+                                     [(host, self.blocks.scatter(chain.blocks))], timeout)
             try:
-                for c in copies:
-                    c.wait()
+                copy.wait()
             except errors.KvError:
                 # the source is the segment or staging: keep it until none can read it
-                for c in copies:
-                    if not c.done():
-                        copier._expire(c._rec)
-                copier.wait_idle_for(copies)
+                copier.expire(copy)
+                copier.wait_idle_for([copy])
                 raise
-            for b in chain.blocks:     # each block's own copy completed
-                if self.blocks.state_of(b) is not T.BufState.READY:
-                    raise errors.TransferTimeout(f"block {b} was not loaded")
+            buffers = self.blocks.state.buffers
+            for b in names:     # each block's own copy completed
+                if buffers[b].state is not T.BufState.READY:
+                    raise errors.TransferTimeout(f"block {BlockPool.index(b)} was not loaded")
 
         try:
             try:

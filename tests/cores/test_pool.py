@@ -293,3 +293,40 @@ def test_a_stale_callback_in_a_refused_batch_is_not_counted():
     assert core.stats.stale_dropped == 0 and core.buffers["a"] == T.FREE_BUFFER
     assert type(core.step(T.Complete(9, "a"))[0].error) is errors.StaleGeneration
     assert core.stats.stale_dropped == 1
+
+
+def test_a_copy_unit_is_checked_whole_before_any_issue():
+    """``step_all`` of a copy unit (one request's ``Issue``s into distinct
+    buffers, the same sources) checks every buffer before it applies any: the
+    refusal of the last one is the reference's, with nothing changed; a unit
+    of the right buffers gives the reference's generations and state, and a
+    unit that repeats a buffer or reads one of its destinations is stepped
+    event by event, as the reference does."""
+    names = [f"blk{i}" for i in range(12)]
+    events = [T.StartRequest("g"), T.StartRequest("h")]
+    events += [T.Acquire("g", b) for b in names[:10]] + [T.Acquire("h", names[10])]
+    ref, core = both(names, events)
+
+    def against_reference(unit):
+        trial, expected = ref, []
+        for ev in unit:
+            trial, effects = T.pool_step(trial, ev)
+            if isinstance(effects[0], Refused):
+                trial, expected = ref, list(effects)
+                break
+            expected.extend(effects)
+        before = core.reference()
+        assert_same(tuple(expected), core.step_all(unit))
+        assert core.reference() == trial
+        return trial, before
+
+    src = frozenset(names[8:10])
+    for last in (names[10], names[11], names[8]):   # another's, a free one, a source
+        trial, before = against_reference([T.Issue("g", b, src) for b in names[:4] + [last]])
+        assert trial is ref and core.reference() == before
+    against_reference([T.Issue("g", b, src) for b in names[:3] + names[:1]])   # one twice
+    ref, _ = against_reference([T.Issue("g", b, src) for b in names[:8]])
+    assert [t.gen for t in ref.transfers.values()] == list(range(1, 9))
+    assert core._readers[names[8]] == dict.fromkeys(range(1, 9), True)
+    trial, before = against_reference([T.Issue("g", b) for b in names[:2]])   # loading already
+    assert trial is ref and core.reference() == before

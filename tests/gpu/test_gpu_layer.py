@@ -416,3 +416,51 @@ def test_layers_first_kv_round_trips(cluster, remote):
     finally:
         kv.close()
         client.close()
+
+
+@pytest.mark.parametrize("layers_major", [False, True])
+def test_blocks_in_runs_round_trip_as_one_copy_unit(cluster, layers_major):
+    """Blocks that are not one run (ids out of order, gaps, single blocks) are
+    gathered and scattered run by run; a restore is one copy unit of a
+    generation per block, every block loaded, and the copier tracks nothing after."""
+    assert BlockPool.runs([4, 5, 6, 0, 2, 3, 9]) == [(0, 4, 3), (3, 0, 1), (4, 2, 2), (6, 9, 1)]
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, layers_major=layers_major)
+    kvt = ([torch.zeros((12, *lay.layer_block_shape), dtype=torch.bfloat16) for _ in range(2)]
+           if layers_major else torch.zeros(lay.tensor_shape(12), dtype=torch.bfloat16))
+    pool = BlockPool(kvt, lay)
+    client = cluster.client()
+    kv = DeviceKV(client, pool, max_blocks=6, staging=1)
+    try:
+        r = kv.request()
+        r.acquire(12)
+        src, dst = [7, 8, 2, 0, 1, 10], [5, 6, 11, 3, 4, 9]
+        r.release(dst)
+        g = torch.Generator().manual_seed(7)
+        for b in src:
+            for t in (pool.layers or [pool.kv]):
+                t[b] = torch.randn(t[b].shape, generator=g).to(torch.bfloat16)
+        want = [raw(pool, b) for b in src]
+        assert r.save(b"runs/" + lay.tag().encode(), src).wait(5) is SaveState.PUBLISHED
+        r.acquire(6)
+        gen = pool.state.next_gen
+        assert r.restore(b"runs/" + lay.tag().encode(), dst).wait(5) is RestoreState.CONSUMABLE
+        assert pool.state.next_gen == gen + len(dst)
+        r.consume(dst)
+        assert [raw(pool, b) for b in dst] == want and kv.copier.tracked() == 0
+    finally:
+        kv.close()
+        client.close()
+
+
+def test_a_copy_unit_of_no_buffer_is_refused():
+    pool = BlockPool.allocate(LAYOUT, 2, device="cpu")
+    backend = CpuBackend()
+    copier = Copier(backend)
+    try:
+        copier.step(pool, T.StartRequest("r"))
+        with pytest.raises(errors.InvalidArgument):
+            copier.issue_into(pool, "r", [], [], 1.0)
+        assert copier.tracked() == 0 and pool.state.next_gen == 1
+    finally:
+        copier.close()
+        backend.close()
