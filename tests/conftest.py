@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
 #: cluster for every fault cell, one recorded run): its tests run together,
 #: on one worker.
 SLOW = {
-    "tests/test_conformance.py": 850,
+    "tests/test_conformance.py": 790,
     "tests/test_trace_windows.py": 150,
     "tests/faults/test_traced_matrix.py": 150,
     "tests/faults/test_matrix.py": 60,
