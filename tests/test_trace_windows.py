@@ -228,11 +228,11 @@ def test_a_step_changed_past_step_1000_is_rejected_with_its_number(recorded, tmp
     header, steps = run_of(bad)
     # rejected at that step: every step before it (the first 1,000 among
     # them) passed, in the windows before its own
-    verdict = traces.check_windows(header, steps, size=600)
+    verdict = traces.check_windows(header, steps, size=400)
     assert not verdict.ok
     assert verdict.failed_step == n, verdict.message
     assert f"step {n} " in verdict.message
-    assert (n - 1) // 600 >= 1 and f"(window {(n - 1) // 600 + 1}, from step " in verdict.message
+    assert (n - 1) // 400 >= 1 and f"(window {(n - 1) // 400 + 1}, from step " in verdict.message
 
 
 # --- the lease table ---------------------------------------------------------------
