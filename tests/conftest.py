@@ -50,38 +50,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-#: the tests that take tens of seconds, with their share of a CI run (seconds
-#: on a loaded 2-core machine; only their ratios matter). A name ending in
-#: ``.py`` is a module whose module-scoped fixture serves all its tests (one
-#: TLC graph per model, one cluster for every fault cell): its tests run
-#: together, on one worker.
+#: the tests that take ten seconds or more, with their share of a run
+#: (seconds on a 2-core machine at load 4 to 8, pytest's ``--durations``;
+#: only their ratios matter). A name ending in ``.py`` is a module whose
+#: module-scoped fixture serves all its tests (one TLC graph per model, one
+#: cluster for every fault cell, one recorded run): its tests run together,
+#: on one worker.
 SLOW = {
-    "tests/test_conformance.py": 520,
-    "tests/faults/test_traced_matrix.py": 90,
-    "tests/faults/test_matrix.py": 70,
-    "tests/stateful/test_timeout.py::TestTimeoutSystem": 110,
-    "tests/stateful/test_publish.py::TestPublishSystem": 90,
-    "tests/stateful/test_publish.py::TestPublishWithRepairs": 70,
-    "tests/stateful/test_publish.py::test_the_stateful_test_catches_storage_without_the_token_check": 65,
-    "tests/stateful/test_lease.py::TestLeaseSystem": 80,
-    "tests/stateful/test_tenancy.py::TestTenancySystem": 60,
-    "tests/runtime/test_failover_cores.py::TestFailoverCores": 60,
-    "tests/stateful/test_failover.py::TestFailoverSystem": 50,
-    "tests/stateful/test_repair.py::TestRepairSystem": 45,
-    "tests/stateful/test_directwrite.py::TestDirectWriteSystem": 40,
-    "tests/test_models.py::test_model_gives_expected_verdict[Publish]": 90,
-    "tests/test_models.py::test_model_gives_expected_verdict[Timeout_Liveness]": 75,
-    "tests/test_models.py::test_model_gives_expected_verdict[Tenancy]": 50,
-    "tests/test_models.py::test_model_gives_expected_verdict[Repair]": 30,
-    "tests/test_models.py::test_model_gives_expected_verdict[Lease]": 25,
-    "tests/test_models.py::test_model_gives_expected_verdict[Failover_ThreeTerms]": 25,
-    "tests/test_runtime_mutants.py::test_quick_mutants_are_killed": 30,
-    "tests/runtime/test_repair_runtime.py": 55,
-    "tests/runtime/test_takeover_trace.py": 45,
-    "tests/test_trace_windows.py": 80,
-    "tests/runtime/test_failover_trace.py": 60,
-    "tests/runtime/test_merged_windows.py": 35,
+    "tests/test_conformance.py": 790,
+    "tests/test_trace_windows.py": 165,
+    "tests/faults/test_traced_matrix.py": 150,
+    "tests/faults/test_matrix.py": 60,
+    "tests/runtime/test_repair_runtime.py": 45,
     "tests/cores/test_differential.py": 40,
+    "tests/runtime/test_failover_trace.py": 35,
+    "tests/runtime/test_merged_windows.py": 30,
+    "tests/runtime/test_takeover_trace.py": 25,
+    "tests/runtime/test_timeline.py": 12,
+    "tests/test_models.py::test_model_gives_expected_verdict[Publish]": 160,
+    "tests/test_models.py::test_model_gives_expected_verdict[Timeout_Liveness]": 37,
+    "tests/test_models.py::test_model_gives_expected_verdict[Tenancy]": 33,
+    "tests/test_models.py::test_model_gives_expected_verdict[Lease]": 32,
+    "tests/test_models.py::test_model_gives_expected_verdict[Failover_ThreeTerms]": 19,
+    "tests/stateful/test_publish.py::TestPublishSystem": 76,
+    "tests/runtime/test_wire.py::test_the_fast_test_of_every_field_agrees_with_its_check": 46,
+    "tests/cores/test_pool.py::TestPool": 38,
+    "tests/runtime/test_failover_cores.py::TestFailoverCores": 37,
+    "tests/stateful/test_tenancy.py::TestTenancySystem": 36,
+    "tests/cores/test_tenancy_core.py::TestTenancy": 36,
+    "tests/stateful/test_lease.py::TestLeaseSystem": 30,
+    "tests/stateful/test_failover.py::test_python_machine_whose_repair_stamps_its_own_term_breaks_an_invariant": 30,
+    "tests/stateful/test_repair.py::TestRepairSystem": 27,
+    "tests/stateful/test_timeout.py::TestTimeoutSystem": 25,
+    "tests/runtime/test_usability.py::test_kvproto_bench_runs_its_rebuild_sections": 22,
+    "tests/runtime/test_usability.py::test_kvproto_bench_runs_its_payload_and_metadata_sections": 22,
+    "tests/test_runtime_mutants.py::test_quick_mutants_are_killed": 22,
+    "tests/stateful/test_failover.py::TestFailoverSystem": 21,
+    "tests/stateful/test_directwrite.py::TestDirectWriteSystem": 15,
+    "tests/runtime/test_master_failover.py::test_a_replica_repaired_by_a_later_master_is_listed_with_its_original": 14,
+    "tests/faults/test_found.py::test_a_node_fenced_out_of_recovery_does_not_rejoin_with_its_old_objects": 13,
+    "tests/runtime/test_merged_trace.py::test_a_run_of_separate_processes_with_a_node_killed_is_a_behaviour_of_the_spec": 13,
 }
 
 

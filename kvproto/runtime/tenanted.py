@@ -268,7 +268,7 @@ class Tenants:
         bytes are freed (``AgeOut`` in a retiring namespace, else ``Remove``
         by its owner), in one pass (``TenancyCore.drop_many``). Keys of no
         tenant's object (orphans, see :meth:`recovered`) are passed over."""
-        for refused in self.registry.drop_many(_objects(dkeys), self.clock()):
+        for refused in self.registry.drop_many(_walk(dkeys), self.clock()):
             log.error("tenancy machine refused a drop: %s", refused.error)
 
     # ------------------------------------------------------------------ the upgrade lifecycle
@@ -478,68 +478,57 @@ class Losses:
         self._ahead[dkey] = self._ahead.get(dkey, 0) + 1
 
 
-def _objects(dkeys: Iterable[bytes]) -> Iterator[tuple[Namespace, bytes]]:
+def _walk(dkeys: Iterable[bytes], set_up: Optional[Callable[[Namespace], None]] = None,
+          unnamed: Optional[Callable[[int, errors.KvError], None]] = None
+          ) -> Iterator[tuple[Namespace, bytes]]:
     """:func:`_split` of each of ``dkeys`` that names an object of a
-    namespace, in order; each distinct namespace prefix is decoded once."""
-    prefixes: dict = {}
+    namespace (``set_up`` first, if given: it raises if the registry cannot
+    take the namespace), in order; ``unnamed(position, why)``, if given, of
+    each other one. Each distinct namespace prefix is decoded and set up once."""
+    prefixes: dict = {}        # prefix -> namespace, or the error of setting it up
     prefix, ns, end = None, None, 0
-    for dkey in dkeys:
+    for i, dkey in enumerate(dkeys):
         if prefix is not None and dkey.startswith(prefix):   # the previous key's namespace
             yield ns, dkey[end:]
             continue
+        prefix = None
         try:
             end = 2 + dkey[0] + dkey[1 + dkey[0]]
         except IndexError:
-            prefix = None
+            got = _NOT_NAMED
+        else:
+            p = dkey[:end]
+            got = prefixes.get(p)
+            if got is None:
+                o = _split(dkey)
+                if o is None:
+                    got = _NOT_NAMED
+                else:
+                    got = o[0]
+                    if set_up is not None:
+                        try:
+                            set_up(got)
+                        except errors.KvError as err:
+                            got = err
+                    prefixes[p] = got
+        if isinstance(got, errors.KvError):
+            if unnamed is not None:
+                unnamed(i, got)
             continue
-        prefix = dkey[:end]
-        ns = prefixes.get(prefix)
-        if ns is None:
-            o = _split(dkey)
-            if o is None:
-                prefix = None
-                continue
-            ns = prefixes[prefix] = o[0]
+        prefix, ns = p, got
         yield ns, dkey[end:]
 
 
 def _recovered(keys: Sequence[bytes], sizes: Sequence[int], set_up: Callable[[Namespace], None],
                unnamed: list) -> Iterator[tuple[Namespace, bytes, int]]:
     """``(namespace, key, size)`` of each directory key of ``keys`` (its
-    size in ``sizes``) that names a namespace (``set_up`` first: it raises if
-    the registry cannot take it), in order; ``(position, error)`` of each
-    other one is appended to ``unnamed``. Each distinct namespace prefix is
-    decoded and set up once."""
-    prefixes: dict = {}        # prefix -> namespace, or the error of setting it up
-    prefix, ns, end = None, None, 0
-    for i, (dkey, size) in enumerate(zip(keys, sizes)):
-        if prefix is not None and dkey.startswith(prefix):   # the previous key's namespace
-            yield ns, dkey[end:], size
-            continue
-        prefix = None
-        try:
-            end = 2 + dkey[0] + dkey[1 + dkey[0]]
-        except IndexError:
-            unnamed.append((i, _NOT_NAMED))
-            continue
-        p = dkey[:end]
-        got = prefixes.get(p)
-        if got is None:
-            o = _split(dkey)
-            if o is None:
-                unnamed.append((i, _NOT_NAMED))
-                continue
-            try:
-                set_up(o[0])
-                got = o[0]
-            except errors.KvError as err:
-                got = err
-            prefixes[p] = got
-        if isinstance(got, errors.KvError):
-            unnamed.append((i, got))
-            continue
-        prefix, ns = p, got
-        yield ns, dkey[end:], size
+    size in ``sizes``) that names a namespace the registry takes
+    (:func:`_walk` with ``set_up``), in order; ``(position, error)`` of each
+    other one is appended to ``unnamed``."""
+    walked = _walk(keys, set_up, lambda i, why: unnamed.append((i, why)))
+    for j, (ns, key) in enumerate(walked):
+        # the keys before this one: j named ones, and the unnamed so far
+        yield ns, key, sizes[j + len(unnamed)]
 
 
 def _position(j: int, skipped: list) -> int:
