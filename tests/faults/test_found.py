@@ -38,12 +38,20 @@ def test_a_node_fenced_out_of_recovery_does_not_rejoin_with_its_old_objects(tmp_
             cluster.wait(lambda: cluster.open_leader() not in (None, first), 60, "a second master")
             cluster.heal()
             cluster.wait(lambda: cluster.live_segments() == 2, 60, "the late node to register again")
-            node = cluster.node_stats(late)
-            at_master = cluster.master_stats()["segments"][node["segment"]]
-            if at_master["used"] != node["used"]:
-                problems.append(f"the master counts {at_master['used']} bytes used on the late "
-                                f"node's segment, the node holds {node['used']} in {node['regions']} "
-                                "region(s)")
+            # the master's count and the node's settle apart (the commands of
+            # its registration are applied in order): they must come to agree
+            deadline = time.monotonic() + 20
+            while True:
+                node = cluster.node_stats(late)
+                at_master = cluster.master_stats()["segments"][node["segment"]]
+                if at_master["used"] == node["used"]:
+                    break
+                if time.monotonic() > deadline:
+                    problems.append(f"the master counts {at_master['used']} bytes used on the late "
+                                    f"node's segment, the node holds {node['used']} in "
+                                    f"{node['regions']} region(s)")
+                    break
+                time.sleep(0.2)
             time.sleep(settings.lease_ttl * 1.5)        # the leases a new master inherits
             for key in keys:
                 client.remove(key)                       # acknowledged
