@@ -153,7 +153,8 @@ MUTANTS: tuple[Mutant, ...] = (
               "            rec = self.directory.objects.get(key) if event_type is PutEnd else None\n"
               "            err, _ = self._step(event_type(key, token if rec is None else rec.token,\n"
               "                                           *checksum))\n"),
-         Edit(REQUESTS, "        ends = [(key, token, checksum[0] if checksum else 0) "
+         Edit(REQUESTS, "        ends = given if all(len(item) == 3 for item in given) else \\\n"
+                        "            [(key, token, checksum[0] if checksum else 0) "
                         "for key, token, *checksum in given]\n",
               "        objects = self.directory.objects\n"
               "        ends = [(key, token if (rec := objects.get(key)) is None else rec.token,\n"
