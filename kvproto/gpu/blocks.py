@@ -125,6 +125,22 @@ class BlockPool(MachinePool):
         per = host.numel() // len(self._rows)
         return [host[i * per:(i + 1) * per].view(n, -1) for i in range(len(self._rows))]
 
+    def _run_copies(self, blocks: Sequence[int], into_blocks: bool):
+        """The CPU's copy unit function for ``blocks``: one copy per run of
+        consecutive blocks (and layer) between them and a 1-D uint8 host
+        tensor, into the blocks or out of them."""
+        runs, n = self.runs(blocks), len(blocks)
+
+        def copy_runs(host) -> None:
+            for rows, part in zip(self._rows, self._parts(host, n)):
+                for pos, first, count in runs:
+                    cache, obj = rows.narrow(0, first, count), part.narrow(0, pos, count)
+                    if into_blocks:
+                        cache.copy_(obj)
+                    else:
+                        obj.copy_(cache)
+        return copy_runs
+
     def gather(self, blocks: Sequence[int]):
         """A copy unit's function: ``gather(blocks)(dst)`` writes the blocks'
         bytes into ``dst`` (a 1-D uint8 host tensor), on the copy stream: on the
@@ -132,13 +148,7 @@ class BlockPool(MachinePool):
         layer); on a GPU into one device buffer, then one DMA."""
         import torch
         if self.device.type == "cpu":
-            runs = self.runs(blocks)
-
-            def copy_runs(dst) -> None:
-                for rows, part in zip(self._rows, self._parts(dst, len(blocks))):
-                    for pos, first, count in runs:
-                        part.narrow(0, pos, count).copy_(rows.narrow(0, first, count))
-            return copy_runs
+            return self._run_copies(blocks, into_blocks=False)
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         sources = self.layers if self.layers is not None else [self.kv]
 
@@ -157,13 +167,7 @@ class BlockPool(MachinePool):
         blocks (and layer); on a GPU one DMA, then a scatter."""
         import torch
         if self.device.type == "cpu":
-            runs = self.runs(blocks)
-
-            def copy_runs(src) -> None:
-                for rows, part in zip(self._rows, self._parts(src, len(blocks))):
-                    for pos, first, count in runs:
-                        rows.narrow(0, first, count).copy_(part.narrow(0, pos, count))
-            return copy_runs
+            return self._run_copies(blocks, into_blocks=True)
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
         targets = self.layers if self.layers is not None else [self.kv]
 
