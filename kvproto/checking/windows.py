@@ -29,8 +29,8 @@ The lease table's windows (:func:`kvproto.checking.leasetrace.check_windows`)
 chain the same way, and end only where the table is quiet (no read in
 progress, so no lease held), where its state is the objects cached. The
 merged master-and-nodes check (:func:`kvproto.checking.mergetrace.check_windows`)
-ends its windows where no put is pending and no command is on its way to a
-node, and checks the nodes' tables there too (``NodesWindowEnd``).
+ends its windows where no put or repair has anything written on a traced
+node, and checks the nodes' tables and commands there (``NodesWindowEnd``).
 
 The failover check (:func:`kvproto.checking.failtrace.check`) chains its
 windows without this module's loop: its nodes record their own steps, not
