@@ -666,6 +666,11 @@ class DirectoryCore(DirectoryBuild):
             return list(index), sizes.tolist()
         return ([k for k, h in zip(index, held.tolist()) if h], sizes[held].tolist())
 
+    def published(self, key) -> bool:
+        """Whether ``key`` names a published object (spec ``Readable(k)``)."""
+        row = self.rows.index.get(key)
+        return row is not None and self._st[row] == PUBLISHED
+
     def published_many(self, keys) -> bytes:
         """One byte per key of ``keys``: 1 where it names a published object
         (spec ``Readable(k)``), else 0."""
