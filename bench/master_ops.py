@@ -6,10 +6,11 @@ A :class:`~kvproto.runtime.master.MasterCore` with two registered segments
 holding ``--objects`` published 4 KiB objects (2 replicas) handles, per round,
 one request of ``--batch`` keys of each kind: put_start, put_end, read_begin
 with a lease (answered as columns, as a client's get asks), release, exists
-and remove (the storage nodes' acknowledgements are fed back at once). Prints
-microseconds of CPU time per key per request kind (``time.process_time``, so
-other work on a shared machine weighs less): what the master's loop spends,
-the sockets and the other processes left out. It uses
+(answered as one byte per key, as a client's exists asks) and remove (the
+storage nodes' acknowledgements are fed back at once). Prints microseconds
+of CPU time per key per request kind (``time.process_time``, so other work
+on a shared machine weighs less): what the master's loop spends, the
+sockets and the other processes left out. It uses
 only ``handle``, ``outbox`` and ``storage_reply`` (the acknowledgements are
 written out here rather than taken from ``kvproto.checking.fuzz``), so the same
 script measures an older revision (``git worktree add /tmp/old REV``,
@@ -76,7 +77,7 @@ def main() -> None:
         leases = body["columns"]["lease"] if "columns" in body \
             else [item[1]["lease"] for item in body["items"]]   # a revision before the columns
         timed("release", lambda: core.handle("release", {"client": "c", "leases": leases}))
-        timed("exists", lambda: core.handle("exists", {"keys": keys}))
+        timed("exists", lambda: core.handle("exists", {"keys": keys, "found": True}))
         timed("remove", lambda: (core.handle("remove", {"keys": keys}), settle()))
         now[0] += 0.001
     per = args.rounds * args.batch

@@ -190,9 +190,9 @@ class MasterTarget(Target):
             self.settle()
             if result is not None and result[0] != 0:
                 return f"put_start answered {result}"
-            status, body = core.handle("exists", {**self.AUTH, "keys": [key]})
-            if status != 0:
-                return f"exists answered {status}"
+            status, body = core.handle("exists", {**self.AUTH, "keys": [key], "found": True})
+            if status != 0 or body != {"found": b"\0"}:     # put, not yet published
+                return f"exists answered {status}: {body}"
         except errors.KvError as err:
             return f"{type(err).__name__}: {err}"
         finally:

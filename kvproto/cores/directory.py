@@ -671,6 +671,12 @@ class DirectoryCore(DirectoryBuild):
         row = self.rows.index.get(key)
         return row is not None and self._st[row] == PUBLISHED
 
+    def published_many(self, keys) -> bytes:
+        """One byte per key of ``keys``: 1 where it names a published object
+        (spec ``Readable(k)``), else 0."""
+        get, st = self.rows.index.get, self._st
+        return bytes([(row := get(key)) is not None and st[row] == PUBLISHED for key in keys])
+
     def _items(self) -> Iterator[tuple]:
         st = self._st
         for key, row in self.rows.index.items():

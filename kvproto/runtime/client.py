@@ -679,15 +679,10 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         with self._lock:
             for at in range(0, len(ks), self.BATCH):
                 chunk = ks[at:at + self.BATCH]
-                reply = self._lookup("exists", {"keys": chunk}, len(chunk), deadline)
-                if reply is None:
-                    out.extend([False] * len(chunk))
-                    continue
-                for item in wire.items_of(reply, len(chunk)):
-                    err, value = wire.item_result(item)
-                    if err is not None:
-                        raise err
-                    out.append(bool(value))
+                reply = self._lookup("exists", {"keys": chunk, "found": True}, len(chunk),
+                                     deadline)
+                out.extend([False] * len(chunk) if reply is None
+                           else wire.found_of(reply, len(chunk)))
         return out
 
     def keys(self, prefix: Key = b"", *, page: int = 4096,

@@ -622,8 +622,12 @@ class MasterRequests:
         return 0, {"items": items}
 
     def _op_exists(self, body, reply_to, request_id):
-        published = self.directory.published
-        return 0, {"items": [wire.ok_item(published(key)) for key in body["keys"]]}
+        """Which keys name a published object (a read of the directory; nothing
+        changes): one byte per key if asked with ``found``, else an item each."""
+        found = self.directory.published_many(body["keys"])
+        if body.get("found"):
+            return 0, {"found": found}
+        return 0, {"items": [[0, bool(b)] for b in found]}
 
     def _op_list(self, body, reply_to, request_id):
         """Published keys in key order (a read of the directory; nothing changes):

@@ -10,10 +10,11 @@ and ``body`` is ``{"message": str}``. Payload frames carry object bytes and are
 never packed into msgpack (so they can be sent and received without a copy).
 Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
 for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
-with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`). A request id names one
-request on its connection (a sender numbers every request afresh, a retry
-included; 0 asks for no reply): the master serves an id once, and answers a
-copy :class:`~kvproto.errors.DuplicateRequest`.
+with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`; an
+``exists`` asked with ``found``, one byte per key: :func:`found_of`). A
+request id names one request on its connection (a sender numbers every
+request afresh, a retry included; 0 asks for no reply): the master serves an
+id once, and answers a copy :class:`~kvproto.errors.DuplicateRequest`.
 
 :func:`decode_request` is the only way a server turns frames into a request. It
 checks, in this order, and raises the typed error of the first failure:
@@ -276,7 +277,8 @@ MASTER_OPS: dict[str, OpSchema] = {
     "renew": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "release": OpSchema({"client": CLIENT, "leases": list_of(uint(_UINT63, 1), min_items=1)}),
     "read_end": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
-    "exists": OpSchema({"keys": KEYS}),
+    # ``found: true`` asks for the answer as one byte per key (:func:`found_of`)
+    "exists": OpSchema({"keys": KEYS}, optional={"found": boolean()}),
     # published keys in key order, after ``after``, starting with ``prefix``, at most ``limit``
     "list": OpSchema({"limit": uint(MAX_BATCH, 1)},
                      optional={"prefix": binary(MAX_KEY_BYTES, 0), "after": binary(MAX_KEY_BYTES, 0)}),
@@ -580,6 +582,17 @@ def items_of(reply: Reply, expected: int) -> list:
         raise errors.MalformedFrame(f"reply has {len(items) if isinstance(items, list) else 'no'} "
                                     f"items, expected {expected}")
     return items
+
+
+def found_of(reply: Reply, expected: int) -> list[bool]:
+    """The answer of an ``exists`` asked with ``found`` for ``expected`` keys:
+    ``body["found"]``, one byte per key in the request's order, 1 where the key
+    names a published object and 0 where not. A reply of another shape raises
+    :class:`~kvproto.errors.MalformedFrame`."""
+    found = reply.body.get("found")
+    if type(found) is not bytes or len(found) != expected or found.translate(None, b"\0\1"):
+        raise errors.MalformedFrame(f"exists reply's found is not {expected} bytes of 0 or 1")
+    return list(map(bool, found))
 
 
 #: A ``read_begin`` asked with ``columns`` answers its keys as columns, one

@@ -236,6 +236,10 @@ class DirectoryDiff(Differential):
                 [(r.segment, r.offset) for r in record.replicas])
         assert set(self.core.below()) == {k for k, r in self.ref.objects.items()
                                           if r.status is P.Status.PUBLISHED and r.below()}
+        objects = self.ref.objects    # what an exists answers: Readable(k) of each key
+        readable = [k in objects and objects[k].status is P.Status.PUBLISHED for k in KEYS]
+        assert self.core.published_many(KEYS) == bytes(readable)
+        assert [self.core.published(k) for k in KEYS] == readable
         keys, sizes = self.core.requested_bytes()   # what a takeover charges, no record built
         assert keys == list(self.core.objects)
         assert dict(zip(keys, sizes)) == {k: r.length * r.requested

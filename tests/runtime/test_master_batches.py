@@ -7,7 +7,8 @@ repeated, existing and unplaceable keys, a direct writer on a node's host),
 ``put_end`` (right and wrong tokens, checksums, repeated items), ``read_begin``
 (pinned and leased, missing keys, releases carried along, answered as items
 or as columns), ``release`` (held,
-unknown and repeated leases), ``read_end``, ``exists`` and ``remove`` — the
+unknown and repeated leases), ``read_end``, ``exists`` (answered as items or
+as one byte per key, each the directory's ``Readable``) and ``remove`` — the
 storage nodes accepting or refusing commands. One takes the batch steps
 (``MasterCore.batched``), the other not; after every request their replies,
 the commands sent (in order), the directory, the lease table, the sessions,
@@ -23,6 +24,7 @@ import pytest
 from kvproto import errors
 from kvproto.runtime import wire
 from kvproto.runtime.master import MasterCore
+from kvproto.statemachines.publish import Status
 
 SEGMENTS = ("seg-0", "seg-1", "seg-2")
 KEYS = [b"key/%04d" % i for i in range(60)]
@@ -134,7 +136,13 @@ def run(pair: Pair, steps: int) -> None:
             pair.call("read_end", {"client": rng.choice(["r1", "r2"]),
                                    "items": [[k, t] for k, t in pending[-5:]]})
         elif op == "exists":
-            pair.call("exists", {"keys": keys})
+            # one byte per key asked with found, else an item per key; both
+            # the directory's Readable(k)
+            found = pair.call("exists", {"keys": keys, "found": True})["found"]
+            assert pair.call("exists", {"keys": keys})["items"] == [[0, b == 1] for b in found]
+            objects = pair.cores[0].directory.reference().objects
+            assert found == bytes(k in objects and objects[k].status is Status.PUBLISHED
+                                  for k in keys)
         elif op == "remove":
             pair.call("remove", {"keys": keys[:4]})
         else:

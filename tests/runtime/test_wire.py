@@ -202,3 +202,19 @@ def test_columns_read_back_as_items():
         [errors.KeyNotFound.code, "b'x'"],
         [0, {"token": 6, "length": 20, "replicas": [["a", 4096, 20], ["b", 0, 20]],
              "checksum": 9, "lease": 4, "ttl": 2.0}]]
+
+
+@pytest.mark.parametrize("body", [
+    {"items": [[0, True], [0, False], [0, True]]}, {"found": b"\x01\x00"},
+    {"found": b"\x01\x00\x01\x00"}, {"found": b"\x01\x02\x01"}, {"found": "\x01\x00\x01"},
+    {"found": [1, 0, 1]}, {"found": bytearray(b"\x01\x00\x01")}, {"found": None},
+])
+def test_an_exists_answered_as_found_bytes_is_checked(body):
+    """An ``exists`` asked with ``found`` answers one byte per key, 1 for a
+    published object and 0 for none; another length, type or byte is
+    MalformedFrame."""
+    good = wire.Reply(0, 1, {"found": b"\x01\x00\x01"}, [])
+    assert wire.found_of(good, 3) == [True, False, True]
+    assert wire.found_of(wire.Reply(0, 1, {"found": b""}, []), 0) == []
+    with pytest.raises(errors.MalformedFrame):
+        wire.found_of(wire.Reply(0, 1, body, []), 3)
