@@ -161,7 +161,7 @@ class ClientLink:
                         self._take(frames, one, pending, got)
                 continue
             for sock, _ in poller.poll(max(1, int(remaining * 1000))):
-                for frames in wire.waiting(sock):
+                for frames in wire.waiting(sock, polled=True):
                     self._take(frames, sock, pending, got)
         return got
 

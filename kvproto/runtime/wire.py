@@ -671,13 +671,15 @@ def read_columns(reply: Reply, expected: int) -> dict:
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
-def waiting(sock: "zmq.Socket", limit: Optional[int] = None):
+def waiting(sock: "zmq.Socket", limit: Optional[int] = None, polled: bool = False):
     """The multipart messages already waiting on ``sock`` (at most ``limit``),
     received without blocking and without copying their frames. The socket's
-    ``EVENTS`` says whether one waits, so an empty socket costs no exception."""
+    ``EVENTS`` says whether one waits, so an empty socket costs no exception;
+    ``polled``: a poll has just said one waits, so the first is received
+    without asking (each ask is two system calls)."""
     n, events = 0, sock.get      # the plain int, not the PollEvent flag (half the cost)
     while limit is None or n < limit:
-        if not events(_EVENTS) & _POLLIN:
+        if not (polled and n == 0) and not events(_EVENTS) & _POLLIN:
             return
         try:
             yield sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
