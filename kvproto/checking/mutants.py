@@ -99,6 +99,21 @@ MUTANTS: tuple[Mutant, ...] = (
               "        return words[idx] == want\n")),
         (f"{SAME_HOST}::test_a_descriptor_of_a_segment_that_started_over_is_not_read",)),
     Mutant(
+        "same-host-batch-read-no-recheck",
+        "a plain get's batch read keeps each copy without checking the region's "
+        "generation word and the nonce again after it",
+        _one(SHM, "            out.append(buf if words[at] == done and words[1] == nonce else None)\n",
+             "            out.append(buf)\n"),
+        (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
+    Mutant(
+        "same-host-batch-read-ignores-nonce",
+        "a plain get's batch read trusts a descriptor whose segment started over",
+        (Edit(SHM, "                    or words[1] != nonce or words[at] != done:\n",
+              "                    or words[at] != done:\n"),
+         Edit(SHM, "            out.append(buf if words[at] == done and words[1] == nonce else None)\n",
+              "            out.append(buf if words[at] == done else None)\n")),
+        (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
+    Mutant(
         "lease-deadline-from-reply",
         "the client times a lease from the read_begin reply instead of from "
         "when it sent the request",

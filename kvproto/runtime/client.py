@@ -623,6 +623,10 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         reads, transferring, verifying = 0, 0.0, 0.0
         last = None
         verified = time.monotonic()         # nothing reads the store after the transfer
+        # the keys a batch read at once share their completion time: each
+        # time is judged once (``accept_transfer`` depends on nothing else)
+        judged: dict = {}
+        kept = 0
         for i, lease_id in enumerate(leases):
             if not lease_id or results[i] is None or i in skip:
                 continue
@@ -631,8 +635,11 @@ class Client(ClientLink, ClientLeases, TenantCalls):
             transferring += max(done - started, 0.0)
             verifying += max(verified - done, 0.0)
             last = done
-            if lm.accept_transfer(sent, done, ttl, self.max_skew):
-                c["lease_accepted"] += 1
+            accepted = judged.get(done)
+            if accepted is None:
+                accepted = judged[done] = lm.accept_transfer(sent, done, ttl, self.max_skew)
+            if accepted:
+                kept += 1
                 continue
             results[i] = None              # never hand out bytes read past the lease
             phases = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
@@ -642,6 +649,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
             first = first or errors.LeaseExpired(
                 f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
                 f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
+        c["lease_accepted"] += kept
         if last is not None:
             done = last
             self.last_read = lm.ReadPhases(queued, max(done - started, 0.0),
