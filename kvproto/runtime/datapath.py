@@ -266,11 +266,16 @@ def _read_local(where: dict, grants: dict, results: list, done_at: dict, take) -
     buffer of ``take``; ``done_at`` of a key so read is when its segment's
     pass ended. Returns how many were read; the others (a replica elsewhere,
     refused by the seqlock) are left to :func:`read_all`'s replica by replica."""
-    segs, offsets = grants["segment"], grants["offset"]
+    segs, offsets, tokens, lengths = (grants["segment"], grants["offset"], grants["token"],
+                                      grants["length"])
+    counts = grants["replicas"]
+    if segs and counts.count(1) == len(tokens) and segs.count(segs[0]) == len(segs):
+        # every key granted, one replica each, all in one segment: the columns as they are
+        return _read_batches(where, {segs[0]: (range(len(tokens)), offsets, lengths, tokens)},
+                             results, done_at, take)
     batches: dict = {}     # segment -> ([key], [offset], [length], [token])
     at = 0
-    for i, (token, length, n) in enumerate(zip(grants["token"], grants["length"],
-                                                grants["replicas"])):
+    for i, (token, length, n) in enumerate(zip(tokens, lengths, counts)):
         if token and n:
             name = segs[at]
             batch = batches.get(name)
@@ -281,6 +286,12 @@ def _read_local(where: dict, grants: dict, results: list, done_at: dict, take) -
             batch[2].append(length)
             batch[3].append(token)
         at += n
+    return _read_batches(where, batches, results, done_at, take)
+
+
+def _read_batches(where: dict, batches: dict, results: list, done_at: dict, take) -> int:
+    """:func:`_read_local`'s copies: ``batches`` maps a segment to its keys'
+    ``(indexes, offsets, lengths, tokens)``."""
     read = 0
     for name, (index, offs, lengths, tokens) in batches.items():
         seg, nonce = where.get(name, (None, 0))
