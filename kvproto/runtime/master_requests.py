@@ -615,9 +615,10 @@ class MasterRequests:
         self._ltick()     # once: the releases are at the request's time
         if self._batched():
             holders = [(client, lease_id) for lease_id in body["leases"]]
-            items = [[0, None] if type(r) is not Refusal else wire.error_item(r.error)
+            ok = wire.ok_item()        # one item for every release accepted
+            items = [ok if type(r) is not Refusal else wire.error_item(r.error)
                      for r in self.leases.release_many(holders)]
-            self.counters["lease_releases"] += len(items) - sum(item[0] != 0 for item in items)
+            self.counters["lease_releases"] += items.count(ok)
             return 0, {"items": items}
         for lease_id in body["leases"]:
             err, _ = self._lstep(lm.Release((client, lease_id)), tick=False)
