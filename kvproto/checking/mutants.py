@@ -128,15 +128,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "accept-ignores-skew",
         "the reader's acceptance check ignores clock skew (accepts a transfer "
         "that completed within the TTL on its own clock)",
-        _one(CLIENT, "            if lm.accept_transfer(sent, done, ttl, self.max_skew):\n",
-             "            if lm.accept_transfer(sent, done, ttl, 0.0):\n"),
+        _one(CLIENT, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
+             "        judged = {done: lm.accept_transfer(sent, done, ttl, 0.0)\n"),
         (f"{LEASES}::test_a_transfer_within_the_ttl_but_not_within_the_skew_margin_is_rejected",),
         twin="Lease_Weak_IgnoreSkew"),
     Mutant(
         "accept-everything",
         "the reader keeps the bytes of every leased transfer, however late",
-        _one(CLIENT, "            if lm.accept_transfer(sent, done, ttl, self.max_skew):\n",
-             "            if True:\n"),
+        _one(CLIENT, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
+             "        judged = {done: True\n"),
         (f"{LEASES}::test_a_read_slower_than_its_lease_is_rejected_and_classified",)),
     Mutant(
         "node-write-older-token-to-owner",
