@@ -254,15 +254,16 @@ def main() -> None:
             inner_report(self, offset, token)
             note("client_reported")
         LocalSegment.report_written = _report
-        inner_read = LocalSegment._seqlocked
-
-        def _read(self, *a):
-            note("client_copy_start")
-            try:
-                return inner_read(self, *a)
-            finally:
-                note("client_copy_done")
-        LocalSegment._seqlocked = _read
+        # a read's copy, and a plain get's batch of them
+        inner_reads = {name: getattr(LocalSegment, name) for name in ("_seqlocked", "read_many")}
+        for name, inner in inner_reads.items():
+            def _read(self, *a, inner=inner):
+                note("client_copy_start")
+                try:
+                    return inner(self, *a)
+                finally:
+                    note("client_copy_done")
+            setattr(LocalSegment, name, _read)
 
         blob = np.ones(4096, dtype=np.uint8)
         keys = [f"tl/{i:08d}".encode() for i in range(args.puts)]
@@ -287,8 +288,9 @@ def main() -> None:
         get_ev = list(ev)
         t_end = time.monotonic_ns()
         cls._send, cls._call_master = inner_send, inner_call
-        LocalSegment.write, LocalSegment.report_written, LocalSegment._seqlocked = \
-            inner_write, inner_report, inner_read
+        LocalSegment.write, LocalSegment.report_written = inner_write, inner_report
+        for name, inner in inner_reads.items():
+            setattr(LocalSegment, name, inner)
         client.close()
     finally:
         for p in (node, master):

@@ -99,6 +99,21 @@ MUTANTS: tuple[Mutant, ...] = (
               "        return words[idx] == want\n")),
         (f"{SAME_HOST}::test_a_descriptor_of_a_segment_that_started_over_is_not_read",)),
     Mutant(
+        "same-host-batch-read-no-recheck",
+        "a plain get's batch read keeps each copy without checking the region's "
+        "generation word and the nonce again after it",
+        _one(SHM, "            out.append(buf if words[at] == done and words[1] == nonce else None)\n",
+             "            out.append(buf)\n"),
+        (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
+    Mutant(
+        "same-host-batch-read-ignores-nonce",
+        "a plain get's batch read trusts a descriptor whose segment started over",
+        (Edit(SHM, "                    or words[1] != nonce or words[at] != done:\n",
+              "                    or words[at] != done:\n"),
+         Edit(SHM, "            out.append(buf if words[at] == done and words[1] == nonce else None)\n",
+              "            out.append(buf if words[at] == done else None)\n")),
+        (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
+    Mutant(
         "lease-deadline-from-reply",
         "the client times a lease from the read_begin reply instead of from "
         "when it sent the request",
@@ -113,15 +128,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "accept-ignores-skew",
         "the reader's acceptance check ignores clock skew (accepts a transfer "
         "that completed within the TTL on its own clock)",
-        _one(CLIENT, "            if lm.accept_transfer(sent, done, ttl, self.max_skew):\n",
-             "            if lm.accept_transfer(sent, done, ttl, 0.0):\n"),
+        _one(CLIENT, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
+             "        judged = {done: lm.accept_transfer(sent, done, ttl, 0.0)\n"),
         (f"{LEASES}::test_a_transfer_within_the_ttl_but_not_within_the_skew_margin_is_rejected",),
         twin="Lease_Weak_IgnoreSkew"),
     Mutant(
         "accept-everything",
         "the reader keeps the bytes of every leased transfer, however late",
-        _one(CLIENT, "            if lm.accept_transfer(sent, done, ttl, self.max_skew):\n",
-             "            if True:\n"),
+        _one(CLIENT, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
+             "        judged = {done: True\n"),
         (f"{LEASES}::test_a_read_slower_than_its_lease_is_rejected_and_classified",)),
     Mutant(
         "node-write-older-token-to-owner",

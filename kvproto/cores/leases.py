@@ -16,8 +16,12 @@ object: flags (cached, inherited, region is its own), size, region token and
 last use. A region that names its own object, ``(key, token)`` as the runtime's
 do, is stored as its token; any other region (the spec's shared slots) goes in
 a dict. Leases — the reads in flight, few — are small records in a dict, with
-an expiry heap, so a :class:`~kvproto.statemachines.lease.Tick` costs
-O(leases it ends) (the reference walks every lease).
+an expiry queue, so a :class:`~kvproto.statemachines.lease.Tick` costs
+O(leases it ends) (the reference walks every lease). Every expiry is the clock
+plus the one TTL, and the clock never goes back, so the queue is in expiry
+order as it is appended: a first-in-first-out queue, one entry per step that
+grants or renews, a batch of grants (:meth:`LeaseCore.grant_many`) one entry
+for all its leases.
 
 Eviction order (the runtime's policy; the spec allows evicting any unleased
 object): :meth:`LeaseCore.eviction_candidates` yields the unleased cached
@@ -30,8 +34,8 @@ takes them with its watermark semantics unchanged.
 
 from __future__ import annotations
 
-import heapq
 from array import array
+from collections import deque
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Optional
 
@@ -67,13 +71,9 @@ class Refusal:
         self.error = error
 
 
-class _Lease:
-    """One reader's lease, mutable (``seq`` names its current heap entry)."""
-
-    __slots__ = ("key", "row", "region", "expires", "seq")
-
-    def __init__(self, key, row: int, region, expires, seq: int):
-        self.key, self.row, self.region, self.expires, self.seq = key, row, region, expires, seq
+#: one reader's lease is a list ``[key, row, region, expires, seq]`` (mutable:
+#: a renewal sets ``expires`` and ``seq``, which names its current queue entry)
+KEY, ROW, REGION, EXPIRES, SEQ = range(5)
 
 
 class LeaseCore:
@@ -89,7 +89,7 @@ class LeaseCore:
     BIT = 2
 
     __slots__ = ("rows", "ttl", "now", "quiet_until", "used", "count", "_flags", "_size",
-                 "_rtok", "_last", "_regions", "_region_of", "_leases", "_holders", "_heap",
+                 "_rtok", "_last", "_regions", "_region_of", "_leases", "_holders", "_queue",
                  "_seq", "_handlers", "objects", "regions", "leases", "by_key")
 
     def __init__(self, ttl, rows: Optional[Rows] = None, *, now=0, quiet_until=0) -> None:
@@ -105,9 +105,11 @@ class LeaseCore:
         self._last = array("d")            # recency: master time of put, grant, renewal, touch
         self._regions: dict = {}           # region -> row, regions that are not (key, token)
         self._region_of: dict = {}         # row -> region, the same
-        self._leases: dict = {}            # holder -> _Lease
+        self._leases: dict = {}            # holder -> [key, row, region, expires, seq]
         self._holders: dict = {}           # row -> {holder: None}
-        self._heap: list = []              # (expires, seq, holder); stale entries skipped
+        #: (expires, seq, holders): the j-th holder's lease, if its seq is still
+        #: seq + j, expires then; stale holders (released, renewed) are skipped
+        self._queue: deque = deque()
         self._seq = 0
         self._setup()
         self.rows.attach(self._grow)
@@ -148,15 +150,16 @@ class LeaseCore:
         if now == self.now:
             return ()
         self.now = now
-        heap, leases = self._heap, self._leases
+        queue, leases = self._queue, self._leases
         ended = []
-        while heap and heap[0][0] <= now:
-            _, seq, holder = heapq.heappop(heap)
-            lease = leases.get(holder)
-            if lease is None or lease.seq != seq:
-                continue                   # released or renewed since
-            self._forget(holder, lease)
-            ended.append(LeaseEnded(holder, lease.key))
+        while queue and queue[0][0] <= now:
+            _, seq, holders = queue.popleft()
+            for holder in holders:
+                lease = leases.get(holder)
+                if lease is not None and lease[SEQ] == seq:
+                    self._forget(holder, lease)
+                    ended.append(LeaseEnded(holder, lease[KEY]))
+                seq += 1                   # else released or renewed since
         return tuple(ended)
 
     def _put(self, ev: Put, inherited: bool = False) -> tuple:
@@ -211,26 +214,26 @@ class LeaseCore:
         expires = self.now + self.ttl
         region = self._region(row)
         self._seq += 1
-        self._leases[holder] = _Lease(key, row, region, expires, self._seq)
+        self._leases[holder] = [key, row, region, expires, self._seq]
         holders = self._holders.get(row)
         if holders is None:
             self._holders[row] = {holder: None}
         else:
             holders[holder] = None
-        heapq.heappush(self._heap, (expires, self._seq, holder))
+        self._queue.append((expires, self._seq, (holder,)))
         self._last[row] = self.now
         return region, expires
 
     def _renew(self, ev: Renew) -> tuple:
         """Spec ``Renew``: only an unexpired lease is extended (to ``now + ttl``)."""
         lease = self._leases.get(ev.holder)
-        if lease is None or lease.expires <= self.now:
+        if lease is None or lease[EXPIRES] <= self.now:
             return _refused(errors.LeaseExpired(f"{ev.holder!r} holds no unexpired lease"))
         self._seq += 1
-        lease.expires, lease.seq = self.now + self.ttl, self._seq
-        heapq.heappush(self._heap, (lease.expires, self._seq, ev.holder))
-        self._last[lease.row] = self.now
-        return (LeaseRenewed(ev.holder, lease.key, lease.expires),)
+        lease[EXPIRES], lease[SEQ] = self.now + self.ttl, self._seq
+        self._queue.append((lease[EXPIRES], self._seq, (ev.holder,)))
+        self._last[lease[ROW]] = self.now
+        return (LeaseRenewed(ev.holder, lease[KEY], lease[EXPIRES]),)
 
     def _release(self, ev: Release) -> tuple:
         """Spec ``Release``: the lease ends; the object is not touched."""
@@ -245,7 +248,7 @@ class LeaseCore:
         if lease is None:
             return Refusal(errors.LeaseExpired(f"{holder!r} holds no lease"))
         self._forget(holder, lease)
-        return lease.key
+        return lease[KEY]
 
     # ------------------------------------------------------------------ batches
 
@@ -260,26 +263,62 @@ class LeaseCore:
         """``Grant(holder, key)`` of each item, in order: the fold of the
         single steps. Per item the lease's expiry, or the error its step is
         refused with; :func:`grant_effects` gives the effects (at once: they
-        name the regions as they are)."""
-        lease, out = self._lease, []
+        name the regions as they are). The leases granted share one expiry
+        and one queue entry."""
+        leases, index, flags, rtok = self._leases, self.rows.index, self._flags, self._rtok
+        keys, region_of, holders_of, last = (self.rows.keys, self._region_of, self._holders,
+                                             self._last)
+        now = self.now
+        expires = now + self.ttl
+        first = seq = self._seq + 1
+        granted, out = [], []
         for holder, key in items:
-            got = lease(holder, key)
-            out.append(got[1] if type(got) is tuple else got)
+            if holder in leases:
+                out.append(errors.LeaseHeld(f"{holder!r} already holds a lease"))
+                continue
+            row = index.get(key)
+            if row is None or not flags[row] & CACHED:
+                out.append(errors.KeyNotFound(f"{key!r}"))
+                continue
+            region = (keys[row], rtok[row]) if flags[row] & OWN_REGION else region_of[row]
+            leases[holder] = [key, row, region, expires, seq]
+            seq += 1
+            holders = holders_of.get(row)
+            if holders is None:
+                holders_of[row] = {holder: None}
+            else:
+                holders[holder] = None
+            last[row] = now
+            granted.append(holder)
+            out.append(expires)
+        if granted:
+            self._seq = seq - 1
+            self._queue.append((expires, first, tuple(granted)))
         return out
 
     def release_many(self, holders: Iterable) -> list:
         """``Release(holder)`` of each holder, in order: the fold of the single
         steps. Per holder the key of its lease, or a :class:`Refusal` (its
         ``error`` the step's); :func:`release_effects` gives the effects."""
-        end = self._end
-        return [end(holder) for holder in holders]
+        leases, holders_of, out = self._leases, self._holders, []
+        for holder in holders:
+            lease = leases.pop(holder, None)
+            if lease is None:
+                out.append(Refusal(errors.LeaseExpired(f"{holder!r} holds no lease")))
+                continue
+            held = holders_of[lease[ROW]]
+            del held[holder]
+            if not held:
+                del holders_of[lease[ROW]]
+            out.append(lease[KEY])
+        return out
 
-    def _forget(self, holder, lease: _Lease) -> None:
+    def _forget(self, holder, lease: list) -> None:
         del self._leases[holder]
-        holders = self._holders[lease.row]
+        holders = self._holders[lease[ROW]]
         del holders[holder]
         if not holders:
-            del self._holders[lease.row]
+            del self._holders[lease[ROW]]
 
     def _leased_by(self, row: int) -> int:
         """How many unexpired leases are on ``row`` (0 when none)."""
@@ -287,7 +326,7 @@ class LeaseCore:
         if not holders:
             return 0
         leases, now = self._leases, self.now
-        return len(holders) if any(leases[h].expires > now for h in holders) else 0
+        return len(holders) if any(leases[h][EXPIRES] > now for h in holders) else 0
 
     def _reclaimable(self, key, row: Optional[int]) -> Optional[errors.KvError]:
         """Why ``key`` may not be reclaimed now (spec ``Leased(k)``), or None."""
@@ -438,7 +477,7 @@ class LeaseCore:
     @property
     def earliest(self):
         """The earliest expiry of a lease held, or None."""
-        return min((l.expires for l in self._leases.values()), default=None)
+        return min((lease[EXPIRES] for lease in self._leases.values()), default=None)
 
     def touch(self, key: Hashable) -> None:
         """Mark ``key`` used now for the eviction order (a read without a lease);
@@ -491,11 +530,11 @@ class LeaseCore:
                 last.append((key, self._last[row]))
         by_key: dict = {}
         for holder, lease in self._leases.items():
-            by_key.setdefault(keys[lease.row], {})[holder] = True
+            by_key.setdefault(keys[lease[ROW]], {})[holder] = True
         return LeaseTable(
             ttl=self.ttl, now=self.now, objects=map_of(objects), regions=map_of(regions),
-            leases=immutables.Map({h: Lease(h, l.key, l.region, l.expires)
-                                   for h, l in self._leases.items()}),
+            leases=immutables.Map({h: Lease(h, lease[KEY], lease[REGION], lease[EXPIRES])
+                                   for h, lease in self._leases.items()}),
             by_key=immutables.Map({k: immutables.Map(hs) for k, hs in by_key.items()}),
             used=self.used, quiet_until=self.quiet_until, earliest=self.earliest,
             last_used=map_of(last))
@@ -508,10 +547,9 @@ class LeaseCore:
         new.used, new.count, new._seq = self.used, self.count, self._seq
         new._flags, new._size, new._rtok, new._last = (col[:] for col in self._columns())
         new._regions, new._region_of = dict(self._regions), dict(self._region_of)
-        new._leases = {h: _Lease(l.key, l.row, l.region, l.expires, l.seq)
-                       for h, l in self._leases.items()}
+        new._leases = {h: list(lease) for h, lease in self._leases.items()}
         new._holders = {row: dict(hs) for row, hs in self._holders.items()}
-        new._heap = list(self._heap)
+        new._queue = deque(self._queue)
         new._setup()
         new.rows.attach(new._grow)
         return new
@@ -693,8 +731,8 @@ class _Leases(_View):
     __slots__ = ()
 
     def __getitem__(self, holder) -> Lease:
-        l = self._core._leases[holder]
-        return Lease(holder, l.key, l.region, l.expires)
+        lease = self._core._leases[holder]
+        return Lease(holder, lease[KEY], lease[REGION], lease[EXPIRES])
 
     def __contains__(self, holder) -> bool:
         return holder in self._core._leases

@@ -115,6 +115,15 @@ def _as_key(key: Key) -> bytes:
     return k
 
 
+def _as_keys(keys: list) -> list:
+    """:func:`_as_key` of each key; a list of plain bytes keys of allowed
+    lengths is checked in a few C passes and copied as it is."""
+    if keys and set(map(type, keys)) == {bytes} \
+            and 1 <= min(map(len, keys)) and max(map(len, keys)) <= wire.MAX_KEY_BYTES:
+        return list(keys)
+    return [_as_key(k) for k in keys]
+
+
 def _as_view(data: Any) -> memoryview:
     """A flat byte view of ``data`` without copying (unless it is not contiguous);
     a :class:`~kvproto.runtime.datapath.Fill` stays as it is."""
@@ -543,7 +552,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         if verify and into is not None and any(isinstance(d, datapath.Consume) for d in into):
             raise errors.InvalidArgument("verify=True needs the bytes in host memory; a Consume "
                                          "moves them itself")
-        ks = [_as_key(k) for k in keys]
+        ks = _as_keys(keys)
         results: list = [None] * len(ks)
         leased = self.leases
         with self._lock, self._activity():
@@ -599,7 +608,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 pins = [] if leases is not None else \
                     [[ks[i], token] for i, token in enumerate(tokens) if token]
                 if leases is not None:
-                    self._unreleased.extend(lease for lease in leases if lease)
+                    self._unreleased.extend(filter(None, leases))
                 try:  # fire-and-forget: the reply is dropped by a later _gather
                     if pins:
                         self._send(self._master(), "read_end", {
@@ -620,20 +629,19 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         c = self.lease_counters
         first: Optional[errors.KvError] = None
         queued = max(started - sent, 0.0)
-        reads, transferring, verifying = 0, 0.0, 0.0
-        last = None
         verified = time.monotonic()         # nothing reads the store after the transfer
-        for i, lease_id in enumerate(leases):
-            if not lease_id or results[i] is None or i in skip:
-                continue
-            done = done_at.get(i, verified)
-            reads += 1
-            transferring += max(done - started, 0.0)
-            verifying += max(verified - done, 0.0)
-            last = done
-            if lm.accept_transfer(sent, done, ttl, self.max_skew):
-                c["lease_accepted"] += 1
-                continue
+        read = [i for i, lease_id in enumerate(leases)
+                if lease_id and results[i] is not None and i not in skip]
+        if not read:
+            return None
+        dones = [done_at.get(i, verified) for i in read]
+        # the keys a batch read at once share their completion time: each
+        # time is judged once (``accept_transfer`` depends on nothing else)
+        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)
+                  for done in dict.fromkeys(dones)}
+        late = [] if all(judged.values()) else \
+            [(i, done) for i, done in zip(read, dones) if not judged[done]]
+        for i, done in late:
             results[i] = None              # never hand out bytes read past the lease
             phases = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
             reason = lm.classify_rejection(phases, self._budget(ttl))
@@ -642,14 +650,15 @@ class Client(ClientLink, ClientLeases, TenantCalls):
             first = first or errors.LeaseExpired(
                 f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
                 f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
-        if last is not None:
-            done = last
-            self.last_read = lm.ReadPhases(queued, max(done - started, 0.0),
-                                           max(verified - done, 0.0))
-            c["lease_reads"] += reads
-            c["queued_s"] += queued * reads
-            c["transferring_s"] += transferring
-            c["verifying_s"] += verifying
+        c["lease_accepted"] += len(read) - len(late)
+        done = dones[-1]
+        self.last_read = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
+        c["lease_reads"] += len(read)
+        c["queued_s"] += queued * len(read)
+        for done in judged:
+            n = dones.count(done)
+            c["transferring_s"] += n * max(done - started, 0.0)
+            c["verifying_s"] += n * max(verified - done, 0.0)
         return first
 
     # ------------------------------------------------------------------ transfer engine

@@ -509,20 +509,25 @@ class MasterRequests:
         granted (a grant the lease table refuses, which the tables' agreement
         rules out, leaves its id unused)."""
         results = self.directory.read_many(keys, pin=not leased)
-        hits = [(key, r[0]) for key, r in zip(keys, results) if type(r) is tuple]
+        missed = [i for i, r in enumerate(results) if type(r) is not tuple]
+        hits = [key for key, r in zip(keys, results) if type(r) is tuple] if missed else keys
         counters = self.counters
         counters["reads"] += len(hits)
-        counters["misses"] += len(keys) - len(hits)
-        counters["refused"] += len(keys) - len(hits)
+        counters["misses"] += len(missed)
+        counters["refused"] += len(missed)
         rows = results     # each key's (token, length, checksum, placed); a refused key's 0s
         if leased:
-            first = self._next_lease
-            grants = self.leases.grant_many(
-                [((client, first + n), key) for n, (key, _) in enumerate(hits)])
+            leases, first = self.leases, self._next_lease
+            ids = range(first, first + len(hits))
+            grants = leases.grant_many(zip([(client, n) for n in ids], hits))
             self._next_lease = first + len(hits)
-            ids = iter(range(first, first + len(hits)))
-            columns["lease"] = [next(ids) if type(r) is tuple else 0 for r in results]
-            refusals = sum(isinstance(g, errors.KvError) for g in grants)
+            if missed:
+                ids = iter(ids)
+                columns["lease"] = [next(ids) if type(r) is tuple else 0 for r in results]
+            else:
+                columns["lease"] = list(ids)
+            # the leases granted share one expiry; anything else is a refusal
+            refusals = len(grants) - grants.count(leases.now + leases.ttl)
             if refusals:
                 # a grant refused: the tables disagree, a bug; answer it typed
                 rows, at = list(results), iter(i for i, r in enumerate(results) if type(r) is tuple)
@@ -534,21 +539,23 @@ class MasterRequests:
             counters["lease_grants"] += len(grants) - refusals
         else:
             touch, pins = self.leases.touch, session.pins
-            for pin in hits:
-                touch(pin[0])
-                pins[pin] = pins.get(pin, 0) + 1
-        if len(hits) < len(keys) or rows is not results:
+            for key, r in zip(keys, results):
+                if type(r) is tuple:
+                    touch(key)
+                    pin = (key, r[0])
+                    pins[pin] = pins.get(pin, 0) + 1
+        if missed or rows is not results:
             rows = list(rows)
             for i, r in enumerate(rows):
                 if type(r) is not tuple:
                     columns["errors"].append([i, *r.to_wire()])
                     rows[i] = (0, 0, 0, ())
-        columns["token"] = [r[0] for r in rows]
-        columns["length"] = [r[1] for r in rows]
-        columns["checksum"] = [r[2] for r in rows]
-        columns["replicas"] = [len(r[3]) for r in rows]
-        columns["segment"] = [segment for r in rows for segment, _ in r[3]]
-        columns["offset"] = [offset for r in rows for _, offset in r[3]]
+        tokens, lengths, sums, placed = zip(*rows) if rows else ((), (), (), ())
+        columns["token"], columns["length"], columns["checksum"] = (
+            list(tokens), list(lengths), list(sums))
+        columns["replicas"] = [len(p) for p in placed]
+        columns["segment"] = [segment for p in placed for segment, _ in p]
+        columns["offset"] = [offset for p in placed for _, offset in p]
         infos = self.segments
         return {segment: infos[segment].wire() for segment in dict.fromkeys(columns["segment"])
                 if segment in infos}
@@ -608,9 +615,10 @@ class MasterRequests:
         self._ltick()     # once: the releases are at the request's time
         if self._batched():
             holders = [(client, lease_id) for lease_id in body["leases"]]
-            for r in self.leases.release_many(holders):
-                items.append(wire.error_item(r.error) if type(r) is Refusal else [0, None])
-            self.counters["lease_releases"] += sum(item[0] == 0 for item in items)
+            ok = wire.ok_item()        # one item for every release accepted
+            items = [ok if type(r) is not Refusal else wire.error_item(r.error)
+                     for r in self.leases.release_many(holders)]
+            self.counters["lease_releases"] += items.count(ok)
             return 0, {"items": items}
         for lease_id in body["leases"]:
             err, _ = self._lstep(lm.Release((client, lease_id)), tick=False)

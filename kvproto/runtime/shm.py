@@ -370,6 +370,29 @@ class LocalSegment:
             dest[:length] = src         # one memcpy between byte views
         return self._seqlocked(offset, length, token, nonce, copy)
 
+    def read_many(self, offsets, lengths, tokens, nonce: int, take) -> list:
+        """:meth:`read_into` of several regions, each into a fresh buffer
+        ``take(length)`` (writable bytes), in one pass: per region that buffer
+        as a byte view, or ``None`` where the seqlock refused it (the checks
+        of :meth:`_seqlocked`, before and after each copy)."""
+        words, data = self._words, self._bytes
+        if words is None:
+            return [None] * len(offsets)
+        page, capacity, out = self.page_size, self.capacity, []
+        for offset, length, token in zip(offsets, lengths, tokens):
+            at = HEADER_WORDS + offset // page
+            done = gen_word(token, True)
+            if offset < 0 or offset % page or offset + length > capacity \
+                    or words[1] != nonce or words[at] != done:
+                out.append(None)
+                continue
+            buf = take(length)
+            if type(buf) is not memoryview:
+                buf = memoryview(buf)
+            buf[:] = data[offset:offset + length]
+            out.append(buf if words[at] == done and words[1] == nonce else None)
+        return out
+
     def close(self) -> None:
         self._data = None
         self._gens = None

@@ -1102,6 +1102,24 @@ def test_a_release_batch_that_skips_repeated_holders_is_caught(monkeypatch):
         run_state_machine_as_test(LeaseDiff, settings=HUNT)
 
 
+def test_a_grant_batch_that_queues_one_expiry_is_caught(monkeypatch):
+    """``grant_many`` queues the expiry of its first lease only (the batch's
+    one queue entry names one holder): the others never end."""
+    grant_many = LeaseCore.grant_many
+
+    def first_only(self, items):
+        queued = len(self._queue)
+        out = grant_many(self, items)
+        if len(self._queue) > queued:
+            expires, seq, holders = self._queue.pop()
+            self._queue.append((expires, seq, holders[:1]))
+        return out
+
+    monkeypatch.setattr(LeaseCore, "grant_many", first_only)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(LeaseDiff, settings=HUNT)
+
+
 def test_a_remove_batch_that_frees_a_pinned_object_is_caught(monkeypatch):
     """``remove_many`` takes no notice of the readers' pins (spec ``Remove``
     refuses an object being read)."""

@@ -67,6 +67,43 @@ def test_a_region_rewritten_during_the_copy_is_not_kept(segment):
     assert local.read(0, LENGTH, 8, mem.nonce) is None
 
 
+def test_a_batch_read_keeps_only_regions_complete_before_and_after(segment):
+    """``read_many``, a plain get's pass over one segment: per region the
+    checks of every read. Its ``take`` runs between the first check and the
+    copy, where these rewrites happen."""
+    mem, local = segment
+    offsets, tokens = [0, LENGTH, 2 * LENGTH], [7, 8, 9]
+    for offset, token, fill in zip(offsets, tokens, (0xAA, 0xBB, 0xCC)):
+        publish(mem, offset, token, fill)
+    nonce = mem.nonce
+
+    def fresh(n):
+        return bytearray(n)
+    got = local.read_many(offsets, [LENGTH] * 3, tokens, nonce, fresh)
+    assert [bytes(v) for v in got] == [bytes([f]) * LENGTH for f in (0xAA, 0xBB, 0xCC)]
+    assert all(type(v) is memoryview for v in got)
+    # another token, an old nonce: nothing copied
+    assert local.read_many(offsets, [LENGTH] * 3, [8, 9, 7], nonce, fresh) == [None] * 3
+    assert local.read_many(offsets, [LENGTH] * 3, tokens, nonce + 1, fresh) == [None] * 3
+    taken = []
+
+    def rewritten(n):                 # the middle region's writer starts again
+        taken.append(n)
+        if len(taken) == 2:
+            mem.set_word(LENGTH, gen_word(8, False))
+        return bytearray(n)
+    got = local.read_many(offsets, [LENGTH] * 3, tokens, nonce, rewritten)
+    assert got[1] is None and bytes(got[0]) == b"\xaa" * LENGTH and bytes(got[2]) == b"\xcc" * LENGTH
+    publish(mem, LENGTH, 8, 0xBB)
+
+    def started_over(n):              # a new segment id: the same tokens, other bytes
+        mem.reset()
+        for offset, token in zip(offsets, tokens):
+            publish(mem, offset, token, 0xDD)
+        return bytearray(n)
+    assert local.read_many(offsets[:1], [LENGTH], tokens[:1], nonce, started_over) == [None]
+
+
 def test_a_mapping_closed_under_a_batch_reads_and_writes_nothing(segment):
     """A batch holds a segment's mapping while a later lookup in it prunes the
     mapping (the node is gone): the read is a miss of this path, never an
