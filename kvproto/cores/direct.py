@@ -105,12 +105,17 @@ class DirectCore:
         self._tok[row], self._wid[row], self._st[row], self._wrote[row] = token, wid, GRANTED, 0
         return None
 
+    def vacant(self, offsets: list) -> bool:
+        """Whether no region of ``offsets`` is in the table (each one's
+        ``GrantDirect`` is accepted; no other offset is held or draining)."""
+        return self._rows.index.keys().isdisjoint(offsets)
+
     def grant_many(self, offsets: list, tokens: list, writers: list) -> bool:
         """:meth:`grant` of each region in turn when every one is accepted:
         True, all applied; else False and nothing changed. Every one is
         accepted when the offsets are distinct and none has a row here."""
         rows = self._rows
-        if len(set(offsets)) != len(offsets) or not rows.index.keys().isdisjoint(offsets):
+        if len(set(offsets)) != len(offsets) or not self.vacant(offsets):
             return False
         ids = self._writer_ids
         for writer in dict.fromkeys(writers):

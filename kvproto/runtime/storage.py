@@ -363,7 +363,7 @@ class StorageCore:
         offsets, lengths, keys, tokens = map(list, zip(*regions))
         if max(map(int.__add__, offsets, lengths)) > mem.capacity \
                 or any(offset % mem.page_size for offset in offsets) \
-                or not self.direct._rows.index.keys().isdisjoint(offsets) \
+                or not self.direct.vacant(offsets) \
                 or not self.node.allocate_regions(term, offsets, lengths, keys, tokens):
             return False
         # the direct table has no row at any offset: every grant is accepted

@@ -1010,13 +1010,14 @@ class DirectDiff(Differential):
         return True
 
     def grant_many(self, c: Choose):
-        """GrantDirect of several regions at once, all or none; mostly
-        offsets without a region, sometimes one repeated."""
+        """GrantDirect of several regions at once, all or none (and first
+        ``vacant``); mostly offsets without a region, sometimes one repeated."""
         offsets = [c.mostly([o for o in OFFSETS if o not in self.table.regions], OFFSETS)
                    for _ in range(c.int(1, 5))]
         if c.rare(4):
             offsets.append(offsets[0])
         tokens, writers = [c.int(1, 400) for _ in offsets], [c.one(WRITERS) for _ in offsets]
+        assert self.core.vacant(offsets) == all(o not in self.table.regions for o in offsets)
         got = self.core.grant_many(offsets, tokens, writers)
         assert got == self.fold([lambda table, ev=D.GrantDirect(*g): [ev]
                                  for g in zip(offsets, tokens, writers)])
