@@ -406,18 +406,8 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
     time at batch 1 (docs/gpu.md, "Where a 4 KiB put and get spend their
     time"); why the writer may not write before it shows:
     docs/protocols/directwrite.md, "The write"."""
-    spins = 0
-    while not seg.assigned(offset, token, nonce):
-        if time.monotonic() >= deadline:
-            return False
-        spins += 1
-        if spins > 64:
-            # the node applies the assign within a wake or two: yield the core
-            # first (a 200 us sleep doubled a batch-1 put), sleep later
-            if spins < 2048:
-                os.sched_yield()
-            else:
-                time.sleep(0.0002)
+    if not _await_assign(seg, offset, token, nonce, deadline):
+        return False
     if isinstance(view, Fill):
         dst = seg.region(offset, view.nbytes)
         if dst is None:
@@ -434,17 +424,37 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
     return True
 
 
+def _await_assign(seg: LocalSegment, offset: int, token: int, nonce: int,
+                  deadline: float) -> bool:
+    """Poll the region's word until it shows its assign to ``token``; False
+    if it did not by ``deadline``."""
+    spins = 0
+    while not seg.assigned(offset, token, nonce):
+        if time.monotonic() >= deadline:
+            return False
+        spins += 1
+        if spins > 64:
+            # the node applies the assign within a wake or two: yield the core
+            # first (a 200 us sleep doubled a batch-1 put), sleep later
+            if spins < 2048:
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
+    return True
+
+
 def write_direct_many(seg: LocalSegment, offsets: list, tokens: list, nonce: int, views: list,
                       deadline: float) -> list[int]:
     """:func:`write_direct` of several regions of one segment, waiting
-    together: each region is copied in once its assign shows, and reported
-    with the others copied after the same look. Returns the indexes of the
+    together: each look reads every waiting region's word, copies in those
+    whose assign shows and reports them; between looks it polls the first
+    waiting region's word alone. Returns the indexes of the
     regions written; the others' assigns did not show by ``deadline``, or
     they lie outside the segment (nothing written to them)."""
     at, want = np.array(offsets, np.int64), np.array(tokens, np.uint64)
     if at.min() < 0 or (at % seg.page_size).any() or at.max() >= seg.capacity:
         return []
-    todo, written, spins = np.arange(len(offsets)), [], 0
+    todo, written = np.arange(len(offsets)), []
     while len(todo):
         shown = seg.assigned_many(at[todo], want[todo], nonce)
         if shown.any():
@@ -452,15 +462,8 @@ def write_direct_many(seg: LocalSegment, offsets: list, tokens: list, nonce: int
             seg.report_many(at[copied], want[copied])
             written += copied
             todo = todo[~shown]
-            continue
-        if time.monotonic() >= deadline:
-            break
-        spins += 1
-        if spins > 64:       # as write_direct
-            if spins < 2048:
-                os.sched_yield()
-            else:
-                time.sleep(0.0002)
+        elif not _await_assign(seg, offsets[todo[0]], tokens[todo[0]], nonce, deadline):
+            break       # the first region still waiting is the one polled (one word)
     return written
 
 
