@@ -406,8 +406,18 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
     time at batch 1 (docs/gpu.md, "Where a 4 KiB put and get spend their
     time"); why the writer may not write before it shows:
     docs/protocols/directwrite.md, "The write"."""
-    if not _await_assign(seg, offset, token, nonce, deadline):
-        return False
+    spins = 0
+    while not seg.assigned(offset, token, nonce):
+        if time.monotonic() >= deadline:
+            return False
+        spins += 1
+        if spins > 64:
+            # the node applies the assign within a wake or two: yield the core
+            # first (a 200 us sleep doubled a batch-1 put), sleep later
+            if spins < 2048:
+                os.sched_yield()
+            else:
+                time.sleep(0.0002)
     if isinstance(view, Fill):
         dst = seg.region(offset, view.nbytes)
         if dst is None:
@@ -422,49 +432,6 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
         return False
     seg.report_written(offset, token)
     return True
-
-
-def _await_assign(seg: LocalSegment, offset: int, token: int, nonce: int,
-                  deadline: float) -> bool:
-    """Poll the region's word until it shows its assign to ``token``; False
-    if it did not by ``deadline``."""
-    spins = 0
-    while not seg.assigned(offset, token, nonce):
-        if time.monotonic() >= deadline:
-            return False
-        spins += 1
-        if spins > 64:
-            # the node applies the assign within a wake or two: yield the core
-            # first (a 200 us sleep doubled a batch-1 put), sleep later
-            if spins < 2048:
-                os.sched_yield()
-            else:
-                time.sleep(0.0002)
-    return True
-
-
-def write_direct_many(seg: LocalSegment, offsets: list, tokens: list, nonce: int, views: list,
-                      deadline: float) -> list[int]:
-    """:func:`write_direct` of several regions of one segment, waiting
-    together: each look reads every waiting region's word, copies in those
-    whose assign shows and reports them; between looks it polls the first
-    waiting region's word alone. Returns the indexes of the
-    regions written; the others' assigns did not show by ``deadline``, or
-    they lie outside the segment (nothing written to them)."""
-    at, want = np.array(offsets, np.int64), np.array(tokens, np.uint64)
-    if at.min() < 0 or (at % seg.page_size).any() or at.max() >= seg.capacity:
-        return []
-    todo, written = np.arange(len(offsets)), []
-    while len(todo):
-        shown = seg.assigned_many(at[todo], want[todo], nonce)
-        if shown.any():
-            copied = [j for j in todo[shown].tolist() if seg.write(offsets[j], views[j])]
-            seg.report_many(at[copied], want[copied])
-            written += copied
-            todo = todo[~shown]
-        elif not _await_assign(seg, offsets[todo[0]], tokens[todo[0]], nonce, deadline):
-            break       # the first region still waiting is the one polled (one word)
-    return written
 
 
 def write_all(client, grants: dict, segments: dict, deadline: float,
@@ -485,17 +452,6 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     assign_by = min(deadline, time.monotonic() + ASSIGN_WAIT)
     materialized: dict[int, memoryview] = {}
     writable: dict = {}     # segment -> this client's writable mapping of it (or None), once
-    # segment -> (i, offset, token, view) of the plain buffers written there directly, together
-    together: dict[str, list] = {}
-
-    def send(i: int, seg: str, info: list, offset: int, token: int, view) -> None:
-        client.transfer_counters["network_writes"] += 1
-        client._put_gen += 1
-        batch = per_node.setdefault(info[0], (seg, [], [], []))
-        batch[1].append([offset, token, client._put_gen])
-        batch[2].append(view)
-        batch[3].append(i)
-
     for i, (key, view, token, replicas, *rest) in grants.items():
         direct = rest[0] if rest else ()
         if sums is not None and not isinstance(view, Fill):
@@ -508,9 +464,6 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
             if seg in direct:
                 mapped = writable[seg] if seg in writable \
                     else writable.setdefault(seg, client._writable.get(info))
-                if mapped is not None and not isinstance(view, Fill):
-                    together.setdefault(seg, []).append((i, offset, token, view))
-                    continue
                 try:
                     if mapped is not None and write_direct(mapped, offset, token, info[4], view,
                                                            assign_by):
@@ -531,15 +484,12 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
                 except errors.KvError as err:
                     failed[i] = err
                     break
-            send(i, seg, info, offset, token, view)
-    for seg, regions in together.items():
-        whose, offsets, tokens, views = map(list, zip(*regions))
-        info = segments[seg]
-        written = write_direct_many(writable[seg], offsets, tokens, info[4], views, assign_by)
-        client.transfer_counters["direct_writes"] += len(written)
-        for j in sorted(set(range(len(regions))).difference(written)):   # over the network
-            if whose[j] not in failed:
-                send(whose[j], seg, info, offsets[j], tokens[j], views[j])
+            client.transfer_counters["network_writes"] += 1
+            client._put_gen += 1
+            batch = per_node.setdefault(info[0], (seg, [], [], []))
+            batch[1].append([offset, token, client._put_gen])
+            batch[2].append(view)
+            batch[3].append(i)
     pending: dict[int, zmq.Socket] = {}
     sent: dict[int, tuple[str, list, list]] = {}
     for endpoint, (seg, regions, frames, whose) in per_node.items():

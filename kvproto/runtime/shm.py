@@ -350,19 +350,6 @@ class LocalSegment:
         return words is not None and words[1] == nonce \
             and words[HEADER_WORDS + offset // self.page_size] == gen_word(token, False)
 
-    def assigned_many(self, offsets: np.ndarray, tokens: np.ndarray, nonce: int) -> np.ndarray:
-        """:meth:`assigned` of each region (``offsets`` inside the segment)."""
-        gens = self._gens
-        if gens is None or int(gens[1]) != nonce:
-            return np.zeros(len(offsets), bool)
-        return gens[HEADER_WORDS + offsets // self.page_size] == tokens << np.uint64(1)
-
-    def report_many(self, offsets: np.ndarray, tokens: np.ndarray) -> None:
-        """:meth:`report_written` of each region (``offsets`` inside the segment)."""
-        if len(offsets):
-            self._gens[HEADER_WORDS + offsets // self.page_size] = \
-                tokens << np.uint64(1) | np.uint64(1)
-
     def write(self, offset: int, view: memoryview) -> bool:
         """Copy ``view`` (a flat byte view) into the region at ``offset`` (one
         memcpy): a direct writer's copy; False for a read-only mapping or a

@@ -164,33 +164,3 @@ def test_a_paused_writer_that_dies_frees_its_region_once_its_death_is_seen(store
     assert client.put_many([(k, value(k)) for k in keys]) == [None] * 4
     for k in keys:
         assert bytes(client.get(k)) == value(k)
-
-
-def test_a_batch_writes_the_regions_whose_assign_shows_and_no_other():
-    """``write_direct_many``: the regions whose word shows their assign are
-    copied in and reported; one written already, one never assigned and a
-    segment started over (another nonce) get nothing, once the wait is over."""
-    from kvproto.runtime import datapath
-    from kvproto.runtime.shm import LocalSegment, SegmentMemory, gen_word
-
-    page = 4096
-    mem = SegmentMemory(8 * page, page)
-    try:
-        seg = LocalSegment(mem.name, mem.gen_name, mem.capacity, page, writable=True)
-        mem.set_word(0, gen_word(5, False))
-        mem.set_word(page, gen_word(6, True))
-        mem.set_word(2 * page, gen_word(7, False))
-        views = [memoryview(bytes([i + 1]) * page) for i in range(4)]
-        offsets = [0, page, 2 * page, 3 * page]
-        assert datapath.write_direct_many(seg, offsets, [5, 6, 7, 8], mem.nonce, views,
-                                          time.monotonic() + 0.05) == [0, 2]
-        assert [mem.word(o) for o in offsets] == [gen_word(5, True), gen_word(6, True),
-                                                  gen_word(7, True), 0]
-        assert [bytes(mem.view(o, page))[:1] for o in offsets] == [b"\x01", b"\0", b"\x03", b"\0"]
-        mem.set_word(3 * page, gen_word(8, False))
-        assert datapath.write_direct_many(seg, offsets[3:], [8], mem.nonce + 1, views[3:],
-                                          time.monotonic()) == []
-        assert mem.word(3 * page) == gen_word(8, False)
-        seg.close()
-    finally:
-        mem.close()
