@@ -23,9 +23,10 @@ from collections.abc import Iterator, Mapping
 from typing import Optional
 
 import immutables
+import numpy as np
 
 from kvproto import errors
-from kvproto.cores.rows import Rows, grow
+from kvproto.cores.rows import Rows, grow, put
 from kvproto.statemachines.directwrite import (
     DirectRegion, DirectTable, Drain, Drained, Draining, FreeDirect, Freed, GrantDirect,
     PublishDirect, RegionState, WriteReported,
@@ -104,6 +105,29 @@ class DirectCore:
         self._tok[row], self._wid[row], self._st[row], self._wrote[row] = token, wid, GRANTED, 0
         return None
 
+    def vacant(self, offsets: list) -> bool:
+        """Whether no region of ``offsets`` is in the table (each one's
+        ``GrantDirect`` is accepted; no other offset is held or draining)."""
+        return self._rows.index.keys().isdisjoint(offsets)
+
+    def grant_many(self, offsets: list, tokens: list, writers: list) -> bool:
+        """:meth:`grant` of each region in turn when every one is accepted:
+        True, all applied; else False and nothing changed. Every one is
+        accepted when the offsets are distinct and none has a row here."""
+        rows = self._rows
+        if len(set(offsets)) != len(offsets) or not self.vacant(offsets):
+            return False
+        ids = self._writer_ids
+        for writer in dict.fromkeys(writers):
+            if writer not in ids:
+                ids[writer] = len(self._writers)
+                self._writers.append(writer)
+        at = rows.acquire_new(offsets, 1)
+        for col, value in ((self._tok, tokens), (self._wid, [ids[w] for w in writers]),
+                           (self._st, GRANTED), (self._wrote, 0)):
+            put(col, at, value)
+        return True
+
     def _reported(self, ev: WriteReported) -> tuple:
         err = self.report(ev.offset, ev.token)
         return () if err is None else _refused(err)
@@ -130,6 +154,29 @@ class DirectCore:
                 f"region {offset} holds no finished direct write of token {token}")
         self._st[row] = PUBLISHED
         return None
+
+    def publishable(self, offsets: list, tokens: list, shown: list) -> list:
+        """Per region, None where its token does not hold it, else whether
+        ``PublishDirect`` is accepted after ``WriteReported`` where ``shown``
+        (its write shows done in the region's word; nothing is stepped)."""
+        at = list(map(self._rows.index.get, offsets))
+        tok, st, wrote = self._tok, self._st, self._wrote
+        return [None if row is None or tok[row] != token
+                else st[row] == GRANTED and bool(wrote[row] or seen)
+                for row, token, seen in zip(at, tokens, shown)]
+
+    def publish_many(self, offsets: list, tokens: list, shown: list) -> bool:
+        """``WriteReported`` where ``shown`` and not yet reported, then
+        ``PublishDirect``, of each region in turn, when every
+        ``PublishDirect`` is accepted (:meth:`publishable`, the offsets
+        distinct): True, all applied; else False and nothing changed."""
+        if len(set(offsets)) != len(offsets) \
+                or not all(self.publishable(offsets, tokens, shown)):
+            return False
+        at = np.array(list(map(self._rows.index.__getitem__, offsets)), np.intp)
+        put(self._wrote, at, 1)
+        put(self._st, at, PUBLISHED)
+        return True
 
     def _free(self, ev: FreeDirect) -> tuple:
         row = self._held(ev.offset, ev.token)

@@ -35,6 +35,13 @@ def grow(columns: Iterable[array], size: int) -> None:
             col.frombytes(bytes(missing * col.itemsize))
 
 
+def put(col: array, rows: np.ndarray, value) -> None:
+    """``col[row] = value`` (one value, or one per row) for each of ``rows``."""
+    view = np.frombuffer(col, col.typecode, len(col))
+    view[rows] = value
+    del view                                # the column may grow again
+
+
 class Rows:
     """Keys to row numbers and back, with a free list and per-row owner bits.
 
@@ -88,6 +95,30 @@ class Rows:
         self.keys[row] = key
         self.owners[row] = bit
         return row
+
+    def acquire_new(self, keys: list, bit: int) -> np.ndarray:
+        """:meth:`acquire` of each of ``keys`` in turn, for keys that have no
+        row (distinct, none in ``index``: the caller checked): their rows, in
+        order, now held by ``bit``."""
+        n = len(keys)
+        for _ in range(min(n, len(self.stale))):   # one for each new key, as acquire
+            self._sweep_one()
+        reused = min(n, len(self.free))
+        rows = np.empty(n, np.intp)
+        if reused:                          # popped last-in first-out, as acquire
+            rows[:reused] = np.frombuffer(self.free, np.int64)[::-1][:reused]
+            del self.free[len(self.free) - reused:]
+        if reused < n:
+            rows[reused:] = np.arange(self.size, self.size + n - reused)
+            self.size += n - reused
+            if self.size > len(self.owners):
+                self._extend(self.size)
+        self.index.update(zip(keys, rows.tolist()))
+        self.keys[rows] = np.fromiter(keys, object, n)
+        owners = np.frombuffer(self.owners, np.uint8, len(self.owners))
+        owners[rows] = bit
+        del owners                          # the column may grow again
+        return rows
 
     def release(self, row: int, bit: int) -> None:
         """``bit`` no longer holds ``row``; the row is free once nothing does."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvproto import errors
 from kvproto.cores.recovery import IndexColumns
-from kvproto.cores.rows import Rows, grow
+from kvproto.cores.rows import Rows, grow, put
 from kvproto.statemachines import failover as fm
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.publish import (
@@ -192,6 +192,64 @@ class StorageNodeCore:
         self._r_key[row] = key
         self._r_tok[row], self._r_len[row], self._r_done[row] = token, length, 0
         return None
+
+    def allocate_regions(self, term: int, offsets: list, lengths: list, keys: list,
+                         tokens: list) -> bool:
+        """:meth:`allocate_region` of each region in turn when every one is
+        accepted: True, all applied; else False and nothing changed (the
+        regions are then taken one at a time, for each one's answer). Every
+        one is accepted when the term is not stale and the keys and offsets
+        are distinct and neither held nor owned here."""
+        idx, reg, n = self._idx, self._reg, len(keys)
+        if term < self.term or len(set(keys)) != n or len(set(offsets)) != n \
+                or not idx.index.keys().isdisjoint(keys) \
+                or not reg.index.keys().isdisjoint(offsets):
+            return False
+        at, length, token = (np.array(col, np.int64) for col in (offsets, lengths, tokens))
+        rows = idx.acquire_new(keys, 1)
+        for col, value in ((self._i_term, term), (self._i_pub, 0), (self._i_by, 0),
+                           (self._i_off, at), (self._i_len, length), (self._i_tok, token),
+                           (self._i_sum, 0), (self._i_req, 0)):
+            put(col, rows, value)
+        self.term = term
+        rows = reg.acquire_new(offsets, 1)
+        self._r_key.update(zip(rows.tolist(), keys))
+        for col, value in ((self._r_tok, token), (self._r_len, length), (self._r_done, 0)):
+            put(col, rows, value)
+        return True
+
+    def publish_regions(self, term: int, offsets: list, keys: list, tokens: list,
+                        checksums: list, requested: list, bys: list, direct: list) -> bool:
+        """:meth:`publish_region` of each region in turn when each region is
+        its key's, owned by its token and written, or, where ``direct`` (a
+        direct writer's region, which it reported written), written now
+        (``write``), and every one is accepted: True, all applied; else False
+        and nothing changed (the regions are then taken one at a time)."""
+        n, reg, idx = len(keys), self._reg.index, self._idx.index
+        if term < self.term or len(set(keys)) != n or max(bys) > term:
+            return False
+        rows = list(map(reg.get, offsets))
+        irows = list(map(idx.get, keys))
+        if None in rows or None in irows:
+            return False
+        rows, irows = np.array(rows, np.intp), np.array(irows, np.intp)
+        done = np.frombuffer(self._r_done, np.int8, len(self._r_done))[rows]
+        if list(map(self._r_key.__getitem__, rows.tolist())) != keys \
+                or (np.frombuffer(self._r_tok, np.int64, len(self._r_tok))[rows]
+                    != np.array(tokens, np.int64)).any() \
+                or ((done == 0) & ~np.array(direct, bool)).any() \
+                or np.frombuffer(self._i_pub, np.int8, len(self._i_pub))[irows].any():
+            return False
+        by = np.array(bys, np.int64)
+        put(self._r_done, rows, 1)
+        put(self._i_pub, irows, 1)
+        put(self._i_by, irows, np.where(by != 0, by, term))
+        put(self._i_sum, irows, np.array(checksums, np.uint64))
+        put(self._i_req, irows, np.array(requested, np.int64))
+        if by.any():        # a repaired replica: the object's allocation (RepairedEntry)
+            put(self._i_term, irows[by != 0], by[by != 0])
+        self.term = term
+        return True
 
     def publish_region(self, term: int, offset: int, token: int, key, checksum: int = 0,
                        requested: int = 0, by: int = 0, write: bool = False

@@ -189,6 +189,19 @@ class SegmentMemory:
     def word(self, offset: int) -> int:
         return self._words[HEADER_WORDS + offset // self.page_size]
 
+    def words(self, offsets: list) -> list:
+        """:meth:`word` of each of ``offsets``."""
+        words = np.frombuffer(self._words, np.uint64)
+        found = words[HEADER_WORDS + np.array(offsets, np.int64) // self.page_size].tolist()
+        del words                           # the mapping may be closed
+        return found
+
+    def set_words(self, offsets: list, values: list) -> None:
+        """:meth:`set_word` of each of ``offsets`` (distinct)."""
+        words = np.frombuffer(self._words, np.uint64)
+        words[HEADER_WORDS + np.array(offsets, np.int64) // self.page_size] = values
+        del words                           # the mapping may be closed
+
     def view(self, offset: int, length: int) -> memoryview:
         return self.data[offset:offset + length]
 

@@ -314,6 +314,8 @@ class StorageCore:
         writer is refused."""
         mem, term = self.memory, body["term"]
         direct = dict(body.get("direct", ()))
+        if self.trace is None and self._assign_all(term, body["regions"], direct):
+            return {"results": [OK] * len(body["regions"])}, []
         node, segment, counters = self.node, self.segment, self.counters
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
@@ -352,6 +354,28 @@ class StorageCore:
             results.append(OK)
         counters["assigned"] += assigned
         return {"results": results}, []
+
+    def _assign_all(self, term: int, regions: list, direct: dict) -> bool:
+        """The regions of an ``assign`` at once, when every step of every one
+        is accepted (the cores' batch steps, equal to stepping them in
+        turn): True, all assigned; else False and nothing changed."""
+        mem = self.memory
+        offsets, lengths, keys, tokens = map(list, zip(*regions))
+        if max(map(int.__add__, offsets, lengths)) > mem.capacity \
+                or any(offset % mem.page_size for offset in offsets) \
+                or not self.direct.vacant(offsets) \
+                or not self.node.allocate_regions(term, offsets, lengths, keys, tokens):
+            return False
+        # the direct table has no row at any offset: every grant is accepted
+        mine = [(offset, token, direct[offset])
+                for offset, token in zip(offsets, tokens) if offset in direct]
+        if mine and not self.direct.grant_many(*map(list, zip(*mine))):
+            raise errors.InternalError("GrantDirect was refused where accepted")
+        mem.set_words(offsets, [token << 1 for token in tokens])   # gen_word(token, False)
+        self.tokens_seen = max(self.tokens_seen, *tokens)
+        self.counters["assigned"] += len(offsets)
+        self.counters["direct_granted"] += len(mine)
+        return True
 
     def _free_region(self, offset: int, token: int, length: int,
                      keep_word: bool = False) -> Optional[errors.KvError]:
@@ -432,6 +456,8 @@ class StorageCore:
         object's checksum and requested replica count with the publish (when
         the master sends them), and for a repaired replica the object's
         publishing term (spec Failover ``Repair``)."""
+        if self.trace is None and self._publish_all(body["term"], body["regions"]):
+            return {"results": [OK] * len(body["regions"])}, []
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
         owner_of, held_by, traced = node.owner, direct.held, self.trace is not None
@@ -483,6 +509,34 @@ class StorageCore:
         counters["published"] += published
         counters["direct_published"] += direct_published
         return {"results": results}, []
+
+    def _publish_all(self, term: int, regions: list) -> bool:
+        """The regions of a ``publish`` at once, when every step of every one
+        is accepted (the cores' batch steps, equal to stepping them in turn):
+        True, all published; else False and nothing changed."""
+        if len(set(map(len, regions))) != 1:
+            return False
+        offsets, keys, tokens, *recorded = map(list, zip(*regions))
+        if max(offsets) >= self.memory.capacity:
+            return False
+        zeros = [0] * len(offsets)
+        checksums, requested, bys = recorded + [zeros] * (3 - len(recorded))
+        # a direct writer's region: its write shows done in the region's word
+        shown = [word == token << 1 | 1 for word, token in zip(self.memory.words(offsets), tokens)]
+        held = self.direct.publishable(offsets, tokens, shown)
+        if False in held:
+            return False
+        direct = [h is not None for h in held]
+        if not self.node.publish_regions(term, offsets, keys, tokens, checksums, requested, bys,
+                                         direct):
+            return False
+        mine = [(offset, token, seen) for offset, token, seen, d
+                in zip(offsets, tokens, shown, direct) if d]
+        if mine and not self.direct.publish_many(*map(list, zip(*mine))):
+            raise errors.InternalError("PublishDirect was refused where accepted")
+        self.counters["published"] += len(offsets)
+        self.counters["direct_published"] += len(mine)
+        return True
 
     def _op_repair(self, body, payloads):
         """A repair copy into a region assigned to the object's token for it:

@@ -753,7 +753,8 @@ class StorageDiff(Differential):
     ACTIONS = ("assign", "assign", "assign", "free", "write", "write", "read", "fence",
                "allocate", "allocate", "allocate", "publish", "publish", "stamped_read",
                "index_request", "purge", "stamped_free", "restart",
-               "allocate_region", "allocate_region", "publish_region", "publish_region")
+               "allocate_region", "allocate_region", "publish_region", "publish_region",
+               "allocate_regions", "allocate_regions", "publish_regions", "publish_regions")
 
     def begin(self, c: Choose):
         self.table, self.node = P.RegionTable(NODE), F.StorageNode()
@@ -828,6 +829,65 @@ class StorageDiff(Differential):
                       + [F.StampedPublish(seg, key, term, *recorded)],
                       self.core.publish_region(term, offset, token, key, *recorded, write=write))
 
+    def batch(self, got: bool, accepted: bool) -> None:
+        """A core's batch step (``got``: True, all applied, or False, nothing
+        changed) against the reference's steps, all accepted or none."""
+        assert got == accepted
+        assert self.core.reference() == (self.table, self.node)
+
+    def allocate_regions(self, c: Choose):
+        """An ``assign``'s regions at once: each one's StampedAllocate then
+        AssignRegion, in turn, all or none; mostly keys not held and offsets
+        not owned, sometimes one repeated."""
+        seg, term, n = self.core.segment, self.term(c), c.int(1, 6)
+        keys = [c.mostly([k for k in KEYS if k not in self.node.index], KEYS) for _ in range(n)]
+        offsets = [c.mostly([o for o in OFFSETS if o not in self.table.regions], OFFSETS)
+                   for _ in range(n)]
+        if c.rare(4):                       # a key repeated, or an offset
+            twice = c.one([True, False])
+            keys.append(keys[0] if twice else c.one(KEYS))
+            offsets.append(c.one(OFFSETS) if twice else offsets[0])
+        lengths, tokens = [c.int(1, 4096) for _ in keys], [c.int(1, 400) for _ in keys]
+        events = [event for key, offset, length, token in zip(keys, offsets, lengths, tokens)
+                  for event in (F.StampedAllocate(seg, key, term, offset, length, token),
+                                P.AssignRegion(seg, offset, length, key, token))]
+        got = self.core.allocate_regions(term, offsets, lengths, keys, tokens)
+        self.batch(got, self.fold(events) is None)
+
+    def publish_regions(self, c: Choose):
+        """A ``publish``'s regions at once: each one (its key's, owned by its
+        token, written or, a direct writer's, written now) WriteReplica where
+        unwritten then StampedPublish, in turn, all or none."""
+        seg, term = self.core.segment, self.term(c)
+        # mostly distinct regions whose key's allocation is open; sometimes any
+        ready = [o for o, r in self.table.regions.items()
+                 if r.key in self.node.index and not self.node.index[r.key].published]
+        picks = [self.region(c) for _ in range(c.int(1, 6))] if not ready or c.rare(3) else \
+            [(o, self.table.regions[o].token if not c.rare(8) else c.int(1, 400))
+             for o in c.some(ready, 1, 6)]
+        keys, direct, recorded = [], [], []
+        for offset, _ in picks:
+            region = self.table.regions.get(offset)
+            keys.append(region.key if region is not None and not c.rare(8) else self.key(c))
+            direct.append(c.mostly([region is not None and not region.done], [True, False]))
+            recorded.append((c.one([0, 7, (1 << 64) - 1]), c.int(0, 3),
+                             c.one([0, 0, 0, 1, self.term(c)])))
+        got = self.core.publish_regions(term, [o for o, _ in picks], keys, [t for _, t in picks],
+                                        *map(list, zip(*recorded)), direct)
+        ours = all(region is not None and (region.key, region.token) == (key, token)
+                   and (region.done or d) for region, key, token, d in zip(
+                       (self.table.regions.get(o) for o, _ in picks), keys,
+                       (t for _, t in picks), direct))
+        table, node = self.table, self.node
+        for (offset, token), key, d, rec in zip(picks, keys, direct, recorded) if ours else ():
+            if d and not self.table.regions[offset].done:
+                self.table, _ = P.storage_step(self.table, P.WriteReplica(seg, offset, token))
+            self.node, effects = F.storage_step(self.node, F.StampedPublish(seg, key, term, *rec))
+            if effects and isinstance(effects[0], Refused):
+                self.table, self.node, ours = table, node, False
+                break
+        self.batch(got, ours)
+
     def term(self, c: Choose) -> int:
         """Mostly the node's term or the next; sometimes a stale or a later one."""
         t = self.node.term
@@ -901,7 +961,7 @@ class DirectDiff(Differential):
     writers' regions (draining), drains, and stale tokens."""
 
     ACTIONS = ("grant", "grant", "grant", "report", "report", "publish", "publish", "free",
-               "drain")
+               "drain", "grant_many", "grant_many", "publish_many", "publish_many")
 
     def begin(self, c: Choose):
         self.table, self.core = D.DirectTable(), DirectCore()
@@ -940,6 +1000,54 @@ class DirectDiff(Differential):
 
     def drain(self, c: Choose):
         self.step(D.Drain(c.mostly(list(self.table.regions), OFFSETS), c.one([True, False])))
+
+    def fold(self, steps: list) -> bool:
+        """The reference steps each of ``steps`` (a function of the table
+        giving its events) in turn, all or none: whether all were accepted."""
+        table = self.table
+        for events in steps:
+            for event in events(table):
+                table, effects = D.node_step(table, event)
+                if effects and isinstance(effects[0], Refused):
+                    return False
+        self.table = table
+        return True
+
+    def grant_many(self, c: Choose):
+        """GrantDirect of several regions at once, all or none (and first
+        ``vacant``); mostly offsets without a region, sometimes one repeated."""
+        offsets = [c.mostly([o for o in OFFSETS if o not in self.table.regions], OFFSETS)
+                   for _ in range(c.int(1, 5))]
+        if c.rare(4):
+            offsets.append(offsets[0])
+        tokens, writers = [c.int(1, 400) for _ in offsets], [c.one(WRITERS) for _ in offsets]
+        assert self.core.vacant(offsets) == all(o not in self.table.regions for o in offsets)
+        got = self.core.grant_many(offsets, tokens, writers)
+        assert got == self.fold([lambda table, ev=D.GrantDirect(*g): [ev]
+                                 for g in zip(offsets, tokens, writers)])
+        assert self.core.reference() == self.table
+
+    def publish_many(self, c: Choose):
+        """WriteReported where the write shows and is unreported, then
+        PublishDirect, of several regions at once, all or none; and first
+        what ``publishable`` says of each."""
+        offsets, tokens = map(list, zip(*(self.region(c) for _ in range(c.int(1, 5)))))
+        shown = [c.one([True, False]) for _ in offsets]
+        regions = [self.table.regions.get(o) for o in offsets]
+        assert self.core.publishable(offsets, tokens, shown) == [
+            None if r is None or r.token != t else r.state is D.RegionState.GRANTED
+            and (r.wrote or s) for r, t, s in zip(regions, tokens, shown)]
+
+        def steps(offset, token, seen):
+            def events(table):
+                region = table.regions.get(offset)
+                report = seen and region is not None and region.token == token \
+                    and not region.wrote
+                return [D.WriteReported(offset, token)] * report + [D.PublishDirect(offset, token)]
+            return events
+        got = self.core.publish_many(offsets, tokens, shown)
+        assert got == self.fold([steps(*r) for r in zip(offsets, tokens, shown)])
+        assert self.core.reference() == self.table
 
 
 for machine in (DirectoryDiff, LeaseDiff, MasterDiff, StorageDiff, DirectDiff):
@@ -1026,6 +1134,50 @@ def test_an_assign_that_ignores_the_fence_is_caught(monkeypatch):
     monkeypatch.setattr(StorageNodeCore, "allocate_region", no_fence)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
+
+
+def test_an_assign_batch_that_ignores_the_fence_is_caught(monkeypatch):
+    """A storage node whose batched ``assign`` (allocate_regions) records
+    allocations stamped with a stale term."""
+    original = StorageNodeCore.allocate_regions
+
+    def no_fence(self, term, *args):
+        fence = self.term
+        self.term = min(fence, term)
+        try:
+            return original(self, term, *args)
+        finally:
+            self.term = max(fence, self.term)
+
+    monkeypatch.setattr(StorageNodeCore, "allocate_regions", no_fence)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(StorageDiff, settings=HUNT)
+
+
+def test_a_publish_batch_of_an_unwritten_region_is_caught(monkeypatch):
+    """A storage node whose batched ``publish`` (publish_regions) publishes a
+    region nobody wrote (every region taken as a direct writer's)."""
+    original = StorageNodeCore.publish_regions
+
+    def unwritten(self, *args):
+        return original(self, *args[:-1], [True] * len(args[-1]))
+
+    monkeypatch.setattr(StorageNodeCore, "publish_regions", unwritten)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(StorageDiff, settings=HUNT)
+
+
+def test_a_direct_publish_batch_of_an_unreported_write_is_caught(monkeypatch):
+    """A node whose batched direct publish (publish_many) takes every write
+    as reported (the DirectWrite_Weak_PublishUnwritten flaw, in a batch)."""
+    original = DirectCore.publish_many
+
+    def unreported(self, offsets, tokens, shown):
+        return original(self, offsets, tokens, [True] * len(shown))
+
+    monkeypatch.setattr(DirectCore, "publish_many", unreported)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(DirectDiff, settings=HUNT)
 
 
 def test_a_publish_of_an_unreported_direct_write_is_caught(monkeypatch):
