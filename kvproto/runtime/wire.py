@@ -12,6 +12,9 @@ Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
 for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
 with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`; an
 ``exists`` asked with ``found``, one byte per key: :func:`found_of`). A
+master sends ``assign`` and ``publish`` to a node that registered with
+``columns`` as one list per field (``columns``, :func:`columns_of`) instead
+of a row per region (``regions``); a node takes either, exactly one. A
 request id names one request on its connection (a sender numbers every
 request afresh, a retry included; 0 asks for no reply): the master serves an
 id once, and answers a copy :class:`~kvproto.errors.DuplicateRequest`.
@@ -27,7 +30,8 @@ checks, in this order, and raises the typed error of the first failure:
 3. version -> :class:`~kvproto.errors.UnsupportedVersion`;
 4. op is a known string for *this server* -> :class:`~kvproto.errors.UnknownMessage`;
 5. request id and body types, every required field present with the right
-   type, the number of payload frames -> :class:`~kvproto.errors.MalformedFrame`;
+   type (and exactly one of an op's ``one_of`` fields), the number of payload
+   frames -> :class:`~kvproto.errors.MalformedFrame`;
 6. field values in range (non-negative ints, non-empty keys, batch sizes)
    -> :class:`~kvproto.errors.InvalidArgument`.
 
