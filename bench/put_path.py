@@ -40,7 +40,8 @@ def main() -> None:
     node = StorageCore(mem, "a")
     master.handle("register", {"segment": "a", "capacity": mem.capacity, "host": "h",
                                "endpoint": "tcp://127.0.0.1:9000", "shm": "shm-0",
-                               "gen_shm": "gen-0", "nonce": 0, "page_size": mem.page_size})
+                               "gen_shm": "gen-0", "nonce": 0, "page_size": mem.page_size,
+                               "columns": True})   # as the node registers
     spent: dict[str, list[float]] = {}
 
     def timed(stage: str, fn):

@@ -28,8 +28,8 @@ KINDS = ("valid", "field", "payloads", "header", "bytes")
 
 class Field:
     """What one validator accepts: ``kind`` (uint, bytes, str, bool, list,
-    tuple), a range (value or length; a tuple's: how many of its items), and
-    the items of a list or tuple."""
+    tuple, columns), a range (value or length; a tuple's: how many of its
+    items), and the items of a list or tuple (a column's items)."""
 
     __slots__ = ("kind", "lo", "hi", "item", "items")
 
@@ -44,7 +44,8 @@ class Field:
 def describe(check: Callable) -> Field:
     """The :class:`Field` a :mod:`~kvproto.runtime.wire` validator checks for,
     read from the closure that :func:`~kvproto.runtime.wire.uint`,
-    ``binary``, ``text``, ``boolean``, ``list_of`` and ``tuple_of`` return."""
+    ``binary``, ``text``, ``boolean``, ``list_of``, ``tuple_of`` and
+    ``columns_of`` return."""
     kind = check.__qualname__.split(".", 1)[0]
     env = dict(zip(check.__code__.co_freevars, (c.cell_contents for c in check.__closure__ or ())))
     if kind == "uint":
@@ -59,17 +60,21 @@ def describe(check: Callable) -> Field:
         return Field("list", env["min_items"], env["max_items"], item=describe(env["item"]))
     if kind == "tuple_of":
         return Field("tuple", env["n"], env["most"], items=tuple(describe(c) for c in env["every"]))
+    if kind == "columns_of":
+        columns = [describe(t) for t in env["tests"]]       # each a list_of
+        return Field("columns", columns[0].lo, columns[0].hi, items=tuple(c.item for c in columns))
     raise ValueError(f"no fuzzing rule for the validator {check.__qualname__}")
 
 
 class Op:
-    __slots__ = ("name", "fields", "optional", "payloads")
+    __slots__ = ("name", "fields", "optional", "payloads", "one_of")
 
     def __init__(self, name: str, schema: wire.OpSchema) -> None:
         self.name = name
         self.fields = {n: describe(c) for n, c in schema.fields.items()}
         self.optional = {n: describe(c) for n, c in schema.optional.items()}
         self.payloads = schema.payloads
+        self.one_of = schema.one_of
 
 
 def ops_of(table: dict) -> list[Op]:
@@ -150,6 +155,10 @@ def valid(src: Source, f: Field, name: str, pools: dict) -> Any:
     if f.kind == "list":
         n = _edge_int(src, f.lo, min(f.hi, 6))
         return [valid(src, f.item, name, pools) for _ in range(n)]
+    if f.kind == "columns":
+        n = _edge_int(src, f.lo, min(f.hi, 6))
+        return [[valid(src, item, f"{name}.{i}", pools) for _ in range(n)]
+                for i, item in enumerate(f.items)]
     # a tuple (its optional trailing items or not): the field's name lets
     # pools fill e.g. [key, token] items
     n = src.int(f.lo, f.hi) if f.lo < f.hi else f.hi
@@ -167,6 +176,10 @@ def _fits(f: Field, v: Any) -> bool:
         return type(v) is bool
     if f.kind == "list":
         return type(v) is list and f.lo <= len(v) <= f.hi and all(_fits(f.item, x) for x in v)
+    if f.kind == "columns":
+        return type(v) is list and len(v) == len(f.items) and len({len(c) for c in v}) == 1 \
+            and all(type(c) is list and f.lo <= len(c) <= f.hi and all(_fits(i, x) for x in c)
+                    for i, c in zip(f.items, v))
     return type(v) is list and f.lo <= len(v) <= f.hi \
         and all(_fits(i, x) for i, x in zip(f.items, v))
 
@@ -194,6 +207,17 @@ def wrong(src: Source, f: Field) -> Any:
         if src.chance(0.5):
             return [wrong(src, f.item)]
         return [None] * (f.hi + 1) if f.hi < 70000 else "not a list"
+    if f.kind == "columns":
+        out = [[valid(src, item, "", {})] for item in f.items]
+        roll = src.int(0, 2)
+        if roll == 0:
+            return out[:-1]                                  # a column missing
+        if roll == 1:
+            out[src.int(0, len(out) - 1)].append(out[0][0])  # columns of unequal lengths
+            return out
+        i = src.int(0, len(out) - 1)
+        out[i] = [wrong(src, f.items[i])]                    # a bad value in one column
+        return out
     if f.kind == "tuple":
         if src.chance(0.5):
             return [None] * src.pick([f.lo - 1, f.hi + 1])
@@ -221,8 +245,9 @@ class Frame:
 
 def body_of(src: Source, op: Op, pools: dict) -> dict:
     body = {n: valid(src, f, n, pools) for n, f in op.fields.items()}
+    chosen = src.pick(op.one_of) if op.one_of else None     # exactly one of them
     for n, f in op.optional.items():
-        if src.chance(0.5):
+        if n == chosen or (n not in op.one_of and src.chance(0.5)):
             body[n] = valid(src, f, n, pools)
     return body
 
@@ -250,8 +275,13 @@ def make_frame(src: Source, ops: list[Op], pools: dict, kind: Optional[str] = No
     if kind == "field":
         names = list(op.fields) + list(op.optional)
         roll = src.int(0, 3)
-        if roll == 0 and op.fields:
-            del body[src.pick(list(op.fields))]                 # a required field missing
+        if roll == 0 and (op.fields or op.one_of):
+            # a required field missing, or the one of ``one_of`` given, or a second one
+            name = src.pick(list(op.fields) + list(op.one_of))
+            if name in body:
+                del body[name]
+            else:
+                body[name] = valid(src, op.optional[name], name, pools)
         elif roll == 1:
             body["x-" + str(src.int(0, 9))] = src.pick(OTHER_TYPES)   # an unknown field: ignored
         elif names:

@@ -150,7 +150,8 @@ class MasterTarget(Target):
         while core.outbox:
             out, core.outbox = core.outbox, []
             for segment, op, cmd_id, body in out:
-                results = [[0, None]] * len(body.get("regions", ()))
+                rows = body["columns"][0] if "columns" in body else body.get("regions", ())
+                results = [[0, None]] * len(rows)
                 core.storage_reply(segment, wire.Reply(0, cmd_id, {"results": results}, []))
         core.ready.clear()
         core.opened.clear()
@@ -256,6 +257,8 @@ class StorageTarget(Target):
                 "length": [r.length for r in regions] + [1, self.PAGE],
                 "regions.0": offsets, "regions.1": [r.length for r in regions] + keys,
                 "regions.2": keys + tokens, "regions.3": tokens,
+                "columns.0": offsets, "columns.1": [r.length for r in regions] + keys,
+                "columns.2": keys + tokens, "columns.3": tokens,
                 "owner": ["fuzz-owner", "other-owner"], "xfer": [1, 2, 3], "buffer": ["buf-0"]}
 
     def serving(self) -> Optional[str]:

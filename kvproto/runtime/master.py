@@ -84,6 +84,22 @@ from kvproto.statemachines import lease as lm
 log = logging.getLogger("kvproto.master")
 
 
+#: a full row of an ``assign`` and a ``publish`` as columns, each field's value
+#: where a row leaves it out (no direct writer; no checksum, requested count
+#: or publishing term)
+_FILL = {"assign": [0, 0, b"", 0, ""], "publish": [0, b"", 0, 0, 0, 0]}
+
+
+def _columns(rows: list, fill: list) -> list:
+    """A command's ``rows`` as columns, one per field of ``fill``, a row's
+    trailing fields left out taken from ``fill``."""
+    widths = set(map(len, rows))
+    if len(widths) > 1:
+        rows = [r + fill[len(r):] for r in rows]
+    columns = list(map(list, zip(*rows)))
+    return columns + [[f] * len(rows) for f in fill[len(columns):]]
+
+
 COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "reads", "misses",
             "read_ends", "reads_reclaimed", "removes", "segments_joined", "segments_lost",
             "storage_refusals", "rejected", "refused",
@@ -343,16 +359,22 @@ class MasterCore(MasterRequests, MasterTakeover):
                 runs.append([op, [region], full - cost])
         now = self.clock()
         for segment, runs in per_segment.items():
-            if segment not in self.segments:
+            info = self.segments.get(segment)
+            if info is None:
                 continue  # lost: nothing to tell
             for op, regions, _ in runs:
                 cmd_id = self._next_cmd
                 self._next_cmd += 1
                 owner = parked if parked is not None and Parked.WAITS_FOR[parked.op] == op else None
-                body = {"segment": segment, "regions": regions, "term": self.failover.term}
-                if op == "assign" and any(len(r) > 4 for r in regions):
-                    body["direct"] = [[r[0], r[4]] for r in regions if len(r) > 4]
-                    body["regions"] = regions = [r[:4] for r in regions]
+                if info.columns and op in _FILL:
+                    # one list per field: the node judges each list at once
+                    body = {"segment": segment, "columns": _columns(regions, _FILL[op]),
+                            "term": self.failover.term}
+                else:
+                    body = {"segment": segment, "regions": regions, "term": self.failover.term}
+                    if op == "assign" and any(len(r) > 4 for r in regions):
+                        body["direct"] = [[r[0], r[4]] for r in regions if len(r) > 4]
+                        body["regions"] = regions = [r[:4] for r in regions]
                 self._commands[cmd_id] = Command(cmd_id, segment, op, regions, owner, now)
                 if owner is not None:
                     owner.waiting.add(cmd_id)

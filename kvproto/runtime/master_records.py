@@ -15,7 +15,7 @@ ReplyTo = Any  # opaque: the server's routing identity
 
 class SegmentInfo:
     __slots__ = ("segment", "endpoint", "host", "shm", "gen_shm", "nonce", "page_size",
-                 "capacity", "last_seen")
+                 "capacity", "last_seen", "columns")
 
     def __init__(self, body: dict, now: float) -> None:
         self.segment = body["segment"]
@@ -27,6 +27,8 @@ class SegmentInfo:
         self.page_size = body["page_size"]
         self.capacity = body["capacity"]
         self.last_seen = now
+        #: the node takes ``assign`` and ``publish`` as columns
+        self.columns = body.get("columns", False)
 
     def wire(self) -> list:
         return [self.endpoint, self.host, self.shm, self.gen_shm, self.nonce,

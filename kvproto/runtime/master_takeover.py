@@ -123,6 +123,7 @@ class MasterTakeover:
                     type(d) is list and len(d) == 2 and all(type(x) is int for x in d) for d in draining):
                 raise errors.MalformedFrame("fence reply: draining regions are not [offset, length] pairs")
             info["draining"] = draining
+            info["columns"] = reply.body.get("columns") is True
             objects = reply.body.get("objects")
             if info["segment"] != segment or type(objects) is not int or objects < 0 \
                     or type(info["next_token"]) is not int or info["next_token"] < 1:

@@ -146,7 +146,7 @@ class StorageCore:
         mem = self.memory
         return {"segment": self.segment, "capacity": mem.capacity, "endpoint": self.endpoint,
                 "host": host_id(), "shm": mem.name, "gen_shm": mem.gen_name, "nonce": mem.nonce,
-                "page_size": mem.page_size, "held": self.held()}
+                "page_size": mem.page_size, "held": self.held(), "columns": True}
 
     def held(self) -> int:
         """Allocations this segment still holds (regions, index entries, regions
@@ -309,19 +309,26 @@ class StorageCore:
 
     def _op_assign(self, body, payloads):
         """``AssignRegion`` (publish) and ``StampedAllocate`` (failover index),
-        and ``GrantDirect`` for a region named in ``direct`` (its writer writes
-        it itself), all or none. A region still draining for an earlier direct
-        writer is refused."""
+        and ``GrantDirect`` for a region named in ``direct`` or with a writer
+        in ``columns`` (its writer writes it itself), all or none. A region
+        still draining for an earlier direct writer is refused."""
         mem, term = self.memory, body["term"]
         direct = dict(body.get("direct", ()))
-        if self.trace is None and self._assign_all(term, body["regions"], direct):
-            return {"results": [OK] * len(body["regions"])}, []
+        rows, columns = body.get("regions"), body.get("columns")
+        if columns is not None:                   # the fifth column: each region's direct writer
+            offsets, writers = columns[0], columns[4]
+            if any(writers):
+                direct.update((o, w) for o, w in zip(offsets, writers) if w)
+            columns = columns[:4]
+        if self.trace is None and self._assign_all(
+                term, columns if rows is None else list(map(list, zip(*rows))), direct):
+            return {"results": [OK] * len(rows if rows is not None else columns[0])}, []
         node, segment, counters = self.node, self.segment, self.counters
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
         grant, traced = self.direct.grant, self.trace is not None
         results, assigned = [], 0
-        for offset, length, key, token in body["regions"]:
+        for offset, length, key, token in (zip(*columns) if rows is None else rows):
             if offset % page or offset + length > capacity:
                 results.append(wire.error_item(errors.InvalidArgument(
                     f"region {offset}+{length} is not a page-aligned part of the segment")))
@@ -355,12 +362,12 @@ class StorageCore:
         counters["assigned"] += assigned
         return {"results": results}, []
 
-    def _assign_all(self, term: int, regions: list, direct: dict) -> bool:
-        """The regions of an ``assign`` at once, when every step of every one
-        is accepted (the cores' batch steps, equal to stepping them in
-        turn): True, all assigned; else False and nothing changed."""
+    def _assign_all(self, term: int, columns: list, direct: dict) -> bool:
+        """The regions of an ``assign`` (as columns) at once, when every step
+        of every one is accepted (the cores' batch steps, equal to stepping
+        them in turn): True, all assigned; else False and nothing changed."""
         mem = self.memory
-        offsets, lengths, keys, tokens = map(list, zip(*regions))
+        offsets, lengths, keys, tokens = columns
         if max(map(int.__add__, offsets, lengths)) > mem.capacity \
                 or any(offset % mem.page_size for offset in offsets) \
                 or not self.direct.vacant(offsets) \
@@ -456,13 +463,16 @@ class StorageCore:
         object's checksum and requested replica count with the publish (when
         the master sends them), and for a repaired replica the object's
         publishing term (spec Failover ``Repair``)."""
-        if self.trace is None and self._publish_all(body["term"], body["regions"]):
-            return {"results": [OK] * len(body["regions"])}, []
+        rows, columns = body.get("regions"), body.get("columns")
+        if rows is not None and len(set(map(len, rows))) == 1:
+            columns = list(map(list, zip(*rows)))   # rows of one width: the batch step may take them
+        if self.trace is None and columns is not None and self._publish_all(body["term"], columns):
+            return {"results": [OK] * len(columns[0])}, []
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
         owner_of, held_by, traced = node.owner, direct.held, self.trace is not None
         word, published, direct_published = self.memory.word, 0, 0
-        for offset, key, token, *recorded in body["regions"]:
+        for offset, key, token, *recorded in (zip(*columns) if rows is None else rows):
             owner = owner_of(offset)
             ours = owner is not None and owner[1] == token and owner[0] == key
             held = held_by(offset, token)
@@ -510,13 +520,12 @@ class StorageCore:
         counters["direct_published"] += direct_published
         return {"results": results}, []
 
-    def _publish_all(self, term: int, regions: list) -> bool:
-        """The regions of a ``publish`` at once, when every step of every one
-        is accepted (the cores' batch steps, equal to stepping them in turn):
-        True, all published; else False and nothing changed."""
-        if len(set(map(len, regions))) != 1:
-            return False
-        offsets, keys, tokens, *recorded = map(list, zip(*regions))
+    def _publish_all(self, term: int, columns: list) -> bool:
+        """The regions of a ``publish`` (as columns, those after the token
+        optional) at once, when every step of every one is accepted (the
+        cores' batch steps, equal to stepping them in turn): True, all
+        published; else False and nothing changed."""
+        offsets, keys, tokens, *recorded = columns
         if max(offsets) >= self.memory.capacity:
             return False
         zeros = [0] * len(offsets)

@@ -12,6 +12,9 @@ Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
 for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
 with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`; an
 ``exists`` asked with ``found``, one byte per key: :func:`found_of`). A
+master sends ``assign`` and ``publish`` to a node that registered with
+``columns`` as one list per field (``columns``, :func:`columns_of`) instead
+of a row per region (``regions``); a node takes either, exactly one. A
 request id names one request on its connection (a sender numbers every
 request afresh, a retry included; 0 asks for no reply): the master serves an
 id once, and answers a copy :class:`~kvproto.errors.DuplicateRequest`.
@@ -27,7 +30,8 @@ checks, in this order, and raises the typed error of the first failure:
 3. version -> :class:`~kvproto.errors.UnsupportedVersion`;
 4. op is a known string for *this server* -> :class:`~kvproto.errors.UnknownMessage`;
 5. request id and body types, every required field present with the right
-   type, the number of payload frames -> :class:`~kvproto.errors.MalformedFrame`;
+   type (and exactly one of an op's ``one_of`` fields), the number of payload
+   frames -> :class:`~kvproto.errors.MalformedFrame`;
 6. field values in range (non-negative ints, non-empty keys, batch sizes)
    -> :class:`~kvproto.errors.InvalidArgument`.
 
@@ -119,6 +123,7 @@ def uint(max_value: int = _UINT63, min_value: int = 0) -> Check:
         if not min_value <= v <= max_value:
             raise errors.InvalidArgument(f"{path}: {v} not in [{min_value}, {max_value}]")
         return v
+    check.column = lambda c: set(map(type, c)) == {int} and min_value <= min(c) and max(c) <= max_value
     return check
 
 
@@ -130,7 +135,14 @@ def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
         if not min_len <= len(v) <= max_len:
             raise errors.InvalidArgument(f"{path}: length {len(v)} not in [{min_len}, {max_len}]")
         return v
+    check.column = _column_of(bytes, min_len, max_len)
     return check
+
+
+def _column_of(kind: type, lo: int, hi: int) -> Callable[[list], bool]:
+    """The test of a non-empty column of ``kind`` values whose ``len`` is in
+    ``[lo, hi]``, in builtins (no Python loop)."""
+    return lambda c: set(map(type, c)) == {kind} and lo <= min(map(len, c)) and max(map(len, c)) <= hi
 
 
 def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
@@ -141,6 +153,7 @@ def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
         if not min_len <= len(v) <= max_len:
             raise errors.InvalidArgument(f"{path}: length {len(v)} not in [{min_len}, {max_len}]")
         return v
+    check.column = _column_of(str, min_len, max_len)
     return check
 
 
@@ -210,17 +223,49 @@ def tuple_of(*items: Check, optional: tuple = ()) -> Check:
     return check
 
 
+def columns_of(*columns: Check, max_items: int = MAX_BATCH) -> Check:
+    """Rows sent as columns: an array of one array per field (``columns``,
+    of ``uint``, ``binary`` or ``text`` values, in order), all of one length
+    in ``[1, max_items]``. Each column is judged at once, in builtins; the
+    columns stay lists."""
+    tests = [list_of(c, max_items, 1) for c in columns]
+    n = len(columns)
+
+    def expr(var, ns):
+        name = f"_cols{len(ns)}"
+        ns[name] = [c.column for c in columns]
+        return (f"(type({var}) is list and len({var}) == {n} and set(map(type, {var})) == {{list}} "
+                f"and len(set(map(len, {var}))) == 1 and 1 <= len({var}[0]) <= {max_items} "
+                f"and all(t(c) for t, c in zip({name}, {var})))")
+
+    @_with(expr)
+    def check(v, path):
+        if type(v) is not list:
+            raise _malformed(path, f"expected array, got {type(v).__name__}")
+        if len(v) != n:
+            raise _malformed(path, f"expected {n} columns, got {len(v)}")
+        for i, (t, c) in enumerate(zip(tests, v)):
+            t(c, f"{path}[{i}]")
+        if len(set(map(len, v))) != 1:
+            raise _malformed(path, f"columns of unequal lengths {[len(c) for c in v]}")
+        return v
+    return check
+
+
 class OpSchema:
     """Required body fields of one op, optional ones (checked when present), and
-    how many payload frames it carries (-1: one per entry of its ``regions``)."""
+    how many payload frames it carries (-1: one per entry of its ``regions``).
+    ``one_of``: optional fields of which a body carries exactly one (its rows
+    as ``regions``, or as ``columns``)."""
 
-    __slots__ = ("fields", "optional", "payloads")
+    __slots__ = ("fields", "optional", "payloads", "one_of")
 
     def __init__(self, fields: Mapping[str, Check], payloads: int = 0,
-                 optional: Optional[Mapping[str, Check]] = None) -> None:
+                 optional: Optional[Mapping[str, Check]] = None, one_of: tuple = ()) -> None:
         self.fields = dict(fields)
         self.optional = dict(optional or {})
         self.payloads = payloads
+        self.one_of = one_of
 
 
 KEY = binary()
@@ -241,12 +286,13 @@ NAMESPACE = text(129, 1)
 
 MASTER_OPS: dict[str, OpSchema] = {
     # storage node -> master
-    # ``held``: allocations the segment still holds (0: it is empty)
+    # ``held``: allocations the segment still holds (0: it is empty);
+    # ``columns: true``: the node takes ``assign`` and ``publish`` as columns
     "register": OpSchema({
         "segment": SEGMENT, "capacity": uint(min_value=1), "endpoint": text(MAX_NAME, 1),
         "host": text(), "shm": text(), "gen_shm": text(), "nonce": uint(),
         "page_size": uint(1 << 30, 1),
-    }, optional={"held": uint()}),
+    }, optional={"held": uint(), "columns": boolean()}),
     "storage_heartbeat": OpSchema({"segment": SEGMENT}),
     # regions that drained for their direct writer (spec/DirectWrite.tla Drain): free now
     "storage_drained": OpSchema({"segment": SEGMENT, "offsets": list_of(uint(), min_items=1)}),
@@ -323,18 +369,25 @@ TICKET = tuple_of(uint(), binary(32, 32))
 STORAGE_OPS: dict[str, OpSchema] = {
     # master -> storage node (control), each stamped with the master's term
     # ``direct``: [offset, writer] of the regions whose writer writes them itself
-    "assign": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
-        tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1)},
-        optional={"direct": list_of(tuple_of(uint(), text(64, 1)))}),
+    # ``regions``: [offset, length, key, token] each; or ``columns`` (to a node
+    # that registered with ``columns``): [offsets, lengths, keys, tokens,
+    # writers], a writer "" where the region is not a direct writer's
+    "assign": OpSchema({"segment": SEGMENT, "term": TERM}, optional={
+        "regions": list_of(tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1),
+        "columns": columns_of(uint(), uint(min_value=1), KEY, TOKEN, text(64)),
+        "direct": list_of(tuple_of(uint(), text(64, 1)))}, one_of=("regions", "columns")),
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
     # mark written regions published (after the master's PutEnd or
     # ListReplica): [offset, key, token, checksum, requested, by] (the checksum,
     # the requested replica count and the publishing term optional; 0 = none;
     # ``by``: a repaired replica's, the object's publishing term, spec
-    # Failover RepairedEntry)
-    "publish": OpSchema({"segment": SEGMENT, "term": TERM, "regions": list_of(
-        tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF), TERM)), min_items=1)}),
+    # Failover RepairedEntry); or ``columns``: the six as columns, 0 where none
+    "publish": OpSchema({"segment": SEGMENT, "term": TERM}, optional={
+        "regions": list_of(tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF), TERM)),
+                           min_items=1),
+        "columns": columns_of(uint(), KEY, TOKEN, CHECKSUM, uint(0xFFFF), TERM)},
+        one_of=("regions", "columns")),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     # copy an object into a region assigned for its repair (spec/Publish.tla
@@ -541,6 +594,8 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int, max_payload_byt
                     checked[name] = check(value, f"{op}.{name}")
     except errors.KvError as err:
         raise _fail(err, rid) from None
+    if schema.one_of and sum(name in checked for name in schema.one_of) != 1:
+        raise _fail(errors.MalformedFrame(f"{op} takes exactly one of {', '.join(schema.one_of)}"), rid)
     if schema.payloads < 0 and len(payloads) != len(checked["regions"]):
         raise _fail(errors.MalformedFrame(
             f"{op} names {len(checked['regions'])} region(s) but carries {len(payloads)} "

@@ -921,7 +921,8 @@ def test_a_repaired_replica_and_its_original_are_both_listed_after_the_next_take
     (status, _), delivered = c.call(second, "repair_done", {"segment": dst, "key": b"k",
                                                             "repair": copy.repair})
     assert status == 0 and [(s, op, st) for s, op, _, st in delivered] == [(dst, "publish", 0)]
-    assert delivered[0][2]["term"] == 2 and delivered[0][2]["regions"][0][5] == 1
+    # the node registered with columns: the publishing term is the sixth column
+    assert delivered[0][2]["term"] == 2 and delivered[0][2]["columns"][5] == [1]
     original, repaired = c.nodes[held[1]].node.index[b"k"], c.nodes[dst].node.index[b"k"]
     assert repaired.published and (repaired.term, repaired.by) == (1, 1)
     assert (repaired.token, repaired.checksum) == (original.token, original.checksum)

@@ -38,14 +38,31 @@ class Clock:
         return self.t
 
 
-def new_master(clock: Clock, batched: bool) -> MasterCore:
+def new_master(clock: Clock, batched: bool, columns: tuple = ("seg-1",)) -> MasterCore:
+    """A master with the three nodes; those in ``columns`` take ``assign``
+    and ``publish`` as columns."""
     core = MasterCore(writer_timeout=5.0, storage_timeout=5.0, lease_ttl=2.0, clock=clock)
     core.batched = batched
     for n, seg in enumerate(SEGMENTS):
         core.handle("register", {"segment": seg, "capacity": 64 * 4096, "host": f"host-{n % 2}",
                                  "endpoint": f"tcp://127.0.0.1:{9000 + n}", "shm": f"shm-{n}",
-                                 "gen_shm": f"gen-{n}", "nonce": n, "page_size": 4096})
+                                 "gen_shm": f"gen-{n}", "nonce": n, "page_size": 4096,
+                                 **({"columns": True} if seg in columns else {})})
     return core
+
+
+def rows_of(op: str, body: dict) -> list:
+    """A command's regions as full rows (an assign's with its direct writer
+    or "", a publish's with 0 for what it leaves out), whether it carries them
+    as rows or as columns."""
+    if "columns" in body:
+        return [list(r) for r in zip(*body["columns"])]
+    if op == "assign":
+        direct = dict(body.get("direct", ()))
+        return [[*r, direct.get(r[0], "")] for r in body["regions"]]
+    if op == "publish":
+        return [[*r, *[0] * (6 - len(r))] for r in body["regions"]]
+    return body["regions"]
 
 
 def state(core: MasterCore) -> tuple:
@@ -85,7 +102,7 @@ def deliver(core: MasterCore, refuse: random.Random) -> list:
         segment, op, cmd_id, body = core.outbox.pop(0)
         sent.append((segment, op, cmd_id, body))
         results = [wire.error_item(errors.NoSpace("refused by the test"))
-                   if refuse.random() < 0.03 else wire.ok_item() for _ in body["regions"]]
+                   if refuse.random() < 0.03 else wire.ok_item() for _ in rows_of(op, body)]
         core.storage_reply(segment, wire.Reply(0, cmd_id, {"results": results}, []))
     ready, core.ready[:] = list(core.ready), []
     return sent + ready
@@ -248,3 +265,30 @@ def test_a_lease_the_table_refuses_is_answered_typed_and_its_id_left_unused(monk
     assert [item[0] for item in items] == [0, errors.KeyNotFound.code, errors.LeaseHeld.code, 0]
     assert [items[0][1]["lease"], items[3][1]["lease"]] == [first, first + 2]
     assert core.counters["lease_grants"] == 2
+
+
+COMMANDS = ("assign", "publish", "free")
+
+
+def test_a_node_that_takes_columns_gets_the_rows_others_get():
+    """The same puts (a direct writer's among them), acknowledged alike: the
+    assigns and publishes a master sends nodes registered with ``columns``
+    carry, column by column, the rows it sends nodes registered without."""
+    rng = random.Random(3)
+    cores = [new_master(Clock(), True, columns) for columns in ((), SEGMENTS)]
+    sent = [[], []]
+    for step in range(30):
+        keys = KEYS[step * 2:step * 2 + 2]
+        body = {"client": "w", "replicas": 2, "items": [[k, 4096] for k in keys],
+                **({"writer": "w0", "host": "host-0"} if step % 2 else {})}
+        seed = rng.random()
+        for core, out in zip(cores, sent):
+            reply = core.handle("put_start", dict(body), reply_to="r", request_id=1)
+            tokens = [item[1]["token"] for item in reply[1]["items"]]
+            core.handle("put_end", {"client": "w", "items": [[k, t, 7] for k, t in zip(keys, tokens)]},
+                        reply_to="r", request_id=2)
+            out += [(seg, op, rows_of(op, b), "columns" in b)
+                    for seg, op, _, b in deliver(core, random.Random(seed)) if op in COMMANDS]
+    assert [c[:3] for c in sent[0]] == [c[:3] for c in sent[1]]
+    assert not any(c[3] for c in sent[0])
+    assert all(c[3] for c in sent[1] if c[1] in ("assign", "publish")) and sent[1]

@@ -195,3 +195,46 @@ def test_a_purge_frees_the_regions_of_the_entries_it_drops(node):
         {"purged": 1, "freed": 20, "draining": []}
     assert list(node.node.regions) == [A] and list(node.node.index) == [b"a"]
     assert node.memory.word(B) == 0
+
+
+def _as_columns(rows: list, fill: list) -> list:
+    return [list(c) for c in zip(*(r + fill[len(r):] for r in rows))]
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_assign_and_publish_as_columns_answer_and_step_as_rows(node, traced, tmp_path):
+    """The same assigns and publishes sent as rows to one node and as columns
+    to another: the same answers, the same state; all accepted (the batch
+    steps), and with one region refused (stepped in turn)."""
+    from kvproto.runtime.tracing import StorageRecorder
+    other = StorageCore(SegmentMemory(1 << 20, PAGE), SEG)
+    assert other.fence_to(1)
+    if traced:
+        node.record_to(StorageRecorder(str(tmp_path / "rows")))
+        other.record_to(StorageRecorder(str(tmp_path / "columns")))
+    lock = WriterLock()
+    try:
+        batches = [[[A, 10, b"a", 7], [B, 20, b"b", 8, lock.name]],       # accepted
+                   [[C, 10, b"c", 9], [D, 10, b"a", 10]]]                 # b"a" held: refused
+        publishes = [[[A, b"a", 7, 5, 1], [B, b"b", 8]],                  # B not reported: refused
+                     [[C, b"c", 9, 0, 2, 1]]]
+        for rows in batches:
+            direct = [[r[0], r[4]] for r in rows if len(r) > 4]
+            extra = {"direct": direct} if direct else {}
+            answer = call(node, "assign", regions=[r[:4] for r in rows], **extra)
+            assert call(other, "assign", columns=_as_columns(rows, [0, 0, b"", 0, ""])) == answer
+        for n in (node, other):
+            write(n, A, 7, b"x" * 10)
+            write(n, C, 9, b"z" * 10)
+        for rows in publishes:
+            answer = call(node, "publish", regions=rows)
+            assert call(other, "publish", columns=_as_columns(rows, [0, b"", 0, 0, 0, 0])) == answer
+        assert other.node.reference() == node.node.reference()
+        assert other.direct.regions == node.direct.regions and B in other.direct.regions
+        assert other.counters == node.counters and node.counters["refused"] >= 2
+        if traced:
+            steps = (tmp_path / "rows").read_text()
+            assert steps.count("StampedPublish") >= 2 and (tmp_path / "columns").read_text() == steps
+    finally:
+        lock.close()
+        other.memory.close()

@@ -86,6 +86,22 @@ def test_a_put_end_item_may_carry_a_checksum_and_a_publish_region_too():
         [(0, b"k", 3), (4096, b"j", 4, 9)]
 
 
+
+@pytest.mark.parametrize("fields", [(), ("regions", "columns")])
+def test_assign_and_publish_take_regions_or_columns(fields):
+    """An ``assign`` or ``publish`` carries its regions as rows or as columns,
+    exactly one of the two: neither, or both, is MalformedFrame."""
+    rows = {"regions": [[0, 4096, b"k", 1]],
+            "columns": [[0], [4096], [b"k"], [1], [""]]}
+    for name in ("regions", "columns"):
+        body = {"segment": "s", "term": 1, name: rows[name]}
+        assert decode(req(V, "assign", 1, body), ops=wire.STORAGE_OPS).body[name]
+    body = {"segment": "s", "term": 1, **{n: rows[n] for n in fields}}
+    with pytest.raises(errors.MalformedFrame) as caught:
+        decode(req(V, "assign", 4, body), ops=wire.STORAGE_OPS)
+    assert caught.value.request_id == 4
+
+
 def test_payload_count_and_size_at_storage():
     body = {"segment": "s", "offset": 0, "token": 3, "term": 1}
     with pytest.raises(errors.MalformedFrame):
@@ -162,6 +178,20 @@ def test_the_fast_test_of_every_field_agrees_with_its_check(field, value):
     ("publish", "regions", [[0, b"k", 1, 5, 2, 3, 0]], False),     # one field too many
     ("assign", "direct", [[4096, "w"]], True),
     ("assign", "direct", [[4096, ""]], False),                     # writer name empty
+    ("assign", "columns", [[0, 4096], [4096, 8], [b"k", b"j"], [1, 2], ["", "w"]], True),
+    ("assign", "columns", [[0], [4096], [b"k"], [1]], False),      # the writers column missing
+    ("assign", "columns", [[0, 4096], [4096], [b"k"], [1], [""]], False),   # unequal lengths
+    ("assign", "columns", [[], [], [], [], []], False),            # no region
+    ("assign", "columns", [[0], [4096], [b"k"], [0], [""]], False),         # token 0
+    ("assign", "columns", [[0], [4096], ["k"], [1], [""]], False),          # a key not bytes
+    ("assign", "columns", [[True], [4096], [b"k"], [1], [""]], False),      # a bool offset
+    ("assign", "columns", [[0], [4096], [b""], [1], [""]], False),          # an empty key
+    ("assign", "columns", [[0], [4096], [b"k"], [1], ["w" * 65]], False),   # writer too long
+    ("publish", "columns", [[0], [b"k"], [1], [5], [2], [0]], True),
+    ("publish", "columns", [[0], [b"k"], [1], [5], [1 << 16], [0]], False),  # requested > 0xFFFF
+    ("publish", "columns", [[0], [b"k"], [1], [-1], [2], [0]], False),       # a negative checksum
+    ("publish", "columns", [[0], [b"k"], [1], [5], [2]], False),             # a column missing
+    ("publish", "columns", [[0], [b"k"], [1], [5], [2], 0], False),          # a column not a list
 ])
 def test_the_fast_test_of_nested_fields(op, field, value, ok):
     schema = wire.STORAGE_OPS[op]
