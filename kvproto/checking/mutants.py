@@ -102,16 +102,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "same-host-batch-read-no-recheck",
         "a plain get's batch read keeps each copy without checking the region's "
         "generation word and the nonce again after it",
-        _one(SHM, "            out.append(buf if words[at] == done and words[1] == nonce else None)\n",
-             "            out.append(buf)\n"),
+        (Edit(SHM, "        if words[1] != nonce:\n            return [None] * n\n", ""),
+         Edit(SHM, "        return [buf if ok else None for buf, ok in zip(out, kept.tolist())]\n",
+              "        return out\n")),
         (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
     Mutant(
         "same-host-batch-read-ignores-nonce",
         "a plain get's batch read trusts a descriptor whose segment started over",
-        (Edit(SHM, "                    or words[1] != nonce or words[at] != done:\n",
-              "                    or words[at] != done:\n"),
-         Edit(SHM, "            out.append(buf if words[at] == done and words[1] == nonce else None)\n",
-              "            out.append(buf if words[at] == done else None)\n")),
+        (Edit(SHM, "        if words is None or words[1] != nonce:\n",
+              "        if words is None:\n"),
+         Edit(SHM, "        if words[1] != nonce:\n            return [None] * n\n",
+              "")),
         (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
     Mutant(
         "lease-deadline-from-reply",

@@ -42,8 +42,8 @@ from kvproto.cores.directory_build import (  # noqa: F401  (the layout, for the 
     INLINE, OVERFLOW, PENDING, PUBLISHED, SEGMENT_ID_LIMIT, DirectoryBuild,
 )
 from kvproto.cores.directory_views import (  # noqa: F401  (the batch effects, with the core)
-    Loss, _dropped, _Ledgers, _Objects, put_end_effects, put_start_effects, read_effects,
-    remove_effects,
+    Loss, Reads, _dropped, _Ledgers, _Objects, put_end_effects, put_start_effects,
+    read_effects, remove_effects,
 )
 from kvproto.cores.rows import Rows, grow
 from kvproto.statemachines.maps import map_of
@@ -302,34 +302,57 @@ class DirectoryCore(DirectoryBuild):
         take = self._take
         return [take(key) for key in keys]
 
-    def read_many(self, keys: Iterable, pin: bool = True) -> list:
+    def read_many(self, keys: Sequence, pin: bool = True) -> Reads:
         """``ReadBegin(key)`` of each key, in order; with ``pin`` false each
         accepted one followed at once by its ``ReadEnd(key, token)`` (a read
         whose pin ends in the same request: a leased read). The fold of those
-        single steps. Per key ``(token, length, checksum, [(segment, offset),
-        ...])``, or the error its ``ReadBegin`` is refused with;
+        single steps, its results in columns (:class:`Reads`: the grants'
+        token, length, checksum and replicas, the errors of the refused);
         :func:`read_effects` gives the effects."""
         index, st, reads, tok, length, sums = (self.rows.index, self._st, self._reads,
                                                self._tok, self._len, self._sum)
-        nrep, names = self._nrep, self._names
-        s0, o0, s1, o1 = self._s0, self._o0, self._s1, self._o1
-        out = []
-        for key in keys:
-            row = index.get(key)
-            if row is None or st[row] != PUBLISHED:
-                out.append(errors.KeyNotFound(f"{key!r}"))
-                continue
-            if pin:
+        nrep, names, s0, o0 = self._nrep, self._names, self._s0, self._o0
+        rows = [index.get(key) for key in keys]
+        refused = [] if None not in rows and [st[r] for r in rows].count(PUBLISHED) == len(rows) \
+            else [(i, errors.KeyNotFound(f"{key!r}")) for i, (key, row) in enumerate(zip(keys, rows))
+                  if row is None or st[row] != PUBLISHED]
+        if refused:
+            for i, _ in refused:
+                rows[i] = None
+            granted = [row for row in rows if row is not None]
+        else:
+            granted = rows
+        if pin:
+            for row in granted:
                 reads[row] += 1
-            n = nrep[row]
-            if n == 1:
-                placed = [(names[s0[row]], o0[row])]
-            elif n == 2:
-                placed = [(names[s0[row]], o0[row]), (names[s1[row]], o1[row])]
-            else:
-                placed = [(names[s], o) for s, o in self._placed(row)]
-            out.append((tok[row], length[row], sums[row], placed))
-        return out
+        counts = [nrep[row] for row in granted]
+        if counts.count(1) == len(counts):
+            segment, offset = [names[s0[row]] for row in granted], [o0[row] for row in granted]
+        else:
+            s1, o1 = self._s1, self._o1
+            segment, offset, counts = [], [], []
+            for row in granted:
+                n = nrep[row]
+                if n == 1:
+                    segment.append(names[s0[row]])
+                    offset.append(o0[row])
+                elif n == 2:
+                    segment += (names[s0[row]], names[s1[row]])
+                    offset += (o0[row], o1[row])
+                else:       # none, or more than two
+                    placed = self._placed(row)
+                    n = len(placed)
+                    segment += [names[s] for s, _ in placed]
+                    offset += [o for _, o in placed]
+                counts.append(n)
+        if not refused:
+            return Reads([tok[row] for row in rows], [length[row] for row in rows],
+                         [sums[row] for row in rows], counts, segment, offset, refused)
+        counts = iter(counts)
+        return Reads([0 if row is None else tok[row] for row in rows],
+                     [0 if row is None else length[row] for row in rows],
+                     [0 if row is None else sums[row] for row in rows],
+                     [0 if row is None else next(counts) for row in rows], segment, offset, refused)
 
     def _remove(self, ev: Remove) -> tuple:
         """Spec ``Remove``: published and unpinned only."""

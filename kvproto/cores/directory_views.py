@@ -3,7 +3,7 @@ reference's shape.
 
 The effects of its batch steps folded (:func:`put_start_effects`,
 :func:`put_end_effects`, :func:`remove_effects`, :func:`read_effects`, from a
-batch's items and results), a ``SegmentLost`` step's effects in columns
+batch's items and results), a ``read_many``'s results in columns (:class:`Reads`), a ``SegmentLost`` step's effects in columns
 (:class:`Loss`) and the read-only views of its objects and segment ledgers
 (the frozen ``Directory``'s ``objects`` and ``segments``).
 """
@@ -89,17 +89,34 @@ def remove_effects(keys: Sequence, results: Sequence) -> tuple:
     return tuple(out)
 
 
-def read_effects(keys: Sequence, results: Sequence) -> tuple:
+class Reads:
+    """The results of :meth:`DirectoryCore.read_many` in columns, one entry
+    per key (``token``, ``length``, ``checksum``: a refused key's 0s;
+    ``replicas``: how many of ``segment``/``offset``, a refused key's none)
+    and the keys refused, ``refused``: ``(index, error)`` in order."""
+
+    __slots__ = ("token", "length", "checksum", "replicas", "segment", "offset", "refused")
+
+    def __init__(self, token: list, length: list, checksum: list, replicas: list,
+                 segment: list, offset: list, refused: list) -> None:
+        self.token, self.length, self.checksum, self.replicas = token, length, checksum, replicas
+        self.segment, self.offset, self.refused = segment, offset, refused
+
+
+def read_effects(keys: Sequence, reads: Reads) -> tuple:
     """The effects of the steps :meth:`DirectoryCore.read_many` folded (an
     accepted ``ReadEnd`` has none)."""
     out: list = []
-    for key, r in zip(keys, results):
-        if type(r) is not tuple:
-            out.append(Refused(r))
+    refused, at = dict(reads.refused), 0
+    for i, (key, token, length, checksum, n) in enumerate(zip(
+            keys, reads.token, reads.length, reads.checksum, reads.replicas)):
+        if i in refused:
+            out.append(Refused(refused[i]))
             continue
-        token, length, checksum, placed = r
-        out.append(ReadGranted(key, token, tuple(Replica(s, o, length) for s, o in placed),
-                               length, checksum))
+        out.append(ReadGranted(key, token, tuple(
+            Replica(s, o, length) for s, o in zip(reads.segment[at:at + n], reads.offset[at:at + n])),
+            length, checksum))
+        at += n
     return tuple(out)
 
 

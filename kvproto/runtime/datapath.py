@@ -180,15 +180,19 @@ class ReadBuffers:
     twice as long as the memcpy). Objects under :data:`MIN_BYTES` get fresh
     memory; the pool holds at most ``capacity`` bytes of buffers, in use or
     idle (0: none). Objects of at most :data:`SLAB_OBJECT` bytes are cut, one
-    after the other, from a fresh slab of :data:`SLAB_BYTES` (one allocation
-    for a batch of small gets rather than one each; a value still held keeps
-    its slab's memory)."""
+    after the other, from a slab of :data:`SLAB_BYTES` (one allocation for a
+    batch of small gets rather than one each; a value still held keeps its
+    slab's memory): an idle one of the last :data:`SLABS` slabs, else a fresh
+    one (whose pages the copies would fault in, a 4 KiB get's copy costing
+    three times as much)."""
 
     #: smaller objects get fresh memory (malloc serves them from its free lists)
     MIN_BYTES = 1 << 20
     #: objects this small share slabs of SLAB_BYTES, each cut at a cache line
     SLAB_OBJECT = 64 << 10
     SLAB_BYTES = 256 << 10
+    #: slabs kept to be cut again once idle (while ``capacity`` has room for them)
+    SLABS = 16
 
     def __init__(self, capacity: int = 128 << 20) -> None:
         self.capacity = capacity
@@ -196,6 +200,8 @@ class ReadBuffers:
         #: gets served from an idle buffer, and from fresh memory
         self.reused = self.fresh = 0
         self._slab, self._cut = memoryview(b""), 0
+        self._slabs: list[np.ndarray] = []
+        self._slab_reused = False
 
     def _idle(self, k: int) -> bool:
         # references: the list's and getrefcount's argument
@@ -207,11 +213,13 @@ class ReadBuffers:
         if length <= self.SLAB_OBJECT:
             at = self._cut
             if at + length > self._slab.nbytes:
-                slab = np.empty(self.SLAB_BYTES + 64, dtype=np.uint8)
-                skip = -slab.ctypes.data % 64
-                self._slab, at = memoryview(slab)[skip:skip + self.SLAB_BYTES], 0
+                self._next_slab()
+                at = 0
             self._cut = (at + length + 63) & ~63
-            self.fresh += 1
+            if self._slab_reused:
+                self.reused += 1
+            else:
+                self.fresh += 1
             return self._slab[at:at + length]
         if length >= self.MIN_BYTES:
             best = None
@@ -236,8 +244,27 @@ class ReadBuffers:
                 self._bufs.append(buf)
         return buf
 
+    def _next_slab(self) -> None:
+        """Cut from here on from an idle kept slab, or a fresh one (kept if
+        there is room)."""
+        self._slab = memoryview(b"")     # the slab cut so far is held by its values only
+        slabs, getrefcount = self._slabs, sys.getrefcount
+        for slab in slabs:
+            # references: the list's, the loop's and getrefcount's argument
+            if getrefcount(slab) == 3:
+                self._slab_reused = True
+                break
+        else:
+            slab = np.empty(self.SLAB_BYTES + 64, dtype=np.uint8)
+            self._slab_reused = False
+            if len(slabs) < min(self.SLABS, self.capacity // self.SLAB_BYTES):
+                slabs.append(slab)
+        skip = -slab.ctypes.data % 64
+        self._slab = memoryview(slab)[skip:skip + self.SLAB_BYTES]
+
     def clear(self) -> None:
         self._bufs.clear()
+        self._slabs.clear()
         self._slab, self._cut = memoryview(b""), 0
 
 

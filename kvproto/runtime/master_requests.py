@@ -504,60 +504,54 @@ class MasterRequests:
 
     def _read_batch(self, keys, client, leased, session, columns) -> dict:
         """:meth:`_read_items` with the cores' batch steps: the directory's
-        ``read_many`` (a leased read's pin ended at once) and the lease
-        table's ``grant_many``. Lease ids are taken in order by the reads
-        granted (a grant the lease table refuses, which the tables' agreement
-        rules out, leaves its id unused)."""
-        results = self.directory.read_many(keys, pin=not leased)
-        missed = [i for i, r in enumerate(results) if type(r) is not tuple]
-        hits = [key for key, r in zip(keys, results) if type(r) is tuple] if missed else keys
+        ``read_many`` (a leased read's pin ended at once; its columns are the
+        reply's) and the lease table's ``grant_many``. Lease ids are taken in
+        order by the reads granted (a grant the lease table refuses, which
+        the tables' agreement rules out, leaves its id unused)."""
+        got = self.directory.read_many(keys, pin=not leased)
+        refused = got.refused
+        hits = keys if not refused else [keys[i] for i in range(len(keys))
+                                         if i not in dict(refused)]
         counters = self.counters
         counters["reads"] += len(hits)
-        counters["misses"] += len(missed)
-        counters["refused"] += len(missed)
-        rows = results     # each key's (token, length, checksum, placed); a refused key's 0s
+        counters["misses"] += len(refused)
+        counters["refused"] += len(refused)
+        columns.update(token=got.token, length=got.length, checksum=got.checksum,
+                       replicas=got.replicas, segment=got.segment, offset=got.offset)
         if leased:
             leases, first = self.leases, self._next_lease
             ids = range(first, first + len(hits))
             grants = leases.grant_many(zip([(client, n) for n in ids], hits))
             self._next_lease = first + len(hits)
-            if missed:
-                ids = iter(ids)
-                columns["lease"] = [next(ids) if type(r) is tuple else 0 for r in results]
+            if refused:
+                ids, lost = iter(ids), dict(refused)
+                columns["lease"] = [0 if i in lost else next(ids) for i in range(len(keys))]
             else:
                 columns["lease"] = list(ids)
             # the leases granted share one expiry; anything else is a refusal
             refusals = len(grants) - grants.count(leases.now + leases.ttl)
             if refusals:
                 # a grant refused: the tables disagree, a bug; answer it typed
-                rows, at = list(results), iter(i for i, r in enumerate(results) if type(r) is tuple)
-                for i, granted in zip(at, grants):
+                refused = list(refused)
+                at = (i for i, lease in enumerate(columns["lease"]) if lease)
+                for i, granted in zip(list(at), grants):
                     if isinstance(granted, errors.KvError):
                         self.leases.touch(keys[i])
                         log.error("lease grant of %r refused: %s", keys[i], granted)
-                        rows[i], columns["lease"][i] = granted, 0
+                        refused.append((i, granted))
+                        _drop_read(columns, i)
+                refused.sort(key=lambda r: r[0])
             counters["lease_grants"] += len(grants) - refusals
         else:
-            touch, pins = self.leases.touch, session.pins
-            for key, r in zip(keys, results):
-                if type(r) is tuple:
+            touch, pins, lost = self.leases.touch, session.pins, dict(refused)
+            for i, (key, token) in enumerate(zip(keys, got.token)):
+                if i not in lost:
                     touch(key)
-                    pin = (key, r[0])
+                    pin = (key, token)
                     pins[pin] = pins.get(pin, 0) + 1
-        if missed or rows is not results:
-            rows = list(rows)
-            for i, r in enumerate(rows):
-                if type(r) is not tuple:
-                    columns["errors"].append([i, *r.to_wire()])
-                    rows[i] = (0, 0, 0, ())
-        tokens, lengths, sums, placed = zip(*rows) if rows else ((), (), (), ())
-        columns["token"], columns["length"], columns["checksum"] = (
-            list(tokens), list(lengths), list(sums))
-        columns["replicas"] = [len(p) for p in placed]
-        columns["segment"] = [segment for p in placed for segment, _ in p]
-        columns["offset"] = [offset for p in placed for _, offset in p]
+        columns["errors"] = [[i, *err.to_wire()] for i, err in refused]
         infos = self.segments
-        return {segment: infos[segment].wire() for segment in dict.fromkeys(columns["segment"])
+        return {segment: infos[segment].wire() for segment in dict.fromkeys(got.segment)
                 if segment in infos}
 
     def _op_read_end(self, body, reply_to, request_id):
@@ -794,3 +788,12 @@ class MasterRequests:
 
     def _op_ns_list(self, body, reply_to, request_id):
         return 0, {"namespaces": self.tenants.namespaces(body["tenant"])}
+
+
+def _drop_read(columns: dict, i: int) -> None:
+    """Answer key ``i`` of a ``read_begin``'s columns as refused: its token,
+    length, checksum and lease 0, its replicas none."""
+    at, n = sum(columns["replicas"][:i]), columns["replicas"][i]
+    del columns["segment"][at:at + n], columns["offset"][at:at + n]
+    for name in ("token", "length", "checksum", "replicas", "lease"):
+        columns[name][i] = 0

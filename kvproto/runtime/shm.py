@@ -387,24 +387,31 @@ class LocalSegment:
         """:meth:`read_into` of several regions, each into a fresh buffer
         ``take(length)`` (writable bytes), in one pass: per region that buffer
         as a byte view, or ``None`` where the seqlock refused it (the checks
-        of :meth:`_seqlocked`, before and after each copy)."""
-        words, data = self._words, self._bytes
-        if words is None:
-            return [None] * len(offsets)
-        page, capacity, out = self.page_size, self.capacity, []
-        for offset, length, token in zip(offsets, lengths, tokens):
-            at = HEADER_WORDS + offset // page
-            done = gen_word(token, True)
-            if offset < 0 or offset % page or offset + length > capacity \
-                    or words[1] != nonce or words[at] != done:
-                out.append(None)
-                continue
+        of :meth:`_seqlocked`, of every region before the first copy and
+        after the last, each a pass over the words)."""
+        words, data, n = self._words, self._bytes, len(offsets)
+        if words is None or words[1] != nonce:
+            return [None] * n
+        # the columns as unsigned 64-bit ints (a reply's are checked so)
+        offs, lens, toks = (np.array(c, dtype=np.uint64) for c in (offsets, lengths, tokens))
+        page, capacity = np.uint64(self.page_size), np.uint64(self.capacity)
+        fits = (offs % page == 0) & (lens <= capacity) & (offs <= capacity - np.minimum(lens, capacity)) \
+            & (toks < np.uint64(1 << 63))
+        at = HEADER_WORDS + np.where(fits, offs, 0) // page
+        gens = np.frombuffer(words, dtype=np.uint64)
+        done = (toks << np.uint64(1)) | np.uint64(1)      # gen_word(token, True)
+        out = [None] * n
+        for i in np.flatnonzero(fits & (gens[at] == done)).tolist():
+            offset, length = offsets[i], lengths[i]
             buf = take(length)
             if type(buf) is not memoryview:
                 buf = memoryview(buf)
             buf[:] = data[offset:offset + length]
-            out.append(buf if words[at] == done and words[1] == nonce else None)
-        return out
+            out[i] = buf
+        if words[1] != nonce:
+            return [None] * n
+        kept = gens[at] == done
+        return [buf if ok else None for buf, ok in zip(out, kept.tolist())]
 
     def close(self) -> None:
         self._data = None

@@ -97,6 +97,21 @@ def test_small_objects_are_cut_from_shared_slabs_without_overlapping():
     assert pool.take(ReadBuffers.SLAB_OBJECT + 1).nbytes == ReadBuffers.SLAB_OBJECT + 1
 
 
+def test_a_slab_is_cut_again_only_once_every_value_cut_from_it_is_gone():
+    pool = ReadBuffers()
+    per_slab = ReadBuffers.SLAB_BYTES // 4096
+    first = [pool.take(4096) for _ in range(per_slab)]
+    slab = first[0].obj.ctypes.data
+    held = np.frombuffer(first[-1], dtype=np.uint8)[:8]    # an array made from one value
+    del first
+    later = [pool.take(4096) for _ in range(2 * per_slab)]  # the first slab held: fresh ones
+    assert slab not in {v.obj.ctypes.data for v in later} and pool.reused == 0
+    del held
+    again = [pool.take(4096) for _ in range(per_slab)]
+    assert {v.obj.ctypes.data for v in again} == {slab} and pool.reused == per_slab
+    assert len({address(v) for v in later + again}) == len(later + again)
+
+
 def test_a_held_get_keeps_its_bytes_while_later_gets_reuse_released_memory(client):
     a, b = data_of(b"held-a", BIG), data_of(b"held-b", BIG)
     client.put(b"held-a", a)
