@@ -393,7 +393,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
 
     def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list) -> None:
         with self._lock, self._activity():
-            body = {"client": self.client_id, "replicas": replicas,
+            body = {"client": self.client_id, "replicas": replicas, "columns": True,
                     "items": [[k, v.nbytes] for _, k, v in todo]}
             writer = self._writer_lock()
             if writer is not None:
@@ -408,12 +408,17 @@ class Client(ClientLink, ClientLeases, TenantCalls):
             self._note_interval(reply)
             grants: dict[int, tuple] = {}     # i -> (key, view, token, replicas, direct)
             term = reply.body.get("term", 0)
-            for (i, k, v), item in zip(todo, wire.items_of(reply, len(todo))):
-                err, grant = wire.item_result(item)
-                if err is not None:
-                    results[i] = err
-                else:
-                    grants[i] = (k, v, grant["token"], grant["replicas"], grant.get("direct", ()))
+            columns = wire.put_columns(reply, len(todo), replicas)
+            for at, code, message in columns["errors"]:
+                results[todo[at][0]] = errors.from_wire(code, message)
+            segment, offset, direct, at = (columns["segment"], columns["offset"],
+                                           columns["direct"], 0)
+            for (i, k, v), token in zip(todo, columns["token"]):
+                if token:
+                    n, end = v.nbytes, at + replicas
+                    grants[i] = (k, v, token, [(segment[j], offset[j], n) for j in range(at, end)],
+                                 [segment[j] for j in range(at, end) if direct[j]])
+                    at = end
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
             sums: Optional[dict] = {} if self.checksums else None
