@@ -182,9 +182,8 @@ class MasterRequests:
         The grants are gathered as columns (:data:`~kvproto.runtime.wire.PUT_COLUMNS`),
         sent as they are when asked with ``columns``, else as items."""
         client, replicas = body["client"], body["replicas"]
-        grants = {"token": [0] * len(body["items"]), "errors": [], "segment": [], "offset": [],
-                  "direct": bytearray()}
-        session = self._session(client, create=True)
+        grants, session = {"token": [0] * len(body["items"]), "errors": [], "segment": [],
+                           "offset": [], "direct": bytearray()}, self._session(client, create=True)
         self._writing = (body["writer"], body["host"]) if "writer" in body and "host" in body else None
         try:
             fill = self._put_start_batch if self._batched() else self._put_start_items
@@ -289,6 +288,7 @@ class MasterRequests:
                 else:
                     append((segment, assign, [offset, length, key, token]))
                     mine.append(0)
+        refused.sort()     # in the request's order, as the single steps refuse
         self.counters["puts_started"] += started
         self.counters["refused"] += len(taken) - started
 
