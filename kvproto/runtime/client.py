@@ -164,6 +164,24 @@ def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replic
             time.sleep(pause)
 
 
+def grants_of(reply: wire.Reply, todo: list, replicas: int, results: list) -> dict:
+    """The grants of a ``put_start`` answered as columns for ``todo``'s
+    ``(i, key, view)``: ``i -> (key, view, token, replicas)``, each replica
+    ``(segment, offset, direct)`` (``direct`` 1 where the segment is granted to
+    this client as a direct writer; the length is the view's); a refused
+    key's error set in ``results``."""
+    columns = wire.put_columns(reply, len(todo), replicas)
+    for at, code, message in columns["errors"]:
+        results[todo[at][0]] = errors.from_wire(code, message)
+    rows, at = list(zip(columns["segment"], columns["offset"], columns["direct"])), 0
+    grants: dict[int, tuple] = {}
+    for (i, k, v), token in zip(todo, columns["token"]):
+        if token:
+            grants[i] = (k, v, token, rows[at:at + replicas])
+            at += replicas
+    return grants
+
+
 class Client(ClientLink, ClientLeases, TenantCalls):
     """A connection to one kvproto master (and, on demand, its storage nodes)."""
 
@@ -406,19 +424,8 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 self._abandon([k for _, k, _ in todo])
                 raise
             self._note_interval(reply)
-            grants: dict[int, tuple] = {}     # i -> (key, view, token, replicas, direct)
             term = reply.body.get("term", 0)
-            columns = wire.put_columns(reply, len(todo), replicas)
-            for at, code, message in columns["errors"]:
-                results[todo[at][0]] = errors.from_wire(code, message)
-            segment, offset, direct, at = (columns["segment"], columns["offset"],
-                                           columns["direct"], 0)
-            for (i, k, v), token in zip(todo, columns["token"]):
-                if token:
-                    n, end = v.nbytes, at + replicas
-                    grants[i] = (k, v, token, [(segment[j], offset[j], n) for j in range(at, end)],
-                                 [segment[j] for j in range(at, end) if direct[j]])
-                    at = end
+            grants = grants_of(reply, todo, replicas, results)
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
             sums: Optional[dict] = {} if self.checksums else None
