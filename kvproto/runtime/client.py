@@ -425,6 +425,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 raise
             self._note_interval(reply)
             term = reply.body.get("term", 0)
+            del body    # its [key, length] per key, freed before the grants are made
             grants = grants_of(reply, todo, replicas, results)
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
