@@ -737,43 +737,37 @@ PUT_COLUMNS = ("token", "errors", "segment", "offset", "direct")
 
 
 def put_items(columns: dict, items: list, replicas: int) -> list:
-    """The items of a ``put_start`` reply (one per key: ``[0, grant]`` or an
-    error) from its :data:`PUT_COLUMNS`; ``items`` the request's ``[key,
-    length]`` each."""
+    """The items of a ``put_start`` reply from its :data:`PUT_COLUMNS`
+    (``items``: the request's ``[key, length]`` each)."""
     out: list = [None] * len(items)
     for i, code, message in columns["errors"]:
         out[i] = [code, message]
     segment, offset, direct, at = columns["segment"], columns["offset"], columns["direct"], 0
     for i, ((_, length), token) in enumerate(zip(items, columns["token"])):
         if token:
-            span = range(at, at + replicas)
-            at += replicas
+            span, at = range(at, at + replicas), at + replicas
             grant = {"token": token, "replicas": [[segment[j], offset[j], length] for j in span]}
-            mine = [segment[j] for j in span if direct[j]]
-            if mine:
-                grant["direct"] = mine
+            if any(direct[j] for j in span):
+                grant["direct"] = [segment[j] for j in span if direct[j]]
             out[i] = [0, grant]
     return out
 
 
 def put_columns(reply: Reply, expected: int, replicas: int) -> dict:
     """The columns of a ``put_start`` reply for ``expected`` keys of
-    ``replicas`` replicas each (see :data:`PUT_COLUMNS`), checked a column at
-    a time; a reply of another shape raises
-    :class:`~kvproto.errors.MalformedFrame`."""
+    ``replicas`` replicas each (:data:`PUT_COLUMNS`), checked a column at a
+    time; another shape raises :class:`~kvproto.errors.MalformedFrame`."""
     columns = reply.body.get("columns")
     if type(columns) is not dict:
         raise errors.MalformedFrame("put_start reply has no columns")
-    token, segment, offset = columns.get("token"), columns.get("segment"), columns.get("offset")
-    direct, refused = columns.get("direct"), columns.get("errors")
+    token, refused, segment, offset, direct = map(columns.get, PUT_COLUMNS)
     try:   # unsigned 64-bit ints and a few segments named over and over, in C
         if type(token) is not list or type(offset) is not list or type(segment) is not list \
                 or array("Q", token) is None or array("Q", offset) is None:
             raise TypeError
         names = set(segment)
     except (TypeError, OverflowError):
-        raise errors.MalformedFrame("put_start reply's tokens, offsets or segments are "
-                                    "malformed") from None
+        raise errors.MalformedFrame("put_start reply's ints or segments are malformed") from None
     if not all(SEGMENT.ok(s) for s in names) or not READ_ERRORS.ok(refused) \
             or type(direct) is not bytes or direct.translate(None, b"\0\1"):
         raise errors.MalformedFrame("put_start reply's segments, errors or direct are malformed")
