@@ -187,10 +187,12 @@ class MasterTarget(Target):
             if status != 0:
                 return f"stats answered {status}"
             result = core.handle("put_start", {**self.AUTH, "client": "probe", "replicas": 1,
-                                               "items": [[key, 10]]})
+                                               "items": [[key, 10]], "columns": bool(self.n % 2)})
             self.settle()
             if result is not None and result[0] != 0:
                 return f"put_start answered {result}"
+            if result is not None and self.n % 2:     # the grant as columns, as a client checks it
+                wire.put_columns(wire.Reply(0, 1, result[1], []), 1, 1)
             status, body = core.handle("exists", {**self.AUTH, "keys": [key], "found": True})
             if status != 0 or body != {"found": b"\0"}:     # put, not yet published
                 return f"exists answered {status}: {body}"

@@ -164,6 +164,24 @@ def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replic
             time.sleep(pause)
 
 
+def grants_of(reply: wire.Reply, todo: list, replicas: int, results: list) -> dict:
+    """The grants of a ``put_start`` answered as columns for ``todo``'s
+    ``(i, key, view)``: ``i -> (key, view, token, replicas)``, each replica
+    ``(segment, offset, direct)`` (``direct`` 1 where the segment is granted to
+    this client as a direct writer; the length is the view's); a refused
+    key's error set in ``results``."""
+    columns = wire.put_columns(reply, len(todo), replicas)
+    for at, code, message in columns["errors"]:
+        results[todo[at][0]] = errors.from_wire(code, message)
+    rows, at = list(zip(columns["segment"], columns["offset"], columns["direct"])), 0
+    grants: dict[int, tuple] = {}
+    for (i, k, v), token in zip(todo, columns["token"]):
+        if token:
+            grants[i] = (k, v, token, rows[at:at + replicas])
+            at += replicas
+    return grants
+
+
 class Client(ClientLink, ClientLeases, TenantCalls):
     """A connection to one kvproto master (and, on demand, its storage nodes)."""
 
@@ -393,7 +411,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
 
     def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list) -> None:
         with self._lock, self._activity():
-            body = {"client": self.client_id, "replicas": replicas,
+            body = {"client": self.client_id, "replicas": replicas, "columns": True,
                     "items": [[k, v.nbytes] for _, k, v in todo]}
             writer = self._writer_lock()
             if writer is not None:
@@ -406,14 +424,9 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 self._abandon([k for _, k, _ in todo])
                 raise
             self._note_interval(reply)
-            grants: dict[int, tuple] = {}     # i -> (key, view, token, replicas, direct)
             term = reply.body.get("term", 0)
-            for (i, k, v), item in zip(todo, wire.items_of(reply, len(todo))):
-                err, grant = wire.item_result(item)
-                if err is not None:
-                    results[i] = err
-                else:
-                    grants[i] = (k, v, grant["token"], grant["replicas"], grant.get("direct", ()))
+            del body    # its [key, length] per key, freed before the grants are made
+            grants = grants_of(reply, todo, replicas, results)
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
             sums: Optional[dict] = {} if self.checksums else None

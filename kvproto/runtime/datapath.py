@@ -513,8 +513,9 @@ def write_direct(seg: LocalSegment, offset: int, token: int, nonce: int, view,
 def write_all(client, grants: dict, segments: dict, deadline: float,
               term: int, sums: Optional[dict] = None) -> dict[int, errors.KvError]:
     """Write every replica of every grant (``grants[i] = (key, view, token,
-    replicas, direct)``, ``direct`` the segments granted to this client as a
-    direct writer): those straight into the segment, the others as one
+    replicas)``, a replica ``(segment, offset, direct)``, ``direct`` true where
+    the segment is granted to this client as a direct writer): those straight
+    into the segment, the others as one
     ``writes`` message per storage node, all in flight at once; wait for the
     acks. Returns the failures by ``i``; with a dict ``sums``, sets
     ``sums[i]`` to the :func:`checksum` of each object's bytes.
@@ -528,16 +529,15 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     assign_by = min(deadline, time.monotonic() + ASSIGN_WAIT)
     materialized: dict[int, memoryview] = {}
     writable: dict = {}     # segment -> this client's writable mapping of it (or None), once
-    for i, (key, view, token, replicas, *rest) in grants.items():
-        direct = rest[0] if rest else ()
+    for i, (key, view, token, replicas) in grants.items():
         if sums is not None and not isinstance(view, Fill):
             sums[i] = checksum(view)
-        for seg, offset, length in replicas:
+        for seg, offset, direct in replicas:
             info = segments.get(seg)
-            if not isinstance(info, list) or not info or length != view.nbytes:
+            if not isinstance(info, list) or not info:
                 failed[i] = errors.MalformedFrame(f"grant for {key!r} names unknown segment {seg!r}")
                 break
-            if seg in direct:
+            if direct:
                 mapped = writable[seg] if seg in writable \
                     else writable.setdefault(seg, client._writable.get(info))
                 try:
@@ -546,7 +546,7 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
                         client.transfer_counters["direct_writes"] += 1
                         if sums is not None and i not in sums:
                             # a Fill's bytes where it produced them
-                            sums[i] = checksum(mapped.region(offset, length))
+                            sums[i] = checksum(mapped.region(offset, view.nbytes))
                         continue
                 except errors.KvError as err:
                     failed[i] = err

@@ -178,26 +178,32 @@ class MasterRequests:
     def _op_put_start(self, body, reply_to, request_id):
         """``PutStart`` per item. With ``writer`` and ``host``, a replica on a
         segment of the client's host is granted to it as a direct writer
-        (spec/DirectWrite.tla): the grant lists those segments in ``direct``."""
+        (spec/DirectWrite.tla): the grant lists those segments in ``direct``.
+        The grants are gathered as columns (:data:`~kvproto.runtime.wire.PUT_COLUMNS`),
+        sent as they are when asked with ``columns``, else as items."""
         client, replicas = body["client"], body["replicas"]
-        items: list = [None] * len(body["items"])
-        parked = Parked(reply_to, request_id, items)
-        session = self._session(client, create=True)
+        grants, session = {"token": [0] * len(body["items"]), "errors": [], "segment": [],
+                           "offset": [], "direct": bytearray()}, self._session(client, create=True)
         self._writing = (body["writer"], body["host"]) if "writer" in body and "host" in body else None
         try:
             fill = self._put_start_batch if self._batched() else self._put_start_items
-            fill(body, client, replicas, items, session)
+            fill(body, client, replicas, grants, session)
         finally:
             self._writing = None
         if session.empty():
             del self.sessions[client]
-        self._flush(parked)
-        if parked.waiting:
-            return None
-        return self._complete(parked)
+        self._flush()     # a put_start does not wait for its assigns' acks
+        grants["direct"] = bytes(grants["direct"])
+        segments = {seg: info.wire() for seg in set(grants["segment"])
+                    if (info := self.segments.get(seg)) is not None}
+        return 0, {**({"columns": grants} if body.get("columns") else
+                      {"items": wire.put_items(grants, body["items"], replicas)}),
+                   "segments": segments, "heartbeat": self.writer_timeout / 4,
+                   "term": self.failover.term}
 
-    def _put_start_items(self, body, client, replicas, items, session) -> None:
+    def _put_start_items(self, body, client, replicas, grants, session) -> None:
         tenants, now, direct_of = self.tenants, self.clock(), self._direct.get
+        refused, granted_tokens = grants["errors"], grants["token"]
         place, step, owner, tokens = self.placer.place, self._step, self._owner, session.tokens
         counters = self.counters
         for i, (key, length) in enumerate(body["items"]):
@@ -210,16 +216,16 @@ class MasterRequests:
                 try:
                     write = tenants.write_start(body["tenant"], key, length * replicas)
                 except errors.KvError as err:
-                    items[i] = wire.error_item(err)
+                    refused.append([i, *err.to_wire()])
                     continue
             placement = place(length, replicas)
             if placement is None:
-                items[i] = wire.error_item(self._unplaced(key, length, replicas))
+                refused.append([i, *self._unplaced(key, length, replicas).to_wire()])
                 continue
             err, effects = step(PutStart(key, length, placement))
             if err is not None:
                 self.placer.release(placement)
-                items[i] = wire.error_item(err)
+                refused.append([i, *err.to_wire()])
                 continue
             grant = effects[0]
             if write is not None:
@@ -228,14 +234,13 @@ class MasterRequests:
             token = grant.token
             tokens[token] = [key, now]
             owner[token] = client
-            granted = grant.replicas
-            item = {"token": token, "replicas": [[r.segment, r.offset, r.length] for r in granted]}
-            direct = [r.segment for r in granted if direct_of((r.segment, r.offset)) == token]
-            if direct:
-                item["direct"] = direct
-            items[i] = [0, item]
+            granted_tokens[i] = token
+            for r in grant.replicas:
+                grants["segment"].append(r.segment)
+                grants["offset"].append(r.offset)
+                grants["direct"].append(direct_of((r.segment, r.offset)) == token)
 
-    def _put_start_batch(self, body, client, replicas, items, session) -> None:
+    def _put_start_batch(self, body, client, replicas, grants, session) -> None:
         """:meth:`_put_start_items` with the directory's batch step
         (``put_start_many``): each key placed, then stepped, a refused
         placement given back before the next key is placed; the assigns
@@ -243,12 +248,13 @@ class MasterRequests:
         now, place, release, owner, tokens = (self.clock(), self.placer.place,
                                               self.placer.release, self._owner, session.tokens)
         taken: list = []
+        refused = grants["errors"]
 
         def placed():
             for i, (key, length) in enumerate(body["items"]):
                 placement = place(length, replicas)
                 if placement is None:
-                    items[i] = wire.error_item(self._unplaced(key, length, replicas))
+                    refused.append([i, *self._unplaced(key, length, replicas).to_wire()])
                     continue
                 item = (key, length, placement)
                 taken.append((i, item))
@@ -261,25 +267,28 @@ class MasterRequests:
         near = {s for s, info in self.segments.items() if info.host == writing[1]} \
             if writing is not None else ()
         append, assign = queue.append, "assign"
+        granted, segments, offsets, mine = (grants["token"], grants["segment"], grants["offset"],
+                                            grants["direct"])
         for (i, (key, length, placement)), token in zip(taken, results):
             if type(token) is not int:
-                items[i] = wire.error_item(token)
+                refused.append([i, *token.to_wire()])
                 continue
             started += 1
             tokens[token] = [key, now]
             owner[token] = client
-            granted, mine = [], []
+            granted[i] = token
             for r in placement:
                 segment, offset = r.segment, r.offset
-                granted.append([segment, offset, length])
+                segments.append(segment)
+                offsets.append(offset)
                 if segment in near:
                     direct[(segment, offset)] = token
                     append((segment, assign, [offset, length, key, token, writing[0]]))
-                    mine.append(segment)
+                    mine.append(1)
                 else:
                     append((segment, assign, [offset, length, key, token]))
-            items[i] = [0, {"token": token, "replicas": granted, "direct": mine} if mine
-                        else {"token": token, "replicas": granted}]
+                    mine.append(0)
+        refused.sort()     # in the request's order, as the single steps refuse
         self.counters["puts_started"] += started
         self.counters["refused"] += len(taken) - started
 
@@ -303,16 +312,7 @@ class MasterRequests:
         return self.batched and self.tenants is None and self.trace is None
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
-        if parked.op != "put_start":
-            return 0, {"items": parked.items}
-        named = {seg for item in parked.items if item[0] == 0 for seg, _, _ in item[1]["replicas"]}
-        segments: dict[str, list] = {}
-        for seg in named:
-            info = self.segments.get(seg)
-            if info is not None:
-                segments[seg] = info.wire()
-        return 0, {"items": parked.items, "segments": segments,
-                   "heartbeat": self.writer_timeout / 4, "term": self.failover.term}
+        return 0, {"items": parked.items}
 
     def _end_or_revoke(self, body, event_type):
         """``PutEnd`` or ``PutRevoke`` per ``[key, token]`` item (a put_end's

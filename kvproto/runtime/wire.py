@@ -11,7 +11,8 @@ never packed into msgpack (so they can be sent and received without a copy).
 Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
 for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
 with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`; an
-``exists`` asked with ``found``, one byte per key: :func:`found_of`). A
+``exists`` asked with ``found``, one byte per key: :func:`found_of`; a
+``put_start`` asked with ``columns``, one list per field: :data:`PUT_COLUMNS`). A
 master sends ``assign`` and ``publish`` to a node that registered with
 ``columns`` as one list per field (``columns``, :func:`columns_of`) instead
 of a row per region (``regions``); a node takes either, exactly one. A
@@ -304,10 +305,11 @@ MASTER_OPS: dict[str, OpSchema] = {
     # writer / reader -> master
     # ``writer``/``host``: the client may write replicas on its own host itself
     # (its writer lock's name and its host id; spec/DirectWrite.tla)
+    # ``columns: true`` asks for the grants as columns (:data:`PUT_COLUMNS`)
     "put_start": OpSchema({
         "client": CLIENT, "replicas": uint(MAX_REPLICAS, 1),
         "items": list_of(tuple_of(KEY, uint(min_value=1)), min_items=1),
-    }, optional={"writer": text(64, 1), "host": text(MAX_NAME, 1)}),
+    }, optional={"writer": text(64, 1), "host": text(MAX_NAME, 1), "columns": boolean()}),
     # [key, token, checksum]: the checksum of the bytes written (optional; 0 = none)
     "put_end": OpSchema({"client": CLIENT, "items": list_of(
         tuple_of(KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}),
@@ -720,6 +722,60 @@ def read_columns(reply: Reply, expected: int) -> dict:
         raise errors.MalformedFrame(f"read_begin reply's columns do not describe {expected} keys")
     if "lease" in columns and not (type(columns.get("ttl")) in (int, float) and columns["ttl"] > 0):
         raise errors.MalformedFrame("read_begin reply has leases but no ttl")
+    return columns
+
+
+#: A ``put_start`` asked with ``columns`` answers its grants as columns
+#: instead of an item per key: ``token`` one per key in the request's order
+#: (0 where refused), ``errors`` the keys refused (``[index, code, message]``),
+#: ``segment`` and ``offset`` the granted keys' replicas in turn (as many per
+#: key as the request's ``replicas``; a replica's length is its key's in the
+#: request), ``direct`` one byte per replica, 1 where its segment is granted
+#: to the client as a direct writer. :func:`put_items` turns them into items;
+#: :func:`put_columns` is the client's check of them.
+PUT_COLUMNS = ("token", "errors", "segment", "offset", "direct")
+
+
+def put_items(columns: dict, items: list, replicas: int) -> list:
+    """The items of a ``put_start`` reply from its :data:`PUT_COLUMNS`
+    (``items``: the request's ``[key, length]`` each)."""
+    out: list = [None] * len(items)
+    for i, code, message in columns["errors"]:
+        out[i] = [code, message]
+    segment, offset, direct, at = columns["segment"], columns["offset"], columns["direct"], 0
+    for i, ((_, length), token) in enumerate(zip(items, columns["token"])):
+        if token:
+            span, at = range(at, at + replicas), at + replicas
+            grant = {"token": token, "replicas": [[segment[j], offset[j], length] for j in span]}
+            if any(direct[j] for j in span):
+                grant["direct"] = [segment[j] for j in span if direct[j]]
+            out[i] = [0, grant]
+    return out
+
+
+def put_columns(reply: Reply, expected: int, replicas: int) -> dict:
+    """The columns of a ``put_start`` reply for ``expected`` keys of
+    ``replicas`` replicas each (:data:`PUT_COLUMNS`), checked a column at a
+    time; another shape raises :class:`~kvproto.errors.MalformedFrame`."""
+    columns = reply.body.get("columns")
+    if type(columns) is not dict:
+        raise errors.MalformedFrame("put_start reply has no columns")
+    token, refused, segment, offset, direct = map(columns.get, PUT_COLUMNS)
+    try:   # unsigned 64-bit ints and a few segments named over and over, in C
+        if type(token) is not list or type(offset) is not list or type(segment) is not list \
+                or array("Q", token) is None or array("Q", offset) is None:
+            raise TypeError
+        names = set(segment)
+    except (TypeError, OverflowError):
+        raise errors.MalformedFrame("put_start reply's ints or segments are malformed") from None
+    if not all(SEGMENT.ok(s) for s in names) or not READ_ERRORS.ok(refused) \
+            or type(direct) is not bytes or direct.translate(None, b"\0\1"):
+        raise errors.MalformedFrame("put_start reply's segments, errors or direct are malformed")
+    at = {i for i, _, _ in refused}
+    if len(token) != expected or len(at) != len(refused) or token.count(0) != len(refused) \
+            or any(i >= expected or token[i] for i in at) \
+            or not len(segment) == len(offset) == len(direct) == (expected - len(at)) * replicas:
+        raise errors.MalformedFrame(f"put_start reply's columns do not describe {expected} keys")
     return columns
 
 

@@ -38,7 +38,12 @@ class Server(threading.Thread):
             _, op, rid, body = wire.msgpack.unpackb(header, raw=False)
             self.seen.append((op, rid))
             reply = {"op": op}
-            if op == "put_start":
+            if op == "put_start" and body.get("columns"):
+                n = len(body["items"])
+                reply["columns"] = {"token": [40 + i for i in range(n)], "errors": [],
+                                    "segment": ["seg-a", "seg-b"] * n, "offset": [0, 0] * n,
+                                    "direct": b"\0\0" * n}
+            elif op == "put_start":
                 reply["items"] = [[0, {"token": 40 + i, "replicas": [["seg-a", 0, 9], ["seg-b", 0, 9]]}]
                                   for i, _ in enumerate(body["items"])]
             elif op == "put_end":
@@ -189,12 +194,16 @@ def test_kill_and_stop_the_process_named_in_the_frame(net):
             victim.kill()
 
 
-def test_placements_of_acknowledged_puts(net):
+@pytest.mark.parametrize("columns", [False, True])
+def test_placements_of_acknowledged_puts(net, columns):
+    """A put's placement is learned from its grant, answered as items or as
+    columns, once its put_end is acknowledged."""
     control, server, client = net
-    send(client, "put_start", 1, {"client": "c", "replicas": 2, "items": [[b"a", 9], [b"b", 9]]})
-    send(client, "put_end", 2, {"client": "c", "items": [[b"a", 40]]})
+    send(client, "put_start", 1, {"client": "c", "replicas": 2, "items": [[b"a", 9], [b"b", 9]],
+                                  "columns": columns})
+    send(client, "put_end", 2, {"client": "c", "items": [[b"b", 41]]})
     assert replies(client, 2) == [1, 2]
-    assert control.call("placements")["placements"] == {b"a": ["seg-a", "seg-b"]}
+    assert control.call("placements")["placements"] == {b"b": ["seg-a", "seg-b"]}
 
 
 def test_a_reader_is_learned_from_a_read_begin_answered_as_items_or_as_columns():

@@ -122,8 +122,13 @@ def run(pair: Pair, steps: int) -> None:
                               for k in keys]}
             if rng.random() < 0.3:
                 body.update(writer=f"w{rng.randint(0, 1)}", host=f"host-{rng.randint(0, 2)}")
+            if rng.random() < 0.5:
+                body["columns"] = True
             reply = pair.call("put_start", body)
-            pending += [(k, item[1]["token"]) for (k, _), item in zip(body["items"], reply["items"])
+            items = reply["items"] if "items" in reply else wire.put_items(wire.put_columns(
+                wire.Reply(0, 1, reply, []), len(keys), body["replicas"]), body["items"],
+                body["replicas"])
+            pending += [(k, item[1]["token"]) for (k, _), item in zip(body["items"], items)
                         if item[0] == 0]
         elif op == "put_end":
             chosen = [rng.choice(pending) for _ in range(rng.randint(0, 12))] if pending else []

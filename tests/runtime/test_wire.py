@@ -234,6 +234,41 @@ def test_columns_read_back_as_items():
              "checksum": 9, "lease": 4, "ttl": 2.0}]]
 
 
+GOOD_GRANTS = {"token": [5, 0, 6], "errors": [[1, errors.KeyExists.code, "b'x'"]],
+               "segment": ["a", "b", "a", "b"], "offset": [0, 0, 4096, 8192],
+               "direct": b"\x01\x00\x01\x00"}
+
+
+@pytest.mark.parametrize("change", [
+    {"columns": None}, {"token": [5, 0]}, {"token": [5, 0, "6"]}, {"token": [5, 7, 6]},
+    {"token": [5, 0, 0]}, {"token": [5, 0, -6]}, {"offset": [0, 0, 4096]},
+    {"offset": [0, 0, 4096, 1.5]}, {"segment": ["a", "b", "a", 7]}, {"segment": ["a", "b", "a", ""]},
+    {"segment": "abab"}, {"direct": b"\x01\x00\x01"}, {"direct": b"\x01\x00\x02\x00"},
+    {"direct": [1, 0, 1, 0]}, {"errors": [[3, 1, "?"]]}, {"errors": [[0, 1, "?"]]},
+    {"errors": [[1, 0, "ok?"]]}, {"errors": [[1, 1, "?"], [1, 1, "?"]]}, {"errors": None},
+])
+def test_a_put_start_answered_as_columns_is_checked(change):
+    """What the client takes from a ``put_start`` answered as columns is
+    checked as a whole: a column missing, of the wrong type or length, a
+    refused key with a token or a granted one without, is MalformedFrame."""
+    good = wire.Reply(0, 1, {"columns": GOOD_GRANTS}, [])
+    assert wire.put_columns(good, 3, 2) is GOOD_GRANTS
+    columns = {k: v for k, v in {**GOOD_GRANTS, **change}.items() if v is not None}
+    body = {"columns": columns} if "columns" not in change else {"items": []}
+    with pytest.raises(errors.MalformedFrame):
+        wire.put_columns(wire.Reply(0, 1, body, []), 3, 2)
+    for n, replicas in ((4, 2), (3, 1)):
+        with pytest.raises(errors.MalformedFrame):
+            wire.put_columns(good, n, replicas)
+
+
+def test_put_columns_read_back_as_items():
+    assert wire.put_items(GOOD_GRANTS, [[b"k", 10], [b"x", 20], [b"j", 30]], 2) == [
+        [0, {"token": 5, "replicas": [["a", 0, 10], ["b", 0, 10]], "direct": ["a"]}],
+        [errors.KeyExists.code, "b'x'"],
+        [0, {"token": 6, "replicas": [["a", 4096, 30], ["b", 8192, 30]], "direct": ["a"]}]]
+
+
 @pytest.mark.parametrize("body", [
     {"items": [[0, True], [0, False], [0, True]]}, {"found": b"\x01\x00"},
     {"found": b"\x01\x00\x01\x00"}, {"found": b"\x01\x02\x01"}, {"found": "\x01\x00\x01"},

@@ -381,6 +381,17 @@ class Proxy:
             while len(self.token_pid) > MEMORY:
                 self.token_pid.popitem(last=False)
             return
+        if op == "put_start" and type(summary) is list and type(columns) is dict:
+            tokens, segments = columns.get("token"), columns.get("segment")
+            if type(tokens) is list and type(segments) is list and len(tokens) == len(summary):
+                # a put_start answered as columns: each granted key's replicas in turn
+                granted = [(key, token) for (key, _), token in zip(summary, tokens) if token]
+                n = len(segments) // len(granted) if granted else 0
+                for at, (key, token) in enumerate(granted):
+                    self.grants[token] = (key, segments[at * n:(at + 1) * n])
+                while len(self.grants) > MEMORY:
+                    self.grants.popitem(last=False)
+            return
         if type(items) is not list:
             return
         if op == "read_begin" and pid is not None:
