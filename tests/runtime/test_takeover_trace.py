@@ -123,8 +123,10 @@ def successor(tmp_path_factory) -> Path:
             client.put(key, failover.value(key), replicas=2)
         client.remove(b"b")
         # an attempt left unpublished: the successor's nodes purge its regions
-        status, _ = raw(a_addr).call("put_start", {"client": "w", "replicas": 2,
-                                                   "items": [[b"p", 4096]]}).body["items"][0]
+        body = raw(a_addr).call("put_start", {"client": "w", "replicas": 2,
+                                              "items": [[b"p", 4096]]}).body
+        assert "items" in body, f"the first master refused the unpublished put: {body}"
+        status, _ = body["items"][0]
         assert status == 0
         wait_for(lambda: all(any(r.get("event", {}).get("type") == "AssignRegion"
                                  and r["event"]["key"] == "p" for r in rows(f))
