@@ -15,6 +15,7 @@ import pytest
 from kvproto import errors
 from kvproto.cores.storage import StorageNodeCore
 from kvproto.runtime.shm import SegmentMemory, WriterLock, gen_word
+from kvproto.runtime import storage
 from kvproto.runtime.storage import StorageCore
 from kvproto.statemachines import failover as F
 from kvproto.statemachines import publish as P
@@ -23,8 +24,11 @@ SEG, PAGE = "seg", 4096
 A, B, C, D = 0, PAGE, 2 * PAGE, 3 * PAGE
 
 
-@pytest.fixture
-def node():
+@pytest.fixture(params=["batch steps", "one by one"])
+def node(request, monkeypatch):
+    """A node of 256 pages; every test runs with requests of any size taken
+    by the cores' batch steps, and with all of them stepped one by one."""
+    monkeypatch.setattr(storage, "BATCH_STEP_FROM", 1 if request.param == "batch steps" else 1 << 30)
     memory = SegmentMemory(1 << 20, PAGE)
     node = StorageCore(memory, SEG)
     assert node.fence_to(1)
