@@ -1118,10 +1118,11 @@ def test_an_allocation_that_ignores_the_fence_is_caught(monkeypatch):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
 
 
-def test_an_assign_that_ignores_the_fence_is_caught(monkeypatch):
-    """A storage node whose ``assign`` (allocate_region) records an
-    allocation stamped with a stale term."""
-    original = StorageNodeCore.allocate_region
+@pytest.mark.parametrize("step", ["allocate_region", "allocate_regions"])
+def test_an_assign_that_ignores_the_fence_is_caught(monkeypatch, step):
+    """A storage node whose ``assign`` (``allocate_region``, or the batch
+    step ``allocate_regions``) records allocations stamped with a stale term."""
+    original = getattr(StorageNodeCore, step)
 
     def no_fence(self, term, *args):
         fence = self.term
@@ -1131,25 +1132,7 @@ def test_an_assign_that_ignores_the_fence_is_caught(monkeypatch):
         finally:
             self.term = max(fence, self.term)
 
-    monkeypatch.setattr(StorageNodeCore, "allocate_region", no_fence)
-    with pytest.raises(AssertionError):
-        run_state_machine_as_test(StorageDiff, settings=HUNT)
-
-
-def test_an_assign_batch_that_ignores_the_fence_is_caught(monkeypatch):
-    """A storage node whose batched ``assign`` (allocate_regions) records
-    allocations stamped with a stale term."""
-    original = StorageNodeCore.allocate_regions
-
-    def no_fence(self, term, *args):
-        fence = self.term
-        self.term = min(fence, term)
-        try:
-            return original(self, term, *args)
-        finally:
-            self.term = max(fence, self.term)
-
-    monkeypatch.setattr(StorageNodeCore, "allocate_regions", no_fence)
+    monkeypatch.setattr(StorageNodeCore, step, no_fence)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(StorageDiff, settings=HUNT)
 
