@@ -327,7 +327,7 @@ class StorageCore:
         count = len(rows if rows is not None else columns[0])
         if self.trace is None and count >= BATCH_STEP_FROM and self._assign_all(
                 term, columns if rows is None else list(map(list, zip(*rows))), direct):
-            return {"results": [OK] * len(rows if rows is not None else columns[0])}, []
+            return {"results": [OK] * count}, []
         node, segment, counters = self.node, self.segment, self.counters
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
@@ -469,11 +469,13 @@ class StorageCore:
         the master sends them), and for a repaired replica the object's
         publishing term (spec Failover ``Repair``)."""
         rows, columns = body.get("regions"), body.get("columns")
-        if rows is not None and len(set(map(len, rows))) == 1:
-            columns = list(map(list, zip(*rows)))   # rows of one width: the batch step may take them
-        if self.trace is None and columns is not None and len(columns[0]) >= BATCH_STEP_FROM \
-                and self._publish_all(body["term"], columns):
-            return {"results": [OK] * len(columns[0])}, []
+        count = len(rows if rows is not None else columns[0])
+        if self.trace is None and count >= BATCH_STEP_FROM:
+            batch = columns
+            if rows is not None:                  # rows of one width: the batch step may take them
+                batch = list(map(list, zip(*rows))) if len(set(map(len, rows))) == 1 else None
+            if batch is not None and self._publish_all(body["term"], batch):
+                return {"results": [OK] * count}, []
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
         owner_of, held_by, traced = node.owner, direct.held, self.trace is not None
