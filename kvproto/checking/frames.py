@@ -42,8 +42,8 @@ class Field:
 
 
 def describe(check: Callable) -> Field:
-    """The :class:`Field` a :mod:`~kvproto.runtime.wire` validator checks for,
-    read from the closure that :func:`~kvproto.runtime.wire.uint`,
+    """The :class:`Field` a :mod:`~kvproto.runtime.schema` validator checks for,
+    read from the closure that :func:`~kvproto.runtime.schema.uint`,
     ``binary``, ``text``, ``boolean``, ``list_of``, ``tuple_of`` and
     ``columns_of`` return."""
     kind = check.__qualname__.split(".", 1)[0]
