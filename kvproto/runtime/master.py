@@ -16,7 +16,8 @@ Split in parts:
   ``FreeRegion`` also returns the region to the allocator, ``PutGranted``/
   ``Published``/``Revoked`` maintain the session bookkeeping, and ``Refused``
   answers the requester with its typed error and changes nothing. Its request
-  handlers are in :mod:`kvproto.runtime.master_requests`, its takeover (fence,
+  handlers are in :mod:`kvproto.runtime.master_requests` and
+  :mod:`kvproto.runtime.master_reads`, its takeover (fence,
   recover, purge) in :mod:`kvproto.runtime.master_takeover`, the records it
   keeps in :mod:`kvproto.runtime.master_records`.
 * :class:`~kvproto.runtime.master_server.MasterServer` — the single-threaded
@@ -74,6 +75,7 @@ from kvproto.statemachines.publish import (
     Replica, ReplicaListed, Revoked, SegmentLost, Status,
 )
 from kvproto.runtime.master_records import ClientSession, Command, Parked, ReplyTo, SegmentInfo
+from kvproto.runtime.master_reads import MasterReads
 from kvproto.runtime.master_requests import MasterRequests
 from kvproto.runtime.master_takeover import FenceRound, MasterTakeover
 from kvproto.runtime.repairs import PublishTerms, RepairScheduler
@@ -125,7 +127,7 @@ COUNTERS = ("puts_started", "puts_published", "puts_revoked", "reclaimed", "read
             "repairs_timed_out", "repair_reports_refused", "bytes_repaired")
 
 
-class MasterCore(MasterRequests, MasterTakeover):
+class MasterCore(MasterRequests, MasterReads, MasterTakeover):
     """The master's logic without sockets (see the module docstring)."""
 
     #: bounds on one ``assign``/``free`` command, so it always fits a storage
