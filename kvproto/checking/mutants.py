@@ -100,11 +100,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{SAME_HOST}::test_a_descriptor_of_a_segment_that_started_over_is_not_read",)),
     Mutant(
         "same-host-batch-read-no-recheck",
-        "a plain get's batch read keeps each copy without checking the region's "
-        "generation word and the nonce again after it",
-        (Edit(SHM, "        if words[1] != nonce:\n            return [None] * n\n", ""),
-         Edit(SHM, "        return [buf if ok else None for buf, ok in zip(out, kept.tolist())]\n",
-              "        return out\n")),
+        "a plain get's batch read, in its array passes, keeps each copy without "
+        "checking the region's generation word again after it",
+        _one(SHM, "            out = [buf if ok else None for buf, ok in zip(out, (gens[at] == done).tolist())]\n",
+             ""),
+        (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
+    Mutant(
+        "same-host-batch-read-each-no-recheck",
+        "a plain get's batch read of a few regions, region by region, keeps each "
+        "copy without checking the region's generation word again after it",
+        _one(SHM, "                out.append(buf if words[at] == done else None)\n",
+             "                out.append(buf)\n"),
+        (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
+    Mutant(
+        "same-host-batch-read-no-nonce-recheck",
+        "a plain get's batch read keeps its copies without checking the nonce "
+        "again after the last",
+        _one(SHM, "        if words[1] != nonce:\n            return [None] * n\n", ""),
         (f"{SAME_HOST}::test_a_batch_read_keeps_only_regions_complete_before_and_after",)),
     Mutant(
         "same-host-batch-read-ignores-nonce",

@@ -171,17 +171,20 @@ def tuple_of(*items: Check, optional: tuple = ()) -> Check:
 def columns_of(*columns: Check, max_items: int = MAX_BATCH) -> Check:
     """Rows sent as columns: an array of one array per field (``columns``,
     of ``uint``, ``binary`` or ``text`` values, in order), all of one length
-    in ``[1, max_items]``. Each column is judged at once, in builtins; the
-    columns stay lists."""
+    in ``[1, max_items]``. Each column is judged at once, in builtins; one
+    row (a batch of one), value by value as a row's. The columns stay lists."""
     tests = [list_of(c, max_items, 1) for c in columns]
     n = len(columns)
 
     def expr(var, ns):
         name = f"_cols{len(ns)}"
         ns[name] = [c.column for c in columns]
-        return (f"(type({var}) is list and len({var}) == {n} and set(map(type, {var})) == {{list}} "
+        one = " and ".join(f"type({var}[{i}]) is list and len({var}[{i}]) == 1 and "
+                           + c.expr(f"{var}[{i}][0]", ns) for i, c in enumerate(columns))
+        return (f"(type({var}) is list and len({var}) == {n} and (({one}) or ("
+                f"set(map(type, {var})) == {{list}} "
                 f"and len(set(map(len, {var}))) == 1 and 1 <= len({var}[0]) <= {max_items} "
-                f"and all(t(c) for t, c in zip({name}, {var})))")
+                f"and all(t(c) for t, c in zip({name}, {var})))))")
 
     @_with(expr)
     def check(v, path):

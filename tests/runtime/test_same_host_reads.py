@@ -13,6 +13,7 @@ import pytest
 
 import kvproto
 from kvproto import errors
+from kvproto.runtime import shm
 from kvproto.runtime.datapath import Consume
 from kvproto.runtime.shm import LocalSegment, SegmentMemory, gen_word
 
@@ -67,10 +68,12 @@ def test_a_region_rewritten_during_the_copy_is_not_kept(segment):
     assert local.read(0, LENGTH, 8, mem.nonce) is None
 
 
-def test_a_batch_read_keeps_only_regions_complete_before_and_after(segment):
+@pytest.mark.parametrize("arrays_from", [1, 1 << 30], ids=["array-passes", "region-by-region"])
+def test_a_batch_read_keeps_only_regions_complete_before_and_after(segment, monkeypatch, arrays_from):
     """``read_many``, a plain get's pass over one segment: per region the
-    checks of every read. Its ``take`` runs between the first check and the
-    copy, where these rewrites happen."""
+    checks of every read, in array passes and region by region. Its ``take``
+    runs between the first check and the copy, where these rewrites happen."""
+    monkeypatch.setattr(shm, "READ_ARRAYS_FROM", arrays_from)
     mem, local = segment
     offsets, tokens = [0, LENGTH, 2 * LENGTH], [7, 8, 9]
     for offset, token, fill in zip(offsets, tokens, (0xAA, 0xBB, 0xCC)):

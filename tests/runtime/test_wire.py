@@ -179,6 +179,8 @@ def test_the_fast_test_of_every_field_agrees_with_its_check(field, value):
     ("assign", "direct", [[4096, "w"]], True),
     ("assign", "direct", [[4096, ""]], False),                     # writer name empty
     ("assign", "columns", [[0, 4096], [4096, 8], [b"k", b"j"], [1, 2], ["", "w"]], True),
+    ("assign", "columns", [[0], [4096], [b"k"], [1], [""]], True),          # one row
+    ("assign", "columns", [[0], [4096, 8], [b"k"], [1], [""]], False),      # one row, one column of two
     ("assign", "columns", [[0], [4096], [b"k"], [1]], False),      # the writers column missing
     ("assign", "columns", [[0, 4096], [4096], [b"k"], [1], [""]], False),   # unequal lengths
     ("assign", "columns", [[], [], [], [], []], False),            # no region
