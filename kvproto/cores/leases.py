@@ -72,8 +72,8 @@ class Refusal:
         self.error = error
 
 
-#: one reader's lease is a list ``[key, row, expires, seq]`` (mutable: a renewal
-#: sets ``expires`` and ``seq``, which names its current queue entry)
+#: one reader's lease is a tuple ``(key, row, expires, seq)`` (a renewal replaces
+#: it: ``seq`` names its current queue entry)
 KEY, ROW, EXPIRES, SEQ = range(4)
 
 
@@ -109,7 +109,7 @@ class LeaseCore:
         self._held = array("I")
         self._regions: dict = {}           # region -> row, regions that are not (key, token)
         self._region_of: dict = {}         # row -> region, the same
-        self._leases: dict = {}            # holder -> [key, row, expires, seq]
+        self._leases: dict = {}            # holder -> (key, row, expires, seq)
         #: (expires, seq, holders): the j-th holder's lease, if its seq is still
         #: seq + j, expires then; stale holders (released, renewed) are skipped
         self._queue: deque = deque()
@@ -217,7 +217,7 @@ class LeaseCore:
         expires = self.now + self.ttl
         region = self._region(row)
         self._seq += 1
-        self._leases[holder] = [key, row, expires, self._seq]
+        self._leases[holder] = (key, row, expires, self._seq)
         self._held[row] += 1
         self._queue.append((expires, self._seq, (holder,)))
         self._last[row] = self.now
@@ -229,7 +229,7 @@ class LeaseCore:
         if lease is None or lease[EXPIRES] <= self.now:
             return _refused(errors.LeaseExpired(f"{ev.holder!r} holds no unexpired lease"))
         self._seq += 1
-        lease[EXPIRES], lease[SEQ] = self.now + self.ttl, self._seq
+        lease = self._leases[ev.holder] = (lease[KEY], lease[ROW], self.now + self.ttl, self._seq)
         self._queue.append((lease[EXPIRES], self._seq, (ev.holder,)))
         self._last[lease[ROW]] = self.now
         return (LeaseRenewed(ev.holder, lease[KEY], lease[EXPIRES]),)
@@ -276,7 +276,7 @@ class LeaseCore:
                 out.append(errors.LeaseHeld(f"{holder!r} already holds a lease") if holder in leases
                            else errors.KeyNotFound(f"{key!r}"))
                 continue
-            lease = [key, row, expires, seq]
+            lease = (key, row, expires, seq)
             if leases.setdefault(holder, lease) is not lease:
                 out.append(errors.LeaseHeld(f"{holder!r} already holds a lease"))
                 continue
@@ -304,7 +304,7 @@ class LeaseCore:
             out.append(lease[KEY])
         return out
 
-    def _forget(self, holder, lease: list) -> None:
+    def _forget(self, holder, lease: tuple) -> None:
         del self._leases[holder]
         self._held[lease[ROW]] -= 1
 
@@ -531,7 +531,7 @@ class LeaseCore:
         new._flags, new._size, new._rtok, new._last, new._held = (
             col[:] for col in self._columns())
         new._regions, new._region_of = dict(self._regions), dict(self._region_of)
-        new._leases = {h: list(lease) for h, lease in self._leases.items()}
+        new._leases = dict(self._leases)
         new._queue = deque(self._queue)
         new._setup()
         new.rows.attach(new._grow)
