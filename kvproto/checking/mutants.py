@@ -228,7 +228,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "evict-ignores-leases",
         "eviction under memory pressure takes leased objects",
-        (Edit(LEASE_CORE, "        mask[leased] = False\n", "        pass\n"),
+        (Edit(LEASE_CORE, "        mask &= np.frombuffer(self._held, np.uint32, len(flags)) == 0\n",
+              "        pass\n"),
          Edit(MASTER, "            if self.leases.reclaimable(key) is not None:\n"
                       "                continue\n",
               "            pass\n")),

@@ -15,8 +15,9 @@ directory's, so an object costs a few column entries here and no Python
 object: flags (cached, inherited, region is its own), size, region token and
 last use. A region that names its own object, ``(key, token)`` as the runtime's
 do, is stored as its token; any other region (the spec's shared slots) goes in
-a dict. Leases — the reads in flight, few — are small records in a dict, with
-an expiry queue, so a :class:`~kvproto.statemachines.lease.Tick` costs
+a dict. Leases — the reads in flight, few — are small records in a dict
+(holder -> key, row, expiry; the region is the row's, which cannot change
+while the object is leased), counted per row in a column, with an expiry queue, so a :class:`~kvproto.statemachines.lease.Tick` costs
 O(leases it ends) (the reference walks every lease). Every expiry is the clock
 plus the one TTL, and the clock never goes back, so the queue is in expiry
 order as it is appended: a first-in-first-out queue, one entry per step that
@@ -71,9 +72,9 @@ class Refusal:
         self.error = error
 
 
-#: one reader's lease is a list ``[key, row, region, expires, seq]`` (mutable:
-#: a renewal sets ``expires`` and ``seq``, which names its current queue entry)
-KEY, ROW, REGION, EXPIRES, SEQ = range(5)
+#: one reader's lease is a tuple ``(key, row, expires, seq)`` (a renewal replaces
+#: it: ``seq`` names its current queue entry)
+KEY, ROW, EXPIRES, SEQ = range(4)
 
 
 class LeaseCore:
@@ -89,7 +90,7 @@ class LeaseCore:
     BIT = 2
 
     __slots__ = ("rows", "ttl", "now", "quiet_until", "used", "count", "_flags", "_size",
-                 "_rtok", "_last", "_regions", "_region_of", "_leases", "_holders", "_queue",
+                 "_rtok", "_last", "_held", "_regions", "_region_of", "_leases", "_queue",
                  "_seq", "_handlers", "objects", "regions", "leases", "by_key")
 
     def __init__(self, ttl, rows: Optional[Rows] = None, *, now=0, quiet_until=0) -> None:
@@ -103,10 +104,12 @@ class LeaseCore:
         self._size = array("q")
         self._rtok = array("q")            # the token of an OWN_REGION region (key, token)
         self._last = array("d")            # recency: master time of put, grant, renewal, touch
+        #: leases on the row; every lease held is unexpired (a Tick ends those
+        #: it reaches), so a row is ``Leased`` while it counts one
+        self._held = array("I")
         self._regions: dict = {}           # region -> row, regions that are not (key, token)
         self._region_of: dict = {}         # row -> region, the same
-        self._leases: dict = {}            # holder -> [key, row, region, expires, seq]
-        self._holders: dict = {}           # row -> {holder: None}
+        self._leases: dict = {}            # holder -> (key, row, expires, seq)
         #: (expires, seq, holders): the j-th holder's lease, if its seq is still
         #: seq + j, expires then; stale holders (released, renewed) are skipped
         self._queue: deque = deque()
@@ -126,7 +129,7 @@ class LeaseCore:
         self.by_key = _ByKey(self)
 
     def _columns(self) -> tuple:
-        return (self._flags, self._size, self._rtok, self._last)
+        return (self._flags, self._size, self._rtok, self._last, self._held)
 
     def _grow(self, size: int) -> None:
         grow(self._columns(), size)
@@ -214,12 +217,8 @@ class LeaseCore:
         expires = self.now + self.ttl
         region = self._region(row)
         self._seq += 1
-        self._leases[holder] = [key, row, region, expires, self._seq]
-        holders = self._holders.get(row)
-        if holders is None:
-            self._holders[row] = {holder: None}
-        else:
-            holders[holder] = None
+        self._leases[holder] = (key, row, expires, self._seq)
+        self._held[row] += 1
         self._queue.append((expires, self._seq, (holder,)))
         self._last[row] = self.now
         return region, expires
@@ -230,7 +229,7 @@ class LeaseCore:
         if lease is None or lease[EXPIRES] <= self.now:
             return _refused(errors.LeaseExpired(f"{ev.holder!r} holds no unexpired lease"))
         self._seq += 1
-        lease[EXPIRES], lease[SEQ] = self.now + self.ttl, self._seq
+        lease = self._leases[ev.holder] = (lease[KEY], lease[ROW], self.now + self.ttl, self._seq)
         self._queue.append((lease[EXPIRES], self._seq, (ev.holder,)))
         self._last[lease[ROW]] = self.now
         return (LeaseRenewed(ev.holder, lease[KEY], lease[EXPIRES]),)
@@ -265,29 +264,24 @@ class LeaseCore:
         refused with; :func:`grant_effects` gives the effects (at once: they
         name the regions as they are). The leases granted share one expiry
         and one queue entry."""
-        leases, index, flags, rtok = self._leases, self.rows.index, self._flags, self._rtok
-        keys, region_of, holders_of, last = (self.rows.keys, self._region_of, self._holders,
-                                             self._last)
+        leases, index, flags, held, last = (self._leases, self.rows.index, self._flags,
+                                            self._held, self._last)
         now = self.now
         expires = now + self.ttl
         first = seq = self._seq + 1
         granted, out = [], []
         for holder, key in items:
-            if holder in leases:
-                out.append(errors.LeaseHeld(f"{holder!r} already holds a lease"))
-                continue
             row = index.get(key)
             if row is None or not flags[row] & CACHED:
-                out.append(errors.KeyNotFound(f"{key!r}"))
+                out.append(errors.LeaseHeld(f"{holder!r} already holds a lease") if holder in leases
+                           else errors.KeyNotFound(f"{key!r}"))
                 continue
-            region = (keys[row], rtok[row]) if flags[row] & OWN_REGION else region_of[row]
-            leases[holder] = [key, row, region, expires, seq]
+            lease = (key, row, expires, seq)
+            if leases.setdefault(holder, lease) is not lease:
+                out.append(errors.LeaseHeld(f"{holder!r} already holds a lease"))
+                continue
             seq += 1
-            holders = holders_of.get(row)
-            if holders is None:
-                holders_of[row] = {holder: None}
-            else:
-                holders[holder] = None
+            held[row] += 1
             last[row] = now
             granted.append(holder)
             out.append(expires)
@@ -300,33 +294,23 @@ class LeaseCore:
         """``Release(holder)`` of each holder, in order: the fold of the single
         steps. Per holder the key of its lease, or a :class:`Refusal` (its
         ``error`` the step's); :func:`release_effects` gives the effects."""
-        leases, holders_of, out = self._leases, self._holders, []
+        leases, held, out = self._leases, self._held, []
         for holder in holders:
             lease = leases.pop(holder, None)
             if lease is None:
                 out.append(Refusal(errors.LeaseExpired(f"{holder!r} holds no lease")))
                 continue
-            held = holders_of[lease[ROW]]
-            del held[holder]
-            if not held:
-                del holders_of[lease[ROW]]
+            held[lease[ROW]] -= 1
             out.append(lease[KEY])
         return out
 
-    def _forget(self, holder, lease: list) -> None:
+    def _forget(self, holder, lease: tuple) -> None:
         del self._leases[holder]
-        holders = self._holders[lease[ROW]]
-        del holders[holder]
-        if not holders:
-            del self._holders[lease[ROW]]
+        self._held[lease[ROW]] -= 1
 
     def _leased_by(self, row: int) -> int:
         """How many unexpired leases are on ``row`` (0 when none)."""
-        holders = self._holders.get(row)
-        if not holders:
-            return 0
-        leases, now = self._leases, self.now
-        return len(holders) if any(leases[h][EXPIRES] > now for h in holders) else 0
+        return self._held[row]
 
     def _reclaimable(self, key, row: Optional[int]) -> Optional[errors.KvError]:
         """Why ``key`` may not be reclaimed now (spec ``Leased(k)``), or None."""
@@ -335,7 +319,7 @@ class LeaseCore:
         held = self._leased_by(row)
         if held:
             return errors.ObjectLeased(f"{key!r} has {held} unexpired lease(s)")
-        if row not in self._holders and self._flags[row] & INHERITED \
+        if self._flags[row] & INHERITED \
                 and self.now < self.quiet_until:
             return errors.ObjectLeased(
                 f"{key!r} may still be leased by the previous master "
@@ -396,20 +380,18 @@ class LeaseCore:
             keys, rows = keys[cached], rows[cached]
         drops = Drops(keys, np.frombuffer(self._size, np.int64, size)[rows],
                       np.frombuffer(self._rtok, np.int64, size)[rows], evicted)
-        if self._holders:
-            mark = np.zeros(size, bool)
-            mark[rows] = True
-            held = sorted(row for row in self._holders if mark[row])
-            if held:
-                at = np.full(size, -1, np.int64)
-                at[rows] = np.arange(len(rows))
-                for row in held:
+        if self._leases:
+            held = np.flatnonzero(np.frombuffer(self._held, np.uint32, size)[rows])
+            if len(held):
+                at = dict.fromkeys(rows[held].tolist())
+                for holder, lease in self._leases.items():
+                    if lease[ROW] in at:
+                        at[lease[ROW]] = (at[lease[ROW]] or ()) + (holder,)
+                for i, row in zip(held.tolist(), at):
                     key = self.rows.keys[row]
-                    released = []
-                    for holder in list(self._holders[row]):
+                    for holder in at[row]:
                         self._forget(holder, self._leases[holder])
-                        released.append(LeaseReleased(holder, key))
-                    drops.released[int(at[row])] = tuple(released)
+                    drops.released[i] = tuple(LeaseReleased(h, key) for h in at[row])
         own = (flags[rows] & OWN_REGION) != 0
         if not own.all():
             for i in np.flatnonzero(~own).tolist():
@@ -450,8 +432,8 @@ class LeaseCore:
         row = self.rows.index.get(key)
         if row is None or not self._flags[row] & CACHED:
             return False
-        if row in self._holders:
-            return self._leased_by(row) > 0
+        if self._held[row]:
+            return True
         return bool(self._flags[row] & INHERITED) and self.now < self.quiet_until
 
     def is_inherited(self, key: Hashable) -> bool:
@@ -472,7 +454,9 @@ class LeaseCore:
     def holders(self, key: Hashable) -> tuple:
         """The holders of ``key``'s leases."""
         row = self.rows.index.get(key)
-        return tuple(self._holders.get(row, ())) if row is not None else ()
+        if row is None or not self._held[row]:
+            return ()
+        return tuple(h for h, lease in self._leases.items() if lease[ROW] == row)
 
     @property
     def earliest(self):
@@ -497,8 +481,7 @@ class LeaseCore:
         mask = (flags & CACHED) != 0
         if self.now < self.quiet_until:
             mask &= (flags & INHERITED) == 0
-        leased = [row for row in self._holders if self._leased_by(row)]
-        mask[leased] = False
+        mask &= np.frombuffer(self._held, np.uint32, len(flags)) == 0
         rows = np.flatnonzero(mask)
         last = np.frombuffer(self._last, np.float64)[rows]
         del flags, mask
@@ -533,7 +516,7 @@ class LeaseCore:
             by_key.setdefault(keys[lease[ROW]], {})[holder] = True
         return LeaseTable(
             ttl=self.ttl, now=self.now, objects=map_of(objects), regions=map_of(regions),
-            leases=immutables.Map({h: Lease(h, lease[KEY], lease[REGION], lease[EXPIRES])
+            leases=immutables.Map({h: Lease(h, lease[KEY], self._region(lease[ROW]), lease[EXPIRES])
                                    for h, lease in self._leases.items()}),
             by_key=immutables.Map({k: immutables.Map(hs) for k, hs in by_key.items()}),
             used=self.used, quiet_until=self.quiet_until, earliest=self.earliest,
@@ -545,10 +528,10 @@ class LeaseCore:
         new.rows = self.rows.copy()
         new.ttl, new.now, new.quiet_until = self.ttl, self.now, self.quiet_until
         new.used, new.count, new._seq = self.used, self.count, self._seq
-        new._flags, new._size, new._rtok, new._last = (col[:] for col in self._columns())
+        new._flags, new._size, new._rtok, new._last, new._held = (
+            col[:] for col in self._columns())
         new._regions, new._region_of = dict(self._regions), dict(self._region_of)
-        new._leases = {h: list(lease) for h, lease in self._leases.items()}
-        new._holders = {row: dict(hs) for row, hs in self._holders.items()}
+        new._leases = dict(self._leases)
         new._queue = deque(self._queue)
         new._setup()
         new.rows.attach(new._grow)
@@ -588,9 +571,10 @@ class LeaseCore:
         owners = np.frombuffer(directory.rows.owners, np.uint8)
         owners[published] |= cls.BIT
         del owners
-        core._flags, core._size, core._rtok, core._last = (
+        core._flags, core._size, core._rtok, core._last, core._held = (
             _column(code, values) for code, values in (
-                ("B", flags), ("q", sizes), ("q", tokens), ("d", np.full(size, float(now)))))
+                ("B", flags), ("q", sizes), ("q", tokens), ("d", np.full(size, float(now))),
+                ("I", np.zeros(size, np.uint32))))
         core.used, core.count = int(sizes.sum()), int(published.sum())
         core._setup()
         return core
@@ -732,7 +716,7 @@ class _Leases(_View):
 
     def __getitem__(self, holder) -> Lease:
         lease = self._core._leases[holder]
-        return Lease(holder, lease[KEY], lease[REGION], lease[EXPIRES])
+        return Lease(holder, lease[KEY], self._core._region(lease[ROW]), lease[EXPIRES])
 
     def __contains__(self, holder) -> bool:
         return holder in self._core._leases
@@ -756,8 +740,12 @@ class _ByKey(_View):
         return holders
 
     def __len__(self) -> int:
-        return len(self._core._holders)
+        return len(self._leased())
 
     def __iter__(self) -> Iterator:
         keys = self._core.rows.keys
-        return iter([keys[row] for row in self._core._holders])
+        return iter([keys[row] for row in self._leased()])
+
+    def _leased(self) -> list:
+        """The rows with leases, in the order their first lease held was granted."""
+        return list(dict.fromkeys(lease[ROW] for lease in self._core._leases.values()))

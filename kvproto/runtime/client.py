@@ -83,6 +83,7 @@ import socket
 import threading
 import time
 import uuid
+from itertools import repeat
 from typing import Any, Iterable, Optional
 
 import zmq
@@ -643,11 +644,13 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         first: Optional[errors.KvError] = None
         queued = max(started - sent, 0.0)
         verified = time.monotonic()         # nothing reads the store after the transfer
-        read = [i for i, lease_id in enumerate(leases)
-                if lease_id and results[i] is not None and i not in skip]
+        read = [i for i, lease_id, got in zip(range(len(leases)), leases, results)
+                if lease_id and got is not None]
+        if skip:
+            read = [i for i in read if i not in skip]
         if not read:
             return None
-        dones = [done_at.get(i, verified) for i in read]
+        dones = list(map(done_at.get, read, repeat(verified, len(read))))
         # the keys a batch read at once share their completion time: each
         # time is judged once (``accept_transfer`` depends on nothing else)
         judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)

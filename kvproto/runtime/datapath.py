@@ -359,9 +359,11 @@ def read_all(client, keys: list, grants: dict, segments: dict, deadline: float,
     granted: dict[int, tuple] = {}
     if into is None and not verify:
         local_reads += _read_local(where, grants, results, done_at, take)
+    tokens = grants["token"]
+    unread = len(tokens) - tokens.count(0) - local_reads    # granted keys not read yet
     last = 0
-    for i, (token, length, n) in enumerate(zip(grants["token"], grants["length"],
-                                                grants["replicas"])):
+    for i, (token, length, n) in enumerate(zip(tokens, grants["length"], grants["replicas"])) \
+            if unread else ():
         first = last
         last += n
         if not token or results[i] is not None:

@@ -37,7 +37,7 @@ class MasterReads:
         client = body["client"]
         leased = body.get("lease", False)
         if body.get("release"):
-            self._op_release({"client": client, "leases": body["release"]}, reply_to, request_id)
+            self._release(client, body["release"])
         session = self._session(client, create=True)
         # one tick for the request: each grant expires at its time plus the
         # TTL, which is after the reader sent it (what the reader's check
@@ -236,23 +236,32 @@ class MasterReads:
         return 0, {"items": items}
 
     def _op_release(self, body, reply_to, request_id):
-        client, items = body["client"], []
+        ok = wire.ok_item()        # one item for every release accepted
+        return 0, {"items": [ok if err is None else wire.error_item(err)
+                             for err in self._release(body["client"], body["leases"])]}
+
+    def _release(self, client, lease_ids) -> list:
+        """``Release`` of each of ``client``'s leases: per lease None, or the
+        error its step is refused with."""
         self._ltick()     # once: the releases are at the request's time
         if self._batched():
-            holders = [(client, lease_id) for lease_id in body["leases"]]
-            ok = wire.ok_item()        # one item for every release accepted
-            items = [ok if type(r) is not Refusal else wire.error_item(r.error)
-                     for r in self.leases.release_many(holders)]
-            self.counters["lease_releases"] += items.count(ok)
-            return 0, {"items": items}
-        for lease_id in body["leases"]:
+            leases = self.leases
+            held = len(leases.leases)
+            results = leases.release_many([(client, lease_id) for lease_id in lease_ids])
+            released = held - len(leases.leases)
+            self.counters["lease_releases"] += released
+            if released == len(results):
+                return [None] * released
+            return [None if type(r) is not Refusal else r.error for r in results]
+        out = []
+        for lease_id in lease_ids:
             err, _ = self._lstep(lm.Release((client, lease_id)), tick=False)
             if err is None:
                 self.counters["lease_releases"] += 1
                 if self.tenants is not None:
                     self.tenants.release((client, lease_id))
-            items.append(wire.ok_item() if err is None else wire.error_item(err))
-        return 0, {"items": items}
+            out.append(err)
+        return out
 
     def _op_exists(self, body, reply_to, request_id):
         """Which keys name a published object (a read of the directory; nothing

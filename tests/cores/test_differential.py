@@ -1237,6 +1237,22 @@ def test_a_release_batch_that_skips_repeated_holders_is_caught(monkeypatch):
         run_state_machine_as_test(LeaseDiff, settings=HUNT)
 
 
+def test_a_release_batch_that_leaves_the_object_leased_is_caught(monkeypatch):
+    """``release_many`` ends the leases but leaves their objects counted as
+    leased (``Remove`` and ``Evict`` then refuse what the spec allows)."""
+    def still_counted(self, holders):
+        out = []
+        for holder in holders:
+            lease = self._leases.pop(holder, None)
+            out.append(L_core.Refusal(errors.LeaseExpired(f"{holder!r} holds no lease"))
+                       if lease is None else lease[0])
+        return out
+
+    monkeypatch.setattr(LeaseCore, "release_many", still_counted)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(LeaseDiff, settings=HUNT)
+
+
 def test_a_grant_batch_that_queues_one_expiry_is_caught(monkeypatch):
     """``grant_many`` queues the expiry of its first lease only (the batch's
     one queue entry names one holder): the others never end."""
