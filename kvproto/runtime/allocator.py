@@ -173,6 +173,12 @@ class Placer:
         """One region on each of ``replicas`` distinct segments (none of
         ``exclude``), most free space first; ``None`` (and nothing held) if that
         many segments cannot fit it."""
+        if replicas == 1 and not exclude and self.allocators:
+            # one replica: the sort's first, the first of the most free space
+            segment, alloc = max(self.allocators.items(), key=_free_extent_bytes)
+            offset = alloc.allocate(length)
+            if offset is not None:
+                return (Replica(segment, offset, length),)
         candidates = [kv for kv in self.allocators.items() if kv[0] not in exclude] \
             if exclude else self.allocators.items()
         if replicas > len(candidates):
