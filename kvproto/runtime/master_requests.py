@@ -28,6 +28,7 @@ from typing import Optional
 
 from kvproto import errors
 from kvproto.runtime import wire
+from kvproto.runtime.allocator import Region
 from kvproto.runtime.master_records import ClientSession, Parked, ReplyTo, SegmentInfo
 from kvproto.statemachines import failover as fm, lease as lm
 from kvproto.statemachines.publish import (
@@ -252,7 +253,7 @@ class MasterRequests:
 
         def placed():
             for i, (key, length) in enumerate(body["items"]):
-                placement = place(length, replicas)
+                placement = place(length, replicas, (), Region)
                 if placement is None:
                     refused.append([i, *self._unplaced(key, length, replicas).to_wire()])
                     continue
