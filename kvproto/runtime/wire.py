@@ -175,11 +175,14 @@ STORAGE_OPS: dict[str, OpSchema] = {
     # ``direct``: [offset, writer] of the regions whose writer writes them itself
     # ``regions``: [offset, length, key, token] each; or ``columns`` (to a node
     # that registered with ``columns``): [offsets, lengths, keys, tokens,
-    # writers], a writer "" where the region is not a direct writer's
+    # writers], a writer "" where the region is not a direct writer's.
+    # ``tally: true`` (an ``assign`` or ``publish``) asks for ``{"accepted":
+    # n}`` instead of ``results`` when every one of its n regions is accepted
     "assign": OpSchema({"segment": SEGMENT, "term": TERM}, optional={
         "regions": list_of(tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1),
         "columns": columns_of(uint(), uint(min_value=1), KEY, TOKEN, text(64)),
-        "direct": list_of(tuple_of(uint(), text(64, 1)))}, one_of=("regions", "columns")),
+        "direct": list_of(tuple_of(uint(), text(64, 1))), "tally": boolean()},
+        one_of=("regions", "columns")),
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
     # mark written regions published (after the master's PutEnd or
@@ -190,8 +193,8 @@ STORAGE_OPS: dict[str, OpSchema] = {
     "publish": OpSchema({"segment": SEGMENT, "term": TERM}, optional={
         "regions": list_of(tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF), TERM)),
                            min_items=1),
-        "columns": columns_of(uint(), KEY, TOKEN, CHECKSUM, uint(0xFFFF), TERM)},
-        one_of=("regions", "columns")),
+        "columns": columns_of(uint(), KEY, TOKEN, CHECKSUM, uint(0xFFFF), TERM),
+        "tally": boolean()}, one_of=("regions", "columns")),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     # copy an object into a region assigned for its repair (spec/Publish.tla

@@ -143,6 +143,8 @@ def test_storage_rejects_bad_frames_and_keeps_serving(cluster, raw):
         ("stale-term", [hdr(V, "write", 1, {**w, "term": 0}), b"x"], errors.StaleTerm),
         ("stale-term-assign", [hdr(V, "assign", 1, {"segment": seg, "term": 0, "regions": [[0, 1, b"k", 1]]})],
          errors.StaleTerm),
+        ("wrong-type-tally", [hdr(V, "publish", 1, {"segment": seg, "term": 1, "tally": 1,
+                                                    "regions": [[0, b"k", 1]]})], errors.MalformedFrame),
     ]
     r = raw(node.endpoint)
     for name, frames, error in cases:
