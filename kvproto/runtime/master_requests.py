@@ -313,6 +313,8 @@ class MasterRequests:
         return self.batched and self.tenants is None and self.trace is None
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
+        if parked.columns:     # a put_end asked with ``columns``: its refused keys by index
+            return 0, {"errors": [[i, *item] for i, item in enumerate(parked.items) if item[0]]}
         return 0, {"items": parked.items}
 
     def _end_or_revoke(self, body, event_type):
@@ -378,6 +380,7 @@ class MasterRequests:
         _, ended = self._end_or_revoke(body, PutEnd)
         parked = Parked(reply_to, request_id, ended["items"], "put_end")
         parked.keys = [item[0] for item in body["items"]]
+        parked.columns = body.get("columns", False)
         self._flush(parked)
         self.evict()
         if parked.waiting:

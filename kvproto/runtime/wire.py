@@ -112,9 +112,10 @@ MASTER_OPS: dict[str, OpSchema] = {
         "client": CLIENT, "replicas": uint(MAX_REPLICAS, 1),
         "items": list_of(tuple_of(KEY, uint(min_value=1)), min_items=1),
     }, optional={"writer": text(64, 1), "host": text(MAX_NAME, 1), "columns": boolean()}),
-    # [key, token, checksum]: the checksum of the bytes written (optional; 0 = none)
+    # [key, token, checksum]: the checksum of the bytes written (optional; 0 = none);
+    # ``columns: true`` asks for the refused keys only (:func:`put_end_refused`)
     "put_end": OpSchema({"client": CLIENT, "items": list_of(
-        tuple_of(KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}),
+        tuple_of(KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}, optional={"columns": boolean()}),
     "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     # revoke this client's own pending attempts on ``keys``, whose tokens it never received
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
@@ -556,6 +557,18 @@ def put_items(columns: dict, items: list, replicas: int) -> list:
                 grant["direct"] = [segment[j] for j in span if direct[j]]
             out[i] = [0, grant]
     return out
+
+
+def put_end_refused(reply: Reply, expected: int) -> list:
+    """The answer of a ``put_end`` asked with ``columns`` for ``expected``
+    keys: ``body["errors"]``, ``[index, code, message]`` of each key refused,
+    every other key published. Another shape raises
+    :class:`~kvproto.errors.MalformedFrame`."""
+    refused = reply.body.get("errors")
+    if not READ_ERRORS.ok(refused) or len({i for i, _, _ in refused}) != len(refused) \
+            or any(i >= expected for i, _, _ in refused):
+        raise errors.MalformedFrame(f"put_end reply's errors do not name keys of {expected}")
+    return refused
 
 
 def put_columns(reply: Reply, expected: int, replicas: int) -> dict:

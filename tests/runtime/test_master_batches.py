@@ -138,7 +138,12 @@ def run(pair: Pair, steps: int) -> None:
             items = [[k, t if rng.random() < 0.9 else t + 1] + ([rng.randint(0, 1 << 64 - 1)]
                                                                   if rng.random() < 0.5 else [])
                      for k, t in chosen]
-            pair.call("put_end", {"client": rng.choice(["c1", "c2"]), "items": items})
+            body = {"client": rng.choice(["c1", "c2"]), "items": items}
+            if rng.random() < 0.5:
+                body["columns"] = True       # the refused keys only
+            ended = pair.call("put_end", body)
+            if items:
+                assert ("errors" in ended) == ("columns" in body)
         elif op == "read":
             body = {"client": rng.choice(["r1", "r2"]), "keys": keys,
                     "lease": rng.random() < 0.7, "columns": len(keys) % 2 == 1}
