@@ -12,11 +12,13 @@ Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
 for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
 with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`; an
 ``exists`` asked with ``found``, one byte per key: :func:`found_of`; a
-``put_start`` asked with ``columns``, one list per field: :data:`PUT_COLUMNS`). A
+``put_start`` asked with ``columns``, one list per field: :data:`PUT_COLUMNS`; a
+``put_end`` asked with ``columns``, its refused keys only: :func:`put_end_refused`). A
 master sends ``assign`` and ``publish`` to a node that registered with
 ``columns`` as one list per field (``columns``,
 :func:`~kvproto.runtime.schema.columns_of`) instead
-of a row per region (``regions``); a node takes either, exactly one. A
+of a row per region (``regions``); a node takes either, exactly one, and
+answers one asked with ``tally`` ``{"accepted": n}`` when it accepts all n. A
 request id names one request on its connection (a sender numbers every
 request afresh, a retry included; 0 asks for no reply): the master serves an
 id once, and answers a copy :class:`~kvproto.errors.DuplicateRequest`.
