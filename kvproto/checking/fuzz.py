@@ -142,7 +142,8 @@ class MasterTarget(Target):
     @staticmethod
     def registration(segment: str, n: int) -> dict:
         return {"segment": segment, "capacity": 1 << 20, "endpoint": f"tcp://127.0.0.1:{9000 + n}",
-                "host": "fuzz", "shm": f"shm-{n}", "gen_shm": f"gen-{n}", "nonce": n, "page_size": 4096}
+                "host": "fuzz", "shm": f"shm-{n}", "gen_shm": f"gen-{n}", "nonce": n, "page_size": 4096,
+                "columns": bool(n % 2)}   # one node takes assign and publish as columns
 
     def settle(self) -> None:
         """Acknowledge every command the core sent its storage nodes."""
@@ -151,8 +152,9 @@ class MasterTarget(Target):
             out, core.outbox = core.outbox, []
             for segment, op, cmd_id, body in out:
                 rows = body["columns"][0] if "columns" in body else body.get("regions", ())
-                results = [[0, None]] * len(rows)
-                core.storage_reply(segment, wire.Reply(0, cmd_id, {"results": results}, []))
+                answer = {"accepted": len(rows)} if body.get("tally") and cmd_id % 2 else \
+                    {"results": [[0, None]] * len(rows)}
+                core.storage_reply(segment, wire.Reply(0, cmd_id, answer, []))
         core.ready.clear()
         core.opened.clear()
         core.closed.clear()

@@ -440,7 +440,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 if ok:
                     try:
                         rep = self._call_master("put_end", {
-                            "client": self.client_id,
+                            "client": self.client_id, "columns": True,
                             "items": [[grants[i][0], grants[i][2], sums.get(i, 0)]
                                       if sums is not None else [grants[i][0], grants[i][2]]
                                       for i in ok]}, deadline)
@@ -449,8 +449,8 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                             results[i] = err
                     else:
                         ended.update(ok)
-                        for i, item in zip(ok, wire.items_of(rep, len(ok))):
-                            results[i], _ = wire.item_result(item)
+                        for at, code, message in wire.put_end_refused(rep, len(ok)):
+                            results[ok[at]] = errors.from_wire(code, message)
             finally:
                 self._in_flight = ()
                 self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])

@@ -369,9 +369,10 @@ class MasterCore(MasterRequests, MasterReads, MasterTakeover):
                 self._next_cmd += 1
                 owner = parked if parked is not None and Parked.WAITS_FOR[parked.op] == op else None
                 if info.columns and op in _FILL:
-                    # one list per field: the node judges each list at once
+                    # one list per field: the node judges each list at once,
+                    # and answers a count when it accepts every region
                     body = {"segment": segment, "columns": _columns(regions, _FILL[op]),
-                            "term": self.failover.term}
+                            "term": self.failover.term, "tally": True}
                 else:
                     body = {"segment": segment, "regions": regions, "term": self.failover.term}
                     if op == "assign" and any(len(r) > 4 for r in regions):
@@ -605,14 +606,18 @@ class MasterCore(MasterRequests, MasterReads, MasterTakeover):
                 self.segment_lost(segment, "the node no longer serves it")
                 return
             results = reply.body.get("results") if reply.status == 0 else None
-            if type(results) is not list or len(results) != len(cmd.regions):
+            every = results is None and reply.status == 0 and \
+                type(accepted := reply.body.get("accepted")) is int and accepted == len(cmd.regions)
+            if every:       # the node accepted every region (asked with ``tally``)
+                results = [wire.ok_item()] * accepted
+            elif type(results) is not list or len(results) != len(cmd.regions):
                 results = [[reply.status or errors.MalformedFrame.code, "bad reply"]] * len(cmd.regions)
             op, item_result = cmd.op, wire.item_result
             # an accepted assign or publish, while no repaired replica's mark is
             # out, needs nothing but counting
             plain = not self._repair_marks and op in ("assign", "publish")
-            if plain and all(type(r) is list and len(r) == 2 and type(r[0]) is int and not r[0]
-                             for r in results):
+            if plain and (every or all(type(r) is list and len(r) == 2 and type(r[0]) is int
+                                       and not r[0] for r in results)):
                 if op == "publish":
                     self.counters["publish_marks"] += len(results)
                 return

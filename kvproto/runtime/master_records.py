@@ -59,7 +59,7 @@ class Parked:
     connection to each node, and a node holds a write that arrives before its
     region's assign until the assign is applied (``StorageServer``)."""
 
-    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "keys")
+    __slots__ = ("reply_to", "request_id", "items", "waiting", "op", "keys", "columns")
 
     #: the request -> the storage command whose acks its reply waits for
     WAITS_FOR = {"put_start": None, "put_end": "publish", "remove": "free"}
@@ -71,6 +71,7 @@ class Parked:
         self.waiting: set[int] = set()
         self.op = op
         self.keys: Optional[list] = None   # put_end: the key of each item
+        self.columns = False               # put_end: answer the refused items only
 
 
 class Command:

@@ -28,6 +28,7 @@ from typing import Optional
 
 from kvproto import errors
 from kvproto.runtime import wire
+from kvproto.runtime.allocator import Region
 from kvproto.runtime.master_records import ClientSession, Parked, ReplyTo, SegmentInfo
 from kvproto.statemachines import failover as fm, lease as lm
 from kvproto.statemachines.publish import (
@@ -252,7 +253,7 @@ class MasterRequests:
 
         def placed():
             for i, (key, length) in enumerate(body["items"]):
-                placement = place(length, replicas)
+                placement = place(length, replicas, (), Region)
                 if placement is None:
                     refused.append([i, *self._unplaced(key, length, replicas).to_wire()])
                     continue
@@ -312,6 +313,8 @@ class MasterRequests:
         return self.batched and self.tenants is None and self.trace is None
 
     def _complete(self, parked: Parked) -> tuple[int, dict]:
+        if parked.columns:     # a put_end asked with ``columns``: its refused keys by index
+            return 0, {"errors": [[i, *item] for i, item in enumerate(parked.items) if item[0]]}
         return 0, {"items": parked.items}
 
     def _end_or_revoke(self, body, event_type):
@@ -339,19 +342,30 @@ class MasterRequests:
         ends = given if all(len(item) == 3 for item in given) else \
             [(key, token, checksum[0] if checksum else 0) for key, token, *checksum in given]
         results = self.directory.put_end_many(ends)
-        items, puts, queue, forget = [], [], self._queue, self._forget_pending
+        items, puts, queue = [], [], self._queue
         append, publish = queue.append, "publish"
+        # each attempt published is no longer pending (_forget_pending); a
+        # session left empty goes once all are forgotten
+        owner_of, sessions, touched = self._owner.pop, self.sessions, {}
         for (key, token, _), r in zip(ends, results):
             if type(r) is not tuple:
                 items.append(wire.error_item(r))
                 continue
             length, checksum, requested, placed = r
-            forget(token)
+            client = owner_of(token, None)
+            if client is not None:
+                session = touched.get(client) or sessions.get(client)
+                if session is not None:
+                    touched[client] = session
+                    session.tokens.pop(token, None)
             puts.append((key, (key, token), length * (len(placed) or 1)))
             # the storage nodes' index learns the publish (StampedPublish)
             for segment, offset in placed:
                 append((segment, publish, [offset, key, token, checksum, requested]))
             items.append([0, None])
+        for client, session in touched.items():
+            if session.empty():
+                del sessions[client]
         self.counters["puts_published"] += len(puts)
         self.counters["refused"] += len(ends) - len(puts)
         for (key, _, _), err in zip(puts, self.leases.put_many(puts)):
@@ -366,6 +380,7 @@ class MasterRequests:
         _, ended = self._end_or_revoke(body, PutEnd)
         parked = Parked(reply_to, request_id, ended["items"], "put_end")
         parked.keys = [item[0] for item in body["items"]]
+        parked.columns = body.get("columns", False)
         self._flush(parked)
         self.evict()
         if parked.waiting:

@@ -77,6 +77,17 @@ OK = wire.ok_item()
 BATCH_STEP_FROM = 32
 
 
+def _answer(body: dict, accepted: int, results: Optional[list] = None) -> dict:
+    """The reply to an ``assign`` or ``publish`` whose ``accepted`` regions
+    were (``results``: each region's item; None: every one): ``{"accepted":
+    n}`` when every one was and the master asked with ``tally``, else the items."""
+    if results is None:
+        return {"accepted": accepted} if body.get("tally") else {"results": [OK] * accepted}
+    if accepted == len(results) and body.get("tally"):
+        return {"accepted": accepted}
+    return {"results": results}
+
+
 class StorageCore:
     """The node's logic without sockets."""
 
@@ -327,7 +338,7 @@ class StorageCore:
         count = len(rows if rows is not None else columns[0])
         if self.trace is None and count >= BATCH_STEP_FROM and self._assign_all(
                 term, columns if rows is None else list(map(list, zip(*rows))), direct):
-            return {"results": [OK] * count}, []
+            return _answer(body, count), []
         node, segment, counters = self.node, self.segment, self.counters
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
@@ -365,7 +376,7 @@ class StorageCore:
             assigned += 1
             results.append(OK)
         counters["assigned"] += assigned
-        return {"results": results}, []
+        return _answer(body, assigned, results), []
 
     def _assign_all(self, term: int, columns: list, direct: dict) -> bool:
         """The regions of an ``assign`` (as columns) at once, when every step
@@ -475,7 +486,7 @@ class StorageCore:
             if rows is not None:                  # rows of one width: the batch step may take them
                 batch = list(map(list, zip(*rows))) if len(set(map(len, rows))) == 1 else None
             if batch is not None and self._publish_all(body["term"], batch):
-                return {"results": [OK] * count}, []
+                return _answer(body, count), []
         node, term, results = self.node, body["term"], []
         segment, counters, direct = self.segment, self.counters, self.direct
         owner_of, held_by, traced = node.owner, direct.held, self.trace is not None
@@ -526,7 +537,7 @@ class StorageCore:
             results.append(OK)
         counters["published"] += published
         counters["direct_published"] += direct_published
-        return {"results": results}, []
+        return _answer(body, published, results), []
 
     def _publish_all(self, term: int, columns: list) -> bool:
         """The regions of a ``publish`` (as columns, those after the token

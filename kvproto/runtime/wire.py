@@ -12,11 +12,13 @@ Batch operations answer one *item* per key in ``body["items"]``: ``[0, value]``
 for success, ``[code, message]`` for a per-key error (a ``read_begin`` asked
 with ``columns`` answers one list per field instead: :data:`READ_COLUMNS`; an
 ``exists`` asked with ``found``, one byte per key: :func:`found_of`; a
-``put_start`` asked with ``columns``, one list per field: :data:`PUT_COLUMNS`). A
+``put_start`` asked with ``columns``, one list per field: :data:`PUT_COLUMNS`; a
+``put_end`` asked with ``columns``, its refused keys only: :func:`put_end_refused`). A
 master sends ``assign`` and ``publish`` to a node that registered with
 ``columns`` as one list per field (``columns``,
 :func:`~kvproto.runtime.schema.columns_of`) instead
-of a row per region (``regions``); a node takes either, exactly one. A
+of a row per region (``regions``); a node takes either, exactly one, and
+answers one asked with ``tally`` ``{"accepted": n}`` when it accepts all n. A
 request id names one request on its connection (a sender numbers every
 request afresh, a retry included; 0 asks for no reply): the master serves an
 id once, and answers a copy :class:`~kvproto.errors.DuplicateRequest`.
@@ -112,9 +114,10 @@ MASTER_OPS: dict[str, OpSchema] = {
         "client": CLIENT, "replicas": uint(MAX_REPLICAS, 1),
         "items": list_of(tuple_of(KEY, uint(min_value=1)), min_items=1),
     }, optional={"writer": text(64, 1), "host": text(MAX_NAME, 1), "columns": boolean()}),
-    # [key, token, checksum]: the checksum of the bytes written (optional; 0 = none)
+    # [key, token, checksum]: the checksum of the bytes written (optional; 0 = none);
+    # ``columns: true`` asks for the refused keys only (:func:`put_end_refused`)
     "put_end": OpSchema({"client": CLIENT, "items": list_of(
-        tuple_of(KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}),
+        tuple_of(KEY, TOKEN, optional=(CHECKSUM,)), min_items=1)}, optional={"columns": boolean()}),
     "put_revoke": OpSchema({"client": CLIENT, "items": list_of(tuple_of(KEY, TOKEN), min_items=1)}),
     # revoke this client's own pending attempts on ``keys``, whose tokens it never received
     "put_abandon": OpSchema({"client": CLIENT, "keys": KEYS}),
@@ -175,11 +178,14 @@ STORAGE_OPS: dict[str, OpSchema] = {
     # ``direct``: [offset, writer] of the regions whose writer writes them itself
     # ``regions``: [offset, length, key, token] each; or ``columns`` (to a node
     # that registered with ``columns``): [offsets, lengths, keys, tokens,
-    # writers], a writer "" where the region is not a direct writer's
+    # writers], a writer "" where the region is not a direct writer's.
+    # ``tally: true`` (an ``assign`` or ``publish``) asks for ``{"accepted":
+    # n}`` instead of ``results`` when every one of its n regions is accepted
     "assign": OpSchema({"segment": SEGMENT, "term": TERM}, optional={
         "regions": list_of(tuple_of(uint(), uint(min_value=1), KEY, TOKEN), min_items=1),
         "columns": columns_of(uint(), uint(min_value=1), KEY, TOKEN, text(64)),
-        "direct": list_of(tuple_of(uint(), text(64, 1)))}, one_of=("regions", "columns")),
+        "direct": list_of(tuple_of(uint(), text(64, 1))), "tally": boolean()},
+        one_of=("regions", "columns")),
     "free": OpSchema({"segment": SEGMENT, "term": TERM,
                       "regions": list_of(tuple_of(uint(), TOKEN, uint()), min_items=1)}),
     # mark written regions published (after the master's PutEnd or
@@ -190,8 +196,8 @@ STORAGE_OPS: dict[str, OpSchema] = {
     "publish": OpSchema({"segment": SEGMENT, "term": TERM}, optional={
         "regions": list_of(tuple_of(uint(), KEY, TOKEN, optional=(CHECKSUM, uint(0xFFFF), TERM)),
                            min_items=1),
-        "columns": columns_of(uint(), KEY, TOKEN, CHECKSUM, uint(0xFFFF), TERM)},
-        one_of=("regions", "columns")),
+        "columns": columns_of(uint(), KEY, TOKEN, CHECKSUM, uint(0xFFFF), TERM),
+        "tally": boolean()}, one_of=("regions", "columns")),
     # failover: learn a new master's term and answer the node's index (Fence);
     # drop unpublished allocations of terms below ``below`` (Recover's purge)
     # copy an object into a region assigned for its repair (spec/Publish.tla
@@ -553,6 +559,18 @@ def put_items(columns: dict, items: list, replicas: int) -> list:
                 grant["direct"] = [segment[j] for j in span if direct[j]]
             out[i] = [0, grant]
     return out
+
+
+def put_end_refused(reply: Reply, expected: int) -> list:
+    """The answer of a ``put_end`` asked with ``columns`` for ``expected``
+    keys: ``body["errors"]``, ``[index, code, message]`` of each key refused,
+    every other key published. Another shape raises
+    :class:`~kvproto.errors.MalformedFrame`."""
+    refused = reply.body.get("errors")
+    if not READ_ERRORS.ok(refused) or len({i for i, _, _ in refused}) != len(refused) \
+            or any(i >= expected for i, _, _ in refused):
+        raise errors.MalformedFrame(f"put_end reply's errors do not name keys of {expected}")
+    return refused
 
 
 def put_columns(reply: Reply, expected: int, replicas: int) -> dict:

@@ -94,6 +94,29 @@ def test_placer_prefers_free_space_and_gives_back():
     assert p.place(PAGE, 4) is None
 
 
+
+def test_placer_one_replica_as_the_sort_chooses():
+    """One replica: the segment with the most free space, the first added
+    among equals; the others in that order when its extents cannot fit it."""
+    p = Placer()
+    for segment in "abc":
+        p.add(segment, 8 * PAGE, PAGE)
+    assert p.place(PAGE, 1)[0].segment == "a"
+    assert p.place(PAGE, 1)[0].segment == "b"
+    a = p.allocators["a"]
+    for _ in range(7):
+        a.allocate(PAGE)
+    for offset in (0, 2, 4, 6):
+        a.free(offset * PAGE, PAGE)            # a: 4 free pages, none adjacent
+    p.allocators["b"].allocate(4 * PAGE)       # b: 3 pages in one extent
+    p.allocators["c"].allocate(6 * PAGE)       # c: 2 pages
+    assert p.place(2 * PAGE, 1)[0].segment == "b"
+    assert p.place(PAGE, 1)[0].segment == "a"
+    assert p.place(4 * PAGE, 1) is None
+    assert [p.allocators[s].free_extent_bytes for s in "abc"] == [3 * PAGE, PAGE, 2 * PAGE]
+    assert p.place(PAGE, 1, exclude=("a",))[0].segment == "c"
+
+
 # --------------------------------------------------------------------------
 # MasterCore + StorageCore, no sockets
 # --------------------------------------------------------------------------

@@ -46,6 +46,8 @@ MASTER_CASES = [
     ("wrong-type", [hdr(V, "put_start", 1, {**GOOD_PUT, "items": [["k", 10]]})], errors.MalformedFrame),
     ("wrong-type-body", [hdr(V, "exists", 1, [b"k"])], errors.MalformedFrame),
     ("wrong-type-found", [hdr(V, "exists", 1, {"keys": [b"k"], "found": 1})], errors.MalformedFrame),
+    ("wrong-type-columns", [hdr(V, "put_end", 1, {"client": "c", "items": [[b"k", 5]], "columns": 1})],
+     errors.MalformedFrame),
     ("bad-value", [hdr(V, "put_start", 1, {**GOOD_PUT, "items": [[b"k", 0]]})], errors.InvalidArgument),
     ("bad-token", [hdr(V, "put_end", 1, {"client": "c", "items": [[b"k", -5]]})], errors.InvalidArgument),
     ("bad-endpoint", [hdr(V, "register", 1, {
@@ -143,6 +145,8 @@ def test_storage_rejects_bad_frames_and_keeps_serving(cluster, raw):
         ("stale-term", [hdr(V, "write", 1, {**w, "term": 0}), b"x"], errors.StaleTerm),
         ("stale-term-assign", [hdr(V, "assign", 1, {"segment": seg, "term": 0, "regions": [[0, 1, b"k", 1]]})],
          errors.StaleTerm),
+        ("wrong-type-tally", [hdr(V, "publish", 1, {"segment": seg, "term": 1, "tally": 1,
+                                                    "regions": [[0, b"k", 1]]})], errors.MalformedFrame),
     ]
     r = raw(node.endpoint)
     for name, frames, error in cases:

@@ -103,7 +103,10 @@ def deliver(core: MasterCore, refuse: random.Random) -> list:
         sent.append((segment, op, cmd_id, body))
         results = [wire.error_item(errors.NoSpace("refused by the test"))
                    if refuse.random() < 0.03 else wire.ok_item() for _ in rows_of(op, body)]
-        core.storage_reply(segment, wire.Reply(0, cmd_id, {"results": results}, []))
+        answer, count = {"results": results}, refuse.random() < 0.5
+        if count and body.get("tally") and not any(item[0] for item in results):
+            answer = {"accepted": len(results)}         # as a node asked with tally may
+        core.storage_reply(segment, wire.Reply(0, cmd_id, answer, []))
     ready, core.ready[:] = list(core.ready), []
     return sent + ready
 
@@ -135,7 +138,12 @@ def run(pair: Pair, steps: int) -> None:
             items = [[k, t if rng.random() < 0.9 else t + 1] + ([rng.randint(0, 1 << 64 - 1)]
                                                                   if rng.random() < 0.5 else [])
                      for k, t in chosen]
-            pair.call("put_end", {"client": rng.choice(["c1", "c2"]), "items": items})
+            body = {"client": rng.choice(["c1", "c2"]), "items": items}
+            if rng.random() < 0.5:
+                body["columns"] = True       # the refused keys only
+            ended = pair.call("put_end", body)
+            if items:
+                assert ("errors" in ended) == ("columns" in body)
         elif op == "read":
             body = {"client": rng.choice(["r1", "r2"]), "keys": keys,
                     "lease": rng.random() < 0.7, "columns": len(keys) % 2 == 1}
@@ -297,3 +305,19 @@ def test_a_node_that_takes_columns_gets_the_rows_others_get():
     assert [c[:3] for c in sent[0]] == [c[:3] for c in sent[1]]
     assert not any(c[3] for c in sent[0])
     assert all(c[3] for c in sent[1] if c[1] in ("assign", "publish")) and sent[1]
+
+
+@pytest.mark.parametrize("accepted", [2, 0, True, "1"])
+def test_a_tally_that_is_not_the_count_of_the_regions_is_a_bad_reply(accepted):
+    """A node asked with ``tally`` answers ``{"accepted": n}`` for all n
+    regions accepted; any other count or type refuses every region (the
+    assign's attempt is revoked, its put_end is StaleToken)."""
+    core = new_master(Clock(), True, SEGMENTS)
+    reply = core.handle("put_start", {"client": "c", "replicas": 1, "items": [[b"k", 10]]})
+    token = reply[1]["items"][0][1]["token"]
+    segment, op, cmd_id, body = core.outbox.pop()
+    assert op == "assign" and body["tally"]
+    core.storage_reply(segment, wire.Reply(0, cmd_id, {"accepted": accepted}, []))
+    assert core.counters["storage_refusals"] == 1
+    ended = core.handle("put_end", {"client": "c", "items": [[b"k", token]]})
+    assert ended[1]["items"][0][0] == errors.StaleToken.code

@@ -242,3 +242,20 @@ def test_assign_and_publish_as_columns_answer_and_step_as_rows(node, traced, tmp
     finally:
         lock.close()
         other.memory.close()
+
+
+def test_an_assign_or_publish_asked_with_tally_is_answered_with_a_count_when_all_are_accepted(node):
+    """``tally``: ``{"accepted": n}`` when every region is accepted; the items
+    otherwise, as without it."""
+    assert call(node, "assign", columns=_as_columns([[A, 10, b"a", 7], [B, 20, b"b", 8]],
+                                                    [0, 0, b"", 0, ""]), tally=True) == \
+        ({"accepted": 2}, [])
+    refused, _ = call(node, "assign", regions=[[C, 10, b"c", 9], [D, 10, b"a", 10]], tally=True)
+    assert [item[0] for item in refused["results"]] == [0, errors.KeyExists.code]
+    write(node, A, 7, b"x" * 10)
+    write(node, C, 9, b"z" * 10)
+    assert call(node, "publish", regions=[[A, b"a", 7], [C, b"c", 9]], tally=True) == \
+        ({"accepted": 2}, [])
+    refused, _ = call(node, "publish", columns=_as_columns([[B, b"b", 8]], [0, b"", 0, 0, 0, 0]),
+                      tally=True)
+    assert [item[0] for item in refused["results"]] == [errors.StaleToken.code]

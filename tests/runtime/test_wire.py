@@ -285,3 +285,19 @@ def test_an_exists_answered_as_found_bytes_is_checked(body):
     assert wire.found_of(wire.Reply(0, 1, {"found": b""}, []), 0) == []
     with pytest.raises(errors.MalformedFrame):
         wire.found_of(wire.Reply(0, 1, body, []), 3)
+
+
+@pytest.mark.parametrize("body", [
+    {"items": [[0, None]] * 3}, {"errors": None}, {"errors": [[3, 2, "x"]]},
+    {"errors": [[0, 2, "x"], [0, 3, "y"]]}, {"errors": [[0, 0, "x"]]}, {"errors": [[0, 2, 5]]},
+    {"errors": [[-1, 2, "x"]]}, {"errors": [(0, 2, "x")]}, {"errors": [[0, 2]]},
+])
+def test_a_put_end_answered_with_its_refused_keys_is_checked(body):
+    """A ``put_end`` asked with ``columns`` answers ``[index, code, message]``
+    of each refused key; an index out of range or repeated, a zero code or
+    another shape is MalformedFrame."""
+    good = wire.Reply(0, 1, {"errors": [[1, errors.StaleToken.code, "gone"]]}, [])
+    assert wire.put_end_refused(good, 3) == [[1, errors.StaleToken.code, "gone"]]
+    assert wire.put_end_refused(wire.Reply(0, 1, {"errors": []}, []), 3) == []
+    with pytest.raises(errors.MalformedFrame):
+        wire.put_end_refused(wire.Reply(0, 1, body, []), 3)
