@@ -73,7 +73,6 @@ SLOW = {
     "tests/test_models.py::test_model_gives_expected_verdict[Lease]": 32,
     "tests/test_models.py::test_model_gives_expected_verdict[Failover_ThreeTerms]": 19,
     "tests/stateful/test_publish.py::TestPublishSystem": 76,
-    "tests/runtime/test_wire.py::test_the_fast_test_of_every_field_agrees_with_its_check": 46,
     "tests/cores/test_pool.py::TestPool": 38,
     "tests/runtime/test_failover_cores.py::TestFailoverCores": 37,
     "tests/stateful/test_tenancy.py::TestTenancySystem": 36,

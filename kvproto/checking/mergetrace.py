@@ -61,8 +61,9 @@ grant, so it is placed before the ``PutEnd``, where the writer wrote it.
 
 A master file holds a run per time the master opened its directory (one is
 checked: :func:`master_run`). The run of a master of term ``T`` is merged
-with each node's steps under ``T`` (:func:`read_node`: from its fence of
-``T`` to its first fence of a later term), and starts from the directory it
+with each node's steps under ``T``
+(:func:`~kvproto.checking.nodetrace.read_node`: from its fence of ``T`` to
+its first fence of a later term), and starts from the directory it
 opened with (``traces.OpenedInit``) and from each traced node's region table
 at its fence of ``T``, replayed from its steps before (``NodesOpened``). For a
 master that took over:
@@ -89,7 +90,6 @@ next starts from it, as from a takeover's opening.
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -98,116 +98,16 @@ from typing import Callable, Optional
 import attrs
 
 from kvproto.checking import traces, windows
+from kvproto.checking.nodetrace import node_files, read_nodes, replay
 from kvproto.checking.tla import Fn, format_value
 from kvproto.checking.tracerun import (TraceError, Verdict, accepted, cfg_text, failure,
-                                       first_unmatched, machine_lines, run_module)
+                                       first_unmatched, run_module)
 
-__all__ = ["Causes", "MergedModel", "NodeRun", "Windows", "check", "check_steps", "check_windows",
-           "master_run", "merge", "node_files", "read_node", "read_nodes"]
+__all__ = ["Causes", "MergedModel", "Windows", "check", "check_steps", "check_windows",
+           "master_run", "merge"]
 
-#: the node steps that are steps of the region table (``publish.storage_step``)
-REGION_STEPS = ("AssignRegion", "FreeRegion", "WriteReplica", "ReadReplica")
-#: the steps a request to the node asks for, by the ``op`` of its ``asked`` line
-ASKED = {"WriteReplica": "write", "ReadReplica": "read"}
-#: the node's steps that carry a term (raising its fence as ``Fence`` does)
-STAMPED = ("StampedAllocate", "StampedPublish", "StampedFree")
 #: the master's effects that are commands to a node, and their names in the queue
 COMMANDS = {"AssignRegion": "assign", "FreeRegion": "free"}
-
-
-def node_files(master: "str | Path") -> list[Path]:
-    """The node files a master's ``KVPROTO_TRACE`` file has beside it."""
-    return sorted(Path(p) for p in glob.glob(glob.escape(str(master)) + ".storage-*"))
-
-
-class NodeRun:
-    """A node file's part in the run of a master of ``term`` (:func:`read_node`)."""
-
-    def __init__(self) -> None:
-        #: every segment the file opened
-        self.segments: set = set()
-        #: segment -> offset -> (token, written): the node's region table when
-        #: its term reached the run's (its fence of the master's term), replayed
-        #: from its steps before; empty where the node never reached that term
-        self.table: dict = {}
-        #: the region steps it took under the run's term, each with its line
-        self.steps: list[tuple[int, dict]] = []
-
-
-def read_node(path: "str | Path", term: int = 1) -> NodeRun:
-    """A node file's region steps under ``term`` (from its fence of ``term`` to
-    its first fence of a later one) and its region table before them.
-
-    The node's term is its ``opened`` line's, raised by each accepted
-    ``Fence`` and stamped step. A step records the token its request carried
-    (``asked``); a ``FreeRegion`` the node took itself for its
-    ``PurgeUnpublished`` (the region of an allocation the purge dropped, by
-    its index) is marked ``purge``."""
-    lines = machine_lines(path, "storage")
-    if not lines or "opened" not in lines[0][1]:
-        raise TraceError(f"{path} does not start where a storage node opened its segment")
-    out = NodeRun()
-    at, asked, index, purged, reached = 0, None, {}, set(), False
-    for number, obj in lines:
-        if "opened" in obj:
-            segment, at = obj["opened"]["segment"], obj["opened"].get("term", 0)
-            out.segments.add(segment)
-            if at < term:                 # a new segment, empty: the old one is gone
-                out.table = {segment: {}}
-            asked, index, purged = None, {}, set()
-            reached = reached or at == term
-            continue
-        if "asked" in obj:
-            asked = obj["asked"]
-            continue
-        if not isinstance(obj.get("event"), dict) or not isinstance(obj.get("effects"), list):
-            raise TraceError(f"{path}:{number}: a step needs 'event' and 'effects'")
-        ev, ok = obj["event"], accepted(obj)
-        kind = ev.get("type")
-        if ok and (kind == "Fence" or kind in STAMPED):
-            at = max(at, ev["term"])
-        if at > term:
-            break
-        reached = reached or at == term
-        if ok and kind == "StampedAllocate":
-            index[ev["key"]] = (ev["offset"], ev["token"])
-        elif ok and kind == "StampedFree":
-            index.pop(ev["key"], None)
-        elif ok and kind == "PurgeUnpublished":
-            purged = {index.pop(k) for k in obj["effects"][0]["keys"] if k in index}
-            continue
-        if kind not in REGION_STEPS:
-            asked, purged = None, set()
-            continue
-        if asked is not None and ASKED.get(kind) == asked.get("op") \
-                and asked.get("offset") == ev.get("offset"):
-            obj = {**obj, "asked": asked.get("token")}
-        asked = None
-        if kind == "FreeRegion" and (ev["offset"], ev["token"]) in purged:
-            purged.discard((ev["offset"], ev["token"]))
-            obj = {**obj, "purge": True}
-        else:
-            purged = set()
-        if at < term:
-            _replay(out.table.get(ev["segment"]), kind, ev, ok)
-        else:
-            out.steps.append((number, obj))
-    if not reached:
-        out.table = {}
-    return out
-
-
-def _replay(regions: Optional[dict], kind: str, ev: dict, ok: bool) -> None:
-    """A region step applied to ``regions`` (offset -> (token, written)) as
-    the node's core applied it (a refused step changes nothing)."""
-    if regions is None or not ok:
-        return
-    if kind == "AssignRegion":
-        regions[ev["offset"]] = (ev["token"], False)
-    elif kind == "FreeRegion":
-        regions.pop(ev["offset"], None)
-    elif kind == "WriteReplica":
-        regions[ev["offset"]] = (ev["token"], True)
 
 
 def opened_commands(header: dict) -> list[tuple]:
@@ -330,7 +230,7 @@ class MergedModel:
     """The merged behaviour on model values: what :func:`traces.module` and
     :func:`cfg_text` take, and where each record came from. ``tables``: the
     nodes' region tables the run starts from (segment -> offset -> (token,
-    written), :attr:`NodeRun.table`)."""
+    written), :attr:`~kvproto.checking.nodetrace.NodeRun.table`)."""
 
     def __init__(self, header, master, nodes, files, tables: Optional[dict] = None,
                  end: Optional[dict] = None, end_tables: Optional[dict] = None) -> None:
@@ -516,18 +416,6 @@ def master_run(path: "str | Path", run: Optional[int] = None) -> tuple[dict, lis
     return traces.publish_run(split[(run or 1) - 1])
 
 
-def read_nodes(paths: list, term: int) -> tuple[set, list[list[tuple[int, dict]]], dict]:
-    """:func:`read_node` of each file: the segments they cover, each one's
-    region steps under ``term``, and their region tables before them (by segment)."""
-    segments, node_steps, tables = set(), [], {}
-    for path in paths:
-        node = read_node(path, term)
-        segments |= node.segments
-        node_steps.append(node.steps)
-        tables.update(node.table)
-    return segments, node_steps, tables
-
-
 def check(master: "str | Path", nodes: Optional[list] = None, *, run: Optional[int] = None,
           size: int = windows.SIZE, keep: Optional[Path] = None,
           on_output: Optional[Callable[[str], None]] = None) -> Verdict:
@@ -551,7 +439,7 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
                 end: Optional[dict] = None, end_tables: Optional[dict] = None,
                 idle: frozenset = frozenset()) -> Verdict:
     """:func:`check` of a master's run (:func:`traces.publish_run`) and its
-    nodes' region steps (:func:`read_nodes`, one list per file of ``files[1:]``;
+    nodes' region steps (:func:`~kvproto.checking.nodetrace.read_nodes`, one list per file of ``files[1:]``;
     ``files[0]`` the master's) on the ``segments`` the node files cover, from
     the region ``tables`` the nodes held at its start (and the commands on
     their way then: :func:`opened_commands` of ``header``). With ``end`` (an
@@ -716,7 +604,7 @@ class Windows:
         for steps in self.nodes_of(part):
             for _, step in steps:
                 ev = step["event"]
-                _replay(tables.setdefault(ev["segment"], {}), ev["type"], ev, accepted(step))
+                replay(tables.setdefault(ev["segment"], {}), ev["type"], ev, accepted(step))
         p1 = self.span(part)[1]
         header = {**traces.boundary(start["header"], part), "sent": self.sent[p1]}
         return {"header": header, "tables": tables, "idle": self.idle[p1]}

@@ -25,7 +25,7 @@ import pytest
 
 import kvproto
 from kvproto import cli, errors
-from kvproto.checking import mergetrace
+from kvproto.checking import mergetrace, nodetrace
 from kvproto.runtime import tracing
 
 from runtime_helpers import Raw as RawClient, wait_for
@@ -110,7 +110,7 @@ def run(tmp_path_factory) -> Path:
 
 
 def test_every_node_records_its_region_steps_beside_the_masters_file(run):
-    files = mergetrace.node_files(run)
+    files = nodetrace.node_files(run)
     assert len(files) == 2
     kinds = set()
     for f in files:
@@ -142,7 +142,7 @@ def rewrite(run: Path, out: Path, change) -> tuple[Path, int]:
     it accepts (returns True): the node file and the step's number."""
     shutil.copy(run, out)
     hit = None
-    for f in mergetrace.node_files(run):
+    for f in nodetrace.node_files(run):
         lines = rows(f)
         kept = []
         for r in lines:
@@ -264,7 +264,7 @@ def test_a_run_with_repairs_is_a_behaviour_of_the_spec(tmp_path):
                      what="a repaired replica listed")
             for i in range(1, 4):
                 assert bytes(c.get(b"k%d" % i)) == bytes([65 + i]) * 3000
-    copies = [r for f in mergetrace.node_files(path) for r in rows(f)
+    copies = [r for f in nodetrace.node_files(path) for r in rows(f)
               if r.get("asked", {}).get("op") == "write"]
     assert copies, "no write recorded"
     verdict = mergetrace.check(path)

@@ -23,7 +23,7 @@ import pytest
 
 import kvproto
 from kvproto import cli, errors
-from kvproto.checking import mergetrace
+from kvproto.checking import mergetrace, nodetrace
 from kvproto.checking.tracerun import TraceError
 from kvproto.runtime import tracing
 
@@ -60,8 +60,8 @@ def run(tmp_path_factory) -> Path:
 
 def parts(path: Path, nodes=None):
     header, steps = mergetrace.master_run(path)
-    files = [path] + (nodes or mergetrace.node_files(path))
-    segments, node_steps, tables = mergetrace.read_nodes(files[1:], header.get("term", 1))
+    files = [path] + (nodes or nodetrace.node_files(path))
+    segments, node_steps, tables = nodetrace.read_nodes(files[1:], header.get("term", 1))
     return header, steps, node_steps, files, segments, tables
 
 
@@ -142,7 +142,7 @@ def test_a_node_step_changed_in_a_later_window_is_rejected_at_its_number(run, tm
     bad = tmp_path / "bad.trace"
     shutil.copy(run, bad)
     hit = None
-    for f in mergetrace.node_files(run):
+    for f in nodetrace.node_files(run):
         lines = rows(f)
         for r in lines:
             if hit is None and r.get("event") and _stale_write(r, late):

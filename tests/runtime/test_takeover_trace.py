@@ -27,7 +27,7 @@ import pytest
 
 import kvproto
 from kvproto import cli, errors
-from kvproto.checking import mergetrace, traces
+from kvproto.checking import mergetrace, nodetrace, traces
 from kvproto.runtime import tracing
 
 import test_master_failover as failover
@@ -130,7 +130,7 @@ def successor(tmp_path_factory) -> Path:
         assert status == 0
         wait_for(lambda: all(any(r.get("event", {}).get("type") == "AssignRegion"
                                  and r["event"]["key"] == "p" for r in rows(f))
-                             for f in mergetrace.node_files(path)),
+                             for f in nodetrace.node_files(path)),
                  what="the unpublished attempt's regions assigned at both nodes")
         a.stop(signal.SIGKILL)
         wait_for(lambda: failover.open_at(url, b_addr, raw), timeout=20, what="the standby open")
@@ -254,7 +254,7 @@ def copied(path: Path, out: Path, change) -> tuple[Path, Path, object]:
     what ``change`` returned."""
     shutil.copy(path, out)
     node, hit = None, None
-    for f in mergetrace.node_files(path):
+    for f in nodetrace.node_files(path):
         lines = rows(f)
         target = Path(f"{out}.storage-{f.name.split('storage-')[1]}")
         if node is None:
@@ -275,8 +275,8 @@ def test_the_successor_merged_with_its_nodes_is_a_behaviour_of_the_spec(successo
     region, ``d``'s assign and write, ``c``'s free) from the region table it
     held at its fence: ``a``'s and ``c``'s regions written, ``p``'s not."""
     header = rows(successor)[0]["opened"]
-    for f in mergetrace.node_files(successor):
-        node = mergetrace.read_node(f, header["term"])
+    for f in nodetrace.node_files(successor):
+        node = nodetrace.read_node(f, header["term"])
         p = node_event(rows(f), "StampedAllocate", key="p")["event"]["token"]
         (table,) = node.table.values()
         assert sorted(table.values()) == sorted(

@@ -159,11 +159,11 @@ def _passes(check, value) -> bool:
     return True
 
 
-@settings(max_examples=3000, deadline=None)
-@given(st.sampled_from(_FIELDS), _VALUES)
-def test_the_fast_test_of_every_field_agrees_with_its_check(field, value):
-    name, check = field
-    assert check.ok(value) == _passes(check, value), (name, value)
+@settings(max_examples=400, deadline=None)
+@given(_VALUES)
+def test_the_fast_test_of_every_field_agrees_with_its_check(value):
+    for name, check in _FIELDS:
+        assert check.ok(value) == _passes(check, value), (name, value)
 
 
 @pytest.mark.parametrize("op,field,value,ok", [

@@ -55,7 +55,7 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
-from kvproto.checking import failtrace, leasetrace, mergetrace, traces
+from kvproto.checking import failtrace, leasetrace, mergetrace, nodetrace, traces
 from kvproto.checking.traces import runs
 from kvproto.checking.tracerun import TraceError, Verdict, accepted
 
@@ -178,7 +178,7 @@ def _merged_check(label: str, path: Path, header: dict, steps: list, nodes: list
     node's steps under its term, from the region table the node held at its
     fence of that term: whole, in windows of at most ``max_steps`` master
     steps (at most ``max_windows`` of them)."""
-    segments, node_steps, tables = mergetrace.read_nodes(nodes, header.get("term", 1))
+    segments, node_steps, tables = nodetrace.read_nodes(nodes, header.get("term", 1))
     files = [path] + nodes
     recorded = len(steps) + sum(map(len, node_steps))
     name = label + " merged"
