@@ -277,7 +277,7 @@ class MasterCore(MasterRequests, MasterReads, MasterTakeover):
         self._queue.append((e.segment, "free", [e.offset, e.token, e.length]))
 
     def _published(self, e: Published) -> None:
-        self._forget_pending(e.token)
+        self._forget_pending((e.token,))
         self.counters["puts_published"] += 1
         if self.tenants is not None:
             self.tenants.published(e.key)
@@ -291,7 +291,7 @@ class MasterCore(MasterRequests, MasterReads, MasterTakeover):
             queue.append((segment, "publish", [offset, e.key, e.token, checksum, requested]))
 
     def _revoked(self, e: Revoked) -> None:
-        self._forget_pending(e.token)
+        self._forget_pending((e.token,))
         if self.tenants is not None:
             self.tenants.abandoned(e.key)
 
@@ -329,15 +329,19 @@ class MasterCore(MasterRequests, MasterReads, MasterTakeover):
         RepairCancelled: _repair_cancelled, Removed: _removed,
     }
 
-    def _forget_pending(self, token: int) -> None:
-        client = self._owner.pop(token, None)
-        if client is None:
-            return
-        session = self.sessions.get(client)
-        if session is not None:
-            session.tokens.pop(token, None)
+    def _forget_pending(self, tokens) -> None:
+        """The put attempts ``tokens`` (published or revoked) leave their
+        clients' sessions; a session left empty goes."""
+        owner_of, sessions, touched = self._owner.pop, self.sessions, {}
+        for token in tokens:
+            client = owner_of(token, None)
+            session = sessions.get(client) if client is not None else None
+            if session is not None:
+                session.tokens.pop(token, None)
+                touched[client] = session
+        for client, session in touched.items():
             if session.empty():
-                del self.sessions[client]
+                del sessions[client]
 
     def _flush(self, parked: Optional[Parked] = None) -> None:
         """Turn queued storage effects into commands, one per run of same-op
@@ -766,7 +770,7 @@ class MasterCore(MasterRequests, MasterReads, MasterTakeover):
                 err, _ = self._step(ReclaimAbandoned(key, token))
                 if err is None:
                     self.counters["reclaimed"] += 1
-                self._forget_pending(token)
+                self._forget_pending((token,))
             if now - session.last_seen <= self.writer_timeout:
                 continue
             if session.pins:

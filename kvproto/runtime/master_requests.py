@@ -344,28 +344,17 @@ class MasterRequests:
         results = self.directory.put_end_many(ends)
         items, puts, queue = [], [], self._queue
         append, publish = queue.append, "publish"
-        # each attempt published is no longer pending (_forget_pending); a
-        # session left empty goes once all are forgotten
-        owner_of, sessions, touched = self._owner.pop, self.sessions, {}
         for (key, token, _), r in zip(ends, results):
             if type(r) is not tuple:
                 items.append(wire.error_item(r))
                 continue
             length, checksum, requested, placed = r
-            client = owner_of(token, None)
-            if client is not None:
-                session = touched.get(client) or sessions.get(client)
-                if session is not None:
-                    touched[client] = session
-                    session.tokens.pop(token, None)
             puts.append((key, (key, token), length * (len(placed) or 1)))
             # the storage nodes' index learns the publish (StampedPublish)
             for segment, offset in placed:
                 append((segment, publish, [offset, key, token, checksum, requested]))
             items.append([0, None])
-        for client, session in touched.items():
-            if session.empty():
-                del sessions[client]
+        self._forget_pending([holder[1] for _, holder, _ in puts])
         self.counters["puts_published"] += len(puts)
         self.counters["refused"] += len(ends) - len(puts)
         for (key, _, _), err in zip(puts, self.leases.put_many(puts)):

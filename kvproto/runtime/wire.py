@@ -66,7 +66,6 @@ from kvproto.runtime.schema import (
 #: each other with ``UnsupportedVersion`` instead of misreading a frame.
 PROTOCOL_VERSION = 3
 
-
 #: default limits (servers may configure their own)
 MASTER_MAX_HEADER = 16 << 20
 STORAGE_MAX_HEADER = 1 << 20  # > MasterCore.COMMAND_MAX_BYTES + slack
