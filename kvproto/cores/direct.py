@@ -170,10 +170,15 @@ class DirectCore:
         ``PublishDirect``, of each region in turn, when every
         ``PublishDirect`` is accepted (:meth:`publishable`, the offsets
         distinct): True, all applied; else False and nothing changed."""
-        if len(set(offsets)) != len(offsets) \
-                or not all(self.publishable(offsets, tokens, shown)):
+        rows = list(map(self._rows.index.get, offsets))
+        if None in rows or len(set(rows)) != len(rows):
             return False
-        at = np.array(list(map(self._rows.index.__getitem__, offsets)), np.intp)
+        at = np.array(rows, np.intp)
+        tok, st, wrote = (np.frombuffer(col, col.typecode, len(col))[at]
+                          for col in (self._tok, self._st, self._wrote))
+        if tok.tolist() != list(tokens) or (st != GRANTED).any() \
+                or not ((wrote != 0) | np.array(shown, bool)).all():
+            return False
         put(self._wrote, at, 1)
         put(self._st, at, PUBLISHED)
         return True

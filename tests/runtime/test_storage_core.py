@@ -219,7 +219,9 @@ def test_assign_and_publish_as_columns_answer_and_step_as_rows(node, traced, tmp
     lock = WriterLock()
     try:
         batches = [[[A, 10, b"a", 7], [B, 20, b"b", 8, lock.name]],       # accepted
-                   [[C, 10, b"c", 9], [D, 10, b"a", 10]]]                 # b"a" held: refused
+                   [[C, 10, b"c", 9], [D, 10, b"a", 10]],                 # b"a" held: refused
+                   [[4 * PAGE, 10, b"e", 11, lock.name],                  # each to its writer
+                    [5 * PAGE, 10, b"f", 12, lock.name]]]
         publishes = [[[A, b"a", 7, 5, 1], [B, b"b", 8]],                  # B not reported: refused
                      [[C, b"c", 9, 0, 2, 1]]]
         for rows in batches:
