@@ -9,9 +9,11 @@ forms). :func:`compare` diffs it against the graph TLC dumped with
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Optional
 
 import attrs
 
@@ -56,6 +58,40 @@ def emit(action: str, successor):
         yield action, successor
 
 
+#: The steps taken in the exploration in progress: ``(step, state, event) -> result``.
+_steps_taken: ContextVar[Optional[dict]] = ContextVar("steps_taken", default=None)
+
+
+def memoised_step(step: Callable[[Hashable, Hashable], tuple]) -> Callable[[Hashable, Hashable], tuple]:
+    """``step(state, event) -> (state, effects)``, taken once per equal
+    ``(state, event)`` while :func:`explore` walks a graph.
+
+    The exploration expands one state of each class of equal states, so it
+    already takes a step's result to depend on its arguments' values only
+    (tests/stateful/test_caches.py shows it for the fields left out of
+    equality). Many system states share equal parts (a pool, a directory), and
+    each part meets the same events again and again. A step that returns its
+    state unchanged (a refusal) returns the caller's own object, as the step
+    does. An event that cannot be hashed is stepped every time.
+    """
+    @functools.wraps(step)
+    def memo(state, event):
+        taken = _steps_taken.get()
+        if taken is None:
+            return step(state, event)
+        key = (step, state, event)
+        try:
+            found = taken.get(key)
+        except TypeError:   # an event that carries a dict
+            return step(state, event)
+        if found is None:
+            new, effects = step(state, event)
+            found = taken[key] = (None if new is state else new, effects)
+        new, effects = found
+        return (state if new is None else new), effects
+    return memo
+
+
 class StateLimitExceeded(RuntimeError):
     """:func:`explore` reached more states than its ``max_states``."""
 
@@ -72,8 +108,12 @@ def explore(
     must be hashable; they are deduplicated as Python states and recorded as
     ``to_tla(state)``. Self-loops are kept, as TLC keeps them.
     """
-    with gc_paused():
-        return _explore(initial_states, successors, to_tla, max_states)
+    token = _steps_taken.set({})
+    try:
+        with gc_paused():
+            return _explore(initial_states, successors, to_tla, max_states)
+    finally:
+        _steps_taken.reset(token)
 
 
 def _explore(initial_states, successors, to_tla, max_states) -> StateGraph:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import types
 
-from kvproto.checking.conformance import SpecBinding
+from kvproto.checking.conformance import SpecBinding, memoised_step
 from kvproto.cores.direct import DirectCore
 from kvproto.cores.directory import DirectoryCore
 from kvproto.cores.leases import LeaseCore
@@ -85,6 +85,11 @@ def stepped(snapshot: Snapshot, event) -> tuple:
     return Snapshot(core), effects
 
 
+#: :func:`stepped` taken once per equal (snapshot, event) in an exploration: for
+#: the parts of a closed system that many of its states share.
+shared_stepped = memoised_step(stepped)
+
+
 def _clone(fn: types.FunctionType, namespace: dict) -> types.FunctionType:
     new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
@@ -96,14 +101,26 @@ def _own(fn, module) -> bool:
     return isinstance(fn, types.FunctionType) and fn.__code__.co_filename == module.__file__
 
 
+def _recreate(fn, module, namespace: dict):
+    """``fn`` over ``namespace`` when it is ``module``'s own (a memoised step
+    re-created memoised), else None."""
+    if _own(fn, module):
+        return _clone(fn, namespace)
+    wrapped = getattr(fn, "__wrapped__", None)
+    if _own(wrapped, module):
+        return memoised_step(_clone(wrapped, namespace))
+    return None
+
+
 def rebind(module, overrides: dict, classes=("System", "Constants")) -> dict:
     """A namespace in which ``module``'s functions and the methods of its
     ``classes`` (re-created as subclasses) run with ``overrides`` in place of
     the module's names."""
     namespace = dict(vars(module))
     for name, value in vars(module).items():
-        if _own(value, module):
-            namespace[name] = _clone(value, namespace)
+        fn = _recreate(value, module, namespace)
+        if fn is not None:
+            namespace[name] = fn
     for name in classes:
         cls = vars(module)[name]
         body: dict = {"__slots__": (), "__module__": __name__, "__doc__": cls.__doc__}
@@ -156,25 +173,26 @@ def _settled(snapshot: Snapshot) -> Snapshot:
 
 FAST_BINDINGS: dict[str, SpecBinding] = {
     "Publish": fast_binding(publish, {
-        "master_step": stepped, "storage_step": stepped,
+        "master_step": shared_stepped, "storage_step": shared_stepped,
         "Directory": lambda: Snapshot(DirectoryCore()), "RegionTable": _region_table,
     }),
     "Lease": fast_binding(lease, {
-        "master_step": stepped,
+        "master_step": shared_stepped,
         "new_table": lambda ttl: Snapshot(LeaseCore(ttl)),
         "restored_table": lambda ttl, now, objects, quiet=None:
             Snapshot(LeaseCore.restored(ttl, now, objects, quiet)),
     }),
     "Failover": fast_binding(failover, {
-        "storage_step": stepped, "StorageNode": _storage_node,
+        "storage_step": shared_stepped, "StorageNode": _storage_node,
     }),
     "DirectWrite": fast_binding(directwrite, {
-        "node_step": stepped, "DirectTable": lambda: Snapshot(DirectCore()),
+        "node_step": shared_stepped, "DirectTable": lambda: Snapshot(DirectCore()),
     }),
     "Timeout": fast_binding(timeout, {
-        "pool_step": stepped,
+        "pool_step": shared_stepped,
         "new_pool": lambda buffers, **limits: Snapshot(PoolCore(buffers, **limits)),
     }),
+    # A tenancy system is its table alone: no state shares it with another.
     "Tenancy": fast_binding(tenancy_system, {
         "step": stepped, "add_tenant": stepped, "add_namespace": stepped, "settle": _settled,
         "new_tenancy": lambda ttl, capacity: Snapshot(TenancyCore(ttl, capacity)),

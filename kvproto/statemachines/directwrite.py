@@ -35,7 +35,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.checking.conformance import SpecBinding, emit
+from kvproto.checking.conformance import SpecBinding, emit, memoised_step
 from kvproto.checking.tla import Fn, ModelValue, model_names
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 
@@ -129,6 +129,7 @@ def _held(table: DirectTable, offset: int, token: int) -> Optional[DirectRegion]
     return region if region is not None and region.token == token else None
 
 
+@memoised_step
 def node_step(table: DirectTable, event: NodeEvent) -> tuple[DirectTable, tuple]:
     """Apply one event to a node's table of direct regions."""
     regions = table.regions

@@ -36,7 +36,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.checking.conformance import SpecBinding, emit
+from kvproto.checking.conformance import SpecBinding, emit, memoised_step
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.checking.tla import Fn, ModelValue, function, model_names
@@ -690,6 +690,7 @@ _MASTER_HANDLERS: dict[type, Callable] = {
 }
 
 
+@memoised_step
 def master_step(state: Master, event: MasterEvent) -> tuple[Master, Effects]:
     """Apply one event to a master."""
     return _MASTER_HANDLERS[type(event)](state, event)
@@ -709,6 +710,7 @@ def _stale(node: StorageNode, term: int):
     return _refuse(node, errors.StaleTerm(f"term {term} is below {node.term}"))
 
 
+@memoised_step
 def storage_step(node: StorageNode, event: StorageEvent) -> tuple[StorageNode, Effects]:
     """Apply one stamped request to a storage node.
 

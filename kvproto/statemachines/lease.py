@@ -54,7 +54,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.checking.conformance import SpecBinding, emit
+from kvproto.checking.conformance import SpecBinding, emit, memoised_step
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.checking.tla import Fn, ModelValue, model_names
@@ -420,6 +420,7 @@ _MASTER_HANDLERS: dict[type, Callable] = {
 }
 
 
+@memoised_step
 def master_step(table: LeaseTable, event: MasterEvent) -> tuple[LeaseTable, Effects]:
     """Apply one event to the master's lease table."""
     return _MASTER_HANDLERS[type(event)](table, event)

@@ -32,7 +32,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.checking.conformance import SpecBinding, emit
+from kvproto.checking.conformance import SpecBinding, emit, memoised_step
 from kvproto.statemachines.maps import map_of
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.checking.tla import Fn, ModelValue, model_names
@@ -628,6 +628,7 @@ _MASTER_HANDLERS: dict[type, Callable] = {
 }
 
 
+@memoised_step
 def master_step(state: Directory, event: MasterEvent) -> tuple[Directory, Effects]:
     """Apply one event to the master's directory."""
     return _MASTER_HANDLERS[type(event)](state, event)
@@ -638,6 +639,7 @@ def master_step(state: Directory, event: MasterEvent) -> tuple[Directory, Effect
 # --------------------------------------------------------------------------
 
 
+@memoised_step
 def storage_step(table: RegionTable, event: StorageEvent) -> tuple[RegionTable, Effects]:
     """Apply one event to a storage node's region table.
 

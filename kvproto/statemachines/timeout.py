@@ -71,7 +71,7 @@ import attrs
 import immutables
 
 from kvproto import errors
-from kvproto.checking.conformance import SpecBinding, emit
+from kvproto.checking.conformance import SpecBinding, emit, memoised_step
 from kvproto.statemachines.reuse import Outcome
 from kvproto.statemachines.refusal import Refused, accepted as _accepted, refuse as _refuse
 from kvproto.checking.tla import Fn, ModelValue, model_names
@@ -682,6 +682,7 @@ _POOL_HANDLERS: dict[type, Callable] = {
 }
 
 
+@memoised_step
 def pool_step(pool: Pool, event: PoolEvent) -> tuple[Pool, Effects]:
     """Apply one event to the client transfer engine's pool."""
     return _POOL_HANDLERS[type(event)](pool, event)
@@ -774,6 +775,7 @@ class AckSent:
     stopped: bool = False
 
 
+@memoised_step
 def node_step(node: NodeTransfers, event) -> tuple[NodeTransfers, Effects]:
     """Apply one event to a storage node's transfers.
 
