@@ -44,16 +44,14 @@ class Field:
 def describe(check: Callable) -> Field:
     """The :class:`Field` a :mod:`~kvproto.runtime.schema` validator checks for,
     read from the closure that :func:`~kvproto.runtime.schema.uint`,
-    ``binary``, ``text``, ``boolean``, ``list_of``, ``tuple_of`` and
-    ``columns_of`` return."""
+    ``binary`` and ``text`` (both ``_sized_value``), ``boolean``, ``list_of``,
+    ``tuple_of`` and ``columns_of`` return."""
     kind = check.__qualname__.split(".", 1)[0]
     env = dict(zip(check.__code__.co_freevars, (c.cell_contents for c in check.__closure__ or ())))
     if kind == "uint":
         return Field("uint", env["min_value"], env["max_value"])
-    if kind == "binary":
-        return Field("bytes", env["min_len"], env["max_len"])
-    if kind == "text":
-        return Field("str", env["min_len"], env["max_len"])
+    if kind == "_sized_value":
+        return Field(env["kind"].__name__, env["min_len"], env["max_len"])
     if kind == "boolean":
         return Field("bool")
     if kind == "list_of":

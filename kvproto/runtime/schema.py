@@ -73,15 +73,7 @@ def uint(max_value: int = UINT63, min_value: int = 0) -> Check:
 
 
 def binary(max_len: int = MAX_KEY_BYTES, min_len: int = 1) -> Check:
-    @_with(_sized("bytes", min_len, max_len))
-    def check(v, path):
-        if type(v) is not bytes:
-            raise _malformed(path, f"expected bytes, got {type(v).__name__}")
-        if not min_len <= len(v) <= max_len:
-            raise errors.InvalidArgument(f"{path}: length {len(v)} not in [{min_len}, {max_len}]")
-        return v
-    check.column = _column_of(bytes, min_len, max_len)
-    return check
+    return _sized_value(bytes, min_len, max_len)
 
 
 def _column_of(kind: type, lo: int, hi: int) -> Callable[[list], bool]:
@@ -91,14 +83,20 @@ def _column_of(kind: type, lo: int, hi: int) -> Callable[[list], bool]:
 
 
 def text(max_len: int = MAX_NAME, min_len: int = 0) -> Check:
-    @_with(_sized("str", min_len, max_len))
+    return _sized_value(str, min_len, max_len)
+
+
+def _sized_value(kind: type, min_len: int, max_len: int) -> Check:
+    """A value of type ``kind`` (bytes or str) whose ``len`` is in
+    ``[min_len, max_len]``."""
+    @_with(_sized(kind.__name__, min_len, max_len))
     def check(v, path):
-        if type(v) is not str:
-            raise _malformed(path, f"expected str, got {type(v).__name__}")
+        if type(v) is not kind:
+            raise _malformed(path, f"expected {kind.__name__}, got {type(v).__name__}")
         if not min_len <= len(v) <= max_len:
             raise errors.InvalidArgument(f"{path}: length {len(v)} not in [{min_len}, {max_len}]")
         return v
-    check.column = _column_of(str, min_len, max_len)
+    check.column = _column_of(kind, min_len, max_len)
     return check
 
 
