@@ -1,6 +1,6 @@
 """Hypothesis profiles and the ``--soak`` option.
 
-* ``ci`` (the default): 250 examples per Hypothesis test without settings of
+* ``ci`` (the default): 150 examples per Hypothesis test without settings of
   its own; a stateful test's examples take up to 100 steps each.
 * ``soak``: 5,000 examples of up to 400 steps, for long local runs.
 * ``mutate``: 500 examples of up to 100 steps, and a failure is reported as
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile(
-    "ci", max_examples=250, stateful_step_count=100, deadline=None,
+    "ci", max_examples=150, stateful_step_count=100, deadline=None,
     suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile(
     "mutate", max_examples=500, stateful_step_count=100, deadline=None,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 from typing import Optional
 
 import pytest
@@ -633,9 +632,11 @@ class FailoverCores(RuleBasedStateMachine):
 
 
 TestFailoverCores = FailoverCores.TestCase
-_SOAK = os.environ.get("HYPOTHESIS_PROFILE") == "soak"
-TestFailoverCores.settings = settings(max_examples=4000 if _SOAK else 400,
-                                      stateful_step_count=100 if _SOAK else 50)
+# the profile's examples (so ``--soak`` gives the soak size), of half its steps:
+# each step here runs a whole master and its nodes
+TestFailoverCores.settings = settings(
+    max_examples=settings.default.max_examples,
+    stateful_step_count=settings.default.stateful_step_count // 2)
 
 
 # --------------------------------------------------------------------------
