@@ -288,16 +288,10 @@ class DirectoryCore(DirectoryBuild):
         the single steps. Per item what :meth:`placed` gives of the object
         published, or the error its step is refused with;
         :func:`put_end_effects` gives the effects."""
-        index, st, tok, sums, placed, out = (self.rows.index, self._st, self._tok, self._sum,
-                                             self._placed_at, [])
+        publish, placed, out = self._publish, self._placed_at, []
         for key, token, checksum in items:
-            row = index.get(key)     # :meth:`_publish`, inline
-            if row is not None and st[row] == PENDING and tok[row] == token:
-                st[row] = PUBLISHED
-                sums[row] = checksum
-                out.append(placed(row))
-            else:
-                out.append(errors.StaleToken(f"token {token} does not own {key!r}"))
+            row = publish(key, token, checksum)
+            out.append(placed(row) if type(row) is int else row)
         return out
 
     def remove_many(self, keys: Iterable) -> list:
