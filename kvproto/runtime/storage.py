@@ -330,22 +330,15 @@ class StorageCore:
         mem, term = self.memory, body["term"]
         direct = dict(body.get("direct", ()))
         rows, columns = body.get("regions"), body.get("columns")
-        writers = ()
         if columns is not None:                   # the fifth column: each region's direct writer
-            writers, columns = columns[4], columns[:4]
+            offsets, writers = columns[0], columns[4]
+            if any(writers):
+                direct.update((o, w) for o, w in zip(offsets, writers) if w)
+            columns = columns[:4]
         count = len(rows if rows is not None else columns[0])
-        each = rows is None and not direct and all(writers)   # every region to its writer
-        if writers and not each:
-            direct.update((o, w) for o, w in zip(columns[0], writers) if w)
-        if self.trace is None and count >= BATCH_STEP_FROM:
-            batch = columns if rows is None else list(map(list, zip(*rows)))
-            grants = [batch[0], batch[3], writers] if each else list(map(list, zip(*[
-                (offset, token, direct[offset])
-                for offset, token in zip(batch[0], batch[3]) if offset in direct])))
-            if self._assign_all(term, batch, grants):
-                return _answer(body, count), []
-        if each:
-            direct = dict(zip(columns[0], writers))
+        if self.trace is None and count >= BATCH_STEP_FROM and self._assign_all(
+                term, columns if rows is None else list(map(list, zip(*rows))), direct):
+            return _answer(body, count), []
         node, segment, counters = self.node, self.segment, self.counters
         page, capacity, set_word = mem.page_size, mem.capacity, mem.set_word
         index, regions, granted = node.index, node.regions, self.direct.regions
@@ -385,12 +378,11 @@ class StorageCore:
         counters["assigned"] += assigned
         return _answer(body, assigned, results), []
 
-    def _assign_all(self, term: int, columns: list, grants: list) -> bool:
-        """The regions of an ``assign`` (as columns) at once, ``grants`` the
-        offsets, tokens and writers of those granted to a direct writer (as
-        columns; empty for none), when every step of every one is accepted
-        (the cores' batch steps, equal to stepping them in turn): True, all
-        assigned; else False and nothing changed."""
+    def _assign_all(self, term: int, columns: list, direct: dict) -> bool:
+        """The regions of an ``assign`` (as columns) at once, ``direct`` the
+        writer of each offset granted to a direct writer, when every step of
+        every one is accepted (the cores' batch steps, equal to stepping them
+        in turn): True, all assigned; else False and nothing changed."""
         mem = self.memory
         offsets, lengths, keys, tokens = columns
         if max(map(int.__add__, offsets, lengths)) > mem.capacity \
@@ -399,12 +391,14 @@ class StorageCore:
                 or not self.node.allocate_regions(term, offsets, lengths, keys, tokens):
             return False
         # the direct table has no row at any offset: every grant is accepted
-        if grants and not self.direct.grant_many(*grants):
+        mine = [(offset, token, direct[offset])
+                for offset, token in zip(offsets, tokens) if offset in direct]
+        if mine and not self.direct.grant_many(*map(list, zip(*mine))):
             raise errors.InternalError("GrantDirect was refused where accepted")
         mem.set_words(offsets, [token << 1 for token in tokens])   # gen_word(token, False)
         self.tokens_seen = max(self.tokens_seen, *tokens)
         self.counters["assigned"] += len(offsets)
-        self.counters["direct_granted"] += len(grants[0]) if grants else 0
+        self.counters["direct_granted"] += len(mine)
         return True
 
     def _free_region(self, offset: int, token: int, length: int,
