@@ -644,7 +644,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         first: Optional[errors.KvError] = None
         queued = max(started - sent, 0.0)
         verified = time.monotonic()         # nothing reads the store after the transfer
-        read = [i for i, lease_id, got in zip(range(len(leases)), leases, results)
+        read = [i for i, (lease_id, got) in enumerate(zip(leases, results))
                 if lease_id and got is not None]
         if skip:
             read = [i for i in read if i not in skip]
