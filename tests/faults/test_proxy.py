@@ -46,8 +46,12 @@ class Server(threading.Thread):
             elif op == "put_start":
                 reply["items"] = [[0, {"token": 40 + i, "replicas": [["seg-a", 0, 9], ["seg-b", 0, 9]]}]
                                   for i, _ in enumerate(body["items"])]
+            elif op == "put_end" and body.get("columns"):   # the refused keys only
+                reply["errors"] = [[i, 5, "stale"] for i, item in enumerate(body["items"])
+                                   if item[0] == b"c"]
             elif op == "put_end":
-                reply["items"] = [[0, None] for _ in body["items"]]
+                reply["items"] = [[5, "stale"] if item[0] == b"c" else [0, None]
+                                  for item in body["items"]]
             self.sock.send_multipart([identity, wire.encode_reply(rid, 0, reply)])
 
 
@@ -195,13 +199,17 @@ def test_kill_and_stop_the_process_named_in_the_frame(net):
 
 
 @pytest.mark.parametrize("columns", [False, True])
-def test_placements_of_acknowledged_puts(net, columns):
+@pytest.mark.parametrize("refused_only", [False, True])
+def test_placements_of_acknowledged_puts(net, columns, refused_only):
     """A put's placement is learned from its grant, answered as items or as
-    columns, once its put_end is acknowledged."""
+    columns, once its put_end is acknowledged, answered by an item per key or
+    (asked with ``columns``) by the refused keys only."""
     control, server, client = net
-    send(client, "put_start", 1, {"client": "c", "replicas": 2, "items": [[b"a", 9], [b"b", 9]],
-                                  "columns": columns})
-    send(client, "put_end", 2, {"client": "c", "items": [[b"b", 41]]})
+    send(client, "put_start", 1, {"client": "c", "replicas": 2,
+                                  "items": [[b"a", 9], [b"b", 9], [b"c", 9]], "columns": columns})
+    # the fake master refuses c's put_end
+    send(client, "put_end", 2, {"client": "c", "items": [[b"b", 41], [b"c", 42]],
+                                **({"columns": True} if refused_only else {})})
     assert replies(client, 2) == [1, 2]
     assert control.call("placements")["placements"] == {b"b": ["seg-a", "seg-b"]}
 

@@ -392,6 +392,14 @@ class Proxy:
                 while len(self.grants) > MEMORY:
                     self.grants.popitem(last=False)
             return
+        if op == "put_end" and type(summary) is list and items is None \
+                and type(refused := body.get("errors")) is list:
+            # a put_end asked with ``columns``: every key not listed was published
+            items = [[0, None]] * len(summary)
+            for error in refused:
+                if type(error) is list and error and type(error[0]) is int \
+                        and 0 <= error[0] < len(items):
+                    items[error[0]] = [1, None]
         if type(items) is not list:
             return
         if op == "read_begin" and pid is not None:
