@@ -150,7 +150,9 @@ def successor(tmp_path_factory) -> Path:
 
 def test_the_successor_lists_the_directory_it_recovered(successor):
     header = rows(successor)[0]["opened"]
-    assert header["term"] == 2 and header["objects"] == 2
+    # term 2, or later where a loaded machine let the first master's election
+    # key (TTL 1 s) lapse and it was elected again before it was killed
+    assert header["term"] >= 2 and header["objects"] == 2
     directory = header["directory"]
     assert sorted(directory) == ["a", "c"]
     for key, record in directory.items():
