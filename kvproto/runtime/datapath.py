@@ -337,8 +337,9 @@ def _read_batches(where: dict, batches: dict, results: list, done_at: dict, take
             continue
         got = seg.read_many(offs, lengths, tokens, nonce, take)
         done = time.monotonic()
-        if type(index) is range and all_present(got):
-            # every key of the reply, each read (:func:`_read_local`'s first case)
+        if type(index) is range and len(got) > 1 and all_present(got):
+            # every key of the reply, each read (:func:`_read_local`'s first
+            # case; a single key costs less in the loop)
             results[:] = got
             done_at.update(dict.fromkeys(index, done))
             read += len(got)
