@@ -157,6 +157,8 @@ class LeaseCore:
         ended = []
         while queue and queue[0][0] <= now:
             _, seq, holders = queue.popleft()
+            if leases.keys().isdisjoint(holders):
+                continue                   # all released or renewed since
             for holder in holders:
                 lease = leases.get(holder)
                 if lease is not None and lease[SEQ] == seq:

@@ -644,8 +644,9 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         first: Optional[errors.KvError] = None
         queued = max(started - sent, 0.0)
         verified = time.monotonic()         # nothing reads the store after the transfer
-        read = [i for i, (lease_id, got) in enumerate(zip(leases, results))
-                if lease_id and got is not None]
+        read = range(len(results)) if 0 not in leases and datapath.all_present(results) else \
+            [i for i, (lease_id, got) in enumerate(zip(leases, results))
+             if lease_id and got is not None]
         if skip:
             read = [i for i in read if i not in skip]
         if not read:

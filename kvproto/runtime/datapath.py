@@ -197,7 +197,8 @@ class ReadBuffers:
     def __init__(self, capacity: int = 128 << 20) -> None:
         self.capacity = capacity
         self._bufs: list[np.ndarray] = []
-        #: gets served from an idle buffer, and from fresh memory
+        #: buffers taken from idle memory, and from fresh memory (a get's, or a run of
+        #: regions a batch read copies together)
         self.reused = self.fresh = 0
         self._slab, self._cut = memoryview(b""), 0
         self._slabs: list[np.ndarray] = []
@@ -286,6 +287,16 @@ def _verified(client, key: bytes, replica: list, data, expected: int
         f"its writer recorded {expected:#018x}")
 
 
+def all_present(values: list) -> bool:
+    """Whether no entry of ``values`` (views read, or counts) is ``None``,
+    judged by type: ``None in values`` compares each view with ``None``,
+    about 0.2 us apiece."""
+    return _NONE not in set(map(type, values))
+
+
+_NONE = type(None)
+
+
 def _read_local(where: dict, grants: dict, results: list, done_at: dict, take) -> int:
     """A plain get's first pass: each granted key whose first replica is in
     a segment mapped on this host is copied out of it, one
@@ -326,6 +337,13 @@ def _read_batches(where: dict, batches: dict, results: list, done_at: dict, take
             continue
         got = seg.read_many(offs, lengths, tokens, nonce, take)
         done = time.monotonic()
+        if type(index) is range and len(got) > 1 and all_present(got):
+            # every key of the reply, each read (:func:`_read_local`'s first
+            # case; a single key costs less in the loop)
+            results[:] = got
+            done_at.update(dict.fromkeys(index, done))
+            read += len(got)
+            continue
         for i, view in zip(index, got):
             if view is not None:
                 results[i], done_at[i] = view, done

@@ -256,6 +256,12 @@ def _close_quietly(shm: SharedMemory) -> None:
 #: pages in at first touch
 POPULATE_BYTES = 4 << 30
 
+#: regions next to each other in a segment that :meth:`LocalSegment.read_many`
+#: copies in its array passes go into one buffer of its ``take``, one memcpy,
+#: up to this many bytes (what a plain get's buffers cut from a slab,
+#: :class:`~kvproto.runtime.datapath.ReadBuffers`)
+READ_RUN_BYTES = 64 << 10
+
 #: from this many regions :meth:`LocalSegment.read_many` checks their words
 #: in array passes (about 20 NumPy calls, 25-35 us whatever the count); fewer
 #: are checked one by one (0.1-0.3 us more a region, the same below ~128)
@@ -395,7 +401,9 @@ class LocalSegment:
         of :meth:`_seqlocked`: the nonce before the first copy and after the
         last; each region's word before its copy and after it, region by
         region below :data:`READ_ARRAYS_FROM` regions, else in a pass over
-        the words before the first copy and one after the last)."""
+        the words before the first copy and one after the last, the regions
+        next to each other then copied together: one buffer of ``take``, one
+        memcpy, :data:`READ_RUN_BYTES` at most)."""
         words, data, n = self._words, self._bytes, len(offsets)
         if words is None or words[1] != nonce:
             return [None] * n
@@ -422,13 +430,18 @@ class LocalSegment:
             gens = np.frombuffer(words, dtype=np.uint64)
             done = (toks << np.uint64(1)) | np.uint64(1)      # gen_word(token, True)
             out = [None] * n
+            run: list = []          # regions next to each other in the segment
+            start = end = -1
             for i in np.flatnonzero(fits & (gens[at] == done)).tolist():
                 offset, length = offsets[i], lengths[i]
-                buf = take(length)
-                if type(buf) is not memoryview:
-                    buf = memoryview(buf)
-                buf[:] = data[offset:offset + length]
-                out[i] = buf
+                if offset != end or end + length - start > READ_RUN_BYTES:
+                    if run:
+                        _copy_run(data, take, offsets, lengths, run, start, end, out)
+                    run, start = [], offset
+                run.append(i)
+                end = offset + length
+            if run:
+                _copy_run(data, take, offsets, lengths, run, start, end, out)
             out = [buf if ok else None for buf, ok in zip(out, (gens[at] == done).tolist())]
         if words[1] != nonce:
             return [None] * n
@@ -450,6 +463,23 @@ class LocalSegment:
             except BufferError:
                 pass
         self._maps = []
+
+
+def _copy_run(data: memoryview, take, offsets, lengths, run: list, start: int, end: int,
+              out: list) -> None:
+    """Copy the regions ``run`` (indexes into ``offsets``/``lengths``), which
+    fill ``[start, end)`` of the segment ``data`` one after the other, into
+    one buffer of ``take``: ``out[i]`` the view of region ``i`` in it."""
+    buf = take(end - start)
+    if type(buf) is not memoryview:
+        buf = memoryview(buf)
+    buf[:] = data[start:end]
+    if len(run) == 1:
+        out[run[0]] = buf
+        return
+    for i in run:
+        at = offsets[i] - start
+        out[i] = buf[at:at + lengths[i]]
 
 
 WRITER_PREFIX = "kvpw_"

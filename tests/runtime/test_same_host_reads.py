@@ -92,11 +92,13 @@ def test_a_batch_read_keeps_only_regions_complete_before_and_after(segment, monk
 
     def rewritten(n):                 # the middle region's writer starts again
         taken.append(n)
-        if len(taken) == 2:
+        if len(taken) == 1:
             mem.set_word(LENGTH, gen_word(8, False))
         return bytearray(n)
     got = local.read_many(offsets, [LENGTH] * 3, tokens, nonce, rewritten)
     assert got[1] is None and bytes(got[0]) == b"\xaa" * LENGTH and bytes(got[2]) == b"\xcc" * LENGTH
+    # in array passes the three regions, next to each other, are one copy
+    assert taken == ([3 * LENGTH] if arrays_from == 1 else [LENGTH, LENGTH])
     publish(mem, LENGTH, 8, 0xBB)
 
     def started_over(n):              # a new segment id: the same tokens, other bytes
@@ -168,3 +170,22 @@ def test_a_same_host_read_torn_by_a_rewrite_falls_back_to_the_network():
         assert client.get_into(b"k", Consume(LENGTH, seen.append)) == LENGTH   # undisturbed
         assert seen == [data] and client.transfer_counters["local_reads"] == 1
         assert node.core.counters["reads"] == 0
+
+
+def test_regions_next_to_each_other_are_copied_together_up_to_a_run(segment, monkeypatch):
+    """In array passes a run of regions that follow each other in the segment
+    is one buffer and one copy, cut at ``READ_RUN_BYTES``; a gap starts another."""
+    monkeypatch.setattr(shm, "READ_ARRAYS_FROM", 1)
+    monkeypatch.setattr(shm, "READ_RUN_BYTES", 2 * LENGTH)
+    mem, local = segment
+    offsets, tokens = [0, LENGTH, 2 * LENGTH, 4 * LENGTH], [7, 8, 9, 10]
+    for offset, token, fill in zip(offsets, tokens, (0xAA, 0xBB, 0xCC, 0xDD)):
+        publish(mem, offset, token, fill)
+    taken = []
+
+    def take(n):
+        taken.append(n)
+        return bytearray(n)
+    got = local.read_many(offsets, [LENGTH] * 4, tokens, mem.nonce, take)
+    assert [bytes(v) for v in got] == [bytes([f]) * LENGTH for f in (0xAA, 0xBB, 0xCC, 0xDD)]
+    assert taken == [2 * LENGTH, LENGTH, LENGTH]
