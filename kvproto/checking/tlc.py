@@ -316,6 +316,10 @@ def _archive_options(archive: Path | None) -> tuple[list[str], Path | None]:
     if archive.is_file():
         return [f"-XX:SharedArchiveFile={archive}", quiet], None
     written = archive.with_name(f"{archive.name}.{os.getpid()}.{threading.get_ident()}")
+    try:                    # the JVM does not start where it cannot write the archive
+        written.touch(exist_ok=False)
+    except OSError:
+        return [], None
     return [f"-XX:ArchiveClassesAtExit={written}", quiet], written
 
 
@@ -385,8 +389,11 @@ def run(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            if written is not None and written.is_file():
-                written.replace(archive)
+            if written is not None:
+                if written.is_file() and written.stat().st_size > 0:
+                    written.replace(archive)
+                else:
+                    written.unlink(missing_ok=True)
     return read_result(model, exit_code, "\n".join(lines) + "\n", time.monotonic() - start)
 
 
