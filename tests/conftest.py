@@ -63,7 +63,7 @@ SLOW = {
     "tests/faults/test_matrix.py": 60,
     "tests/runtime/test_repair_runtime.py": 45,
     "tests/cores/test_differential.py": 40,
-    "tests/runtime/test_failover_trace.py": 35,
+    "tests/runtime/test_failover_trace.py": 40,
     "tests/runtime/test_merged_windows.py": 30,
     "tests/runtime/test_takeover_trace.py": 25,
     "tests/runtime/test_timeline.py": 12,
@@ -86,7 +86,6 @@ SLOW = {
     "tests/test_runtime_mutants.py::test_quick_mutants_are_killed": 22,
     "tests/stateful/test_failover.py::TestFailoverSystem": 21,
     "tests/stateful/test_directwrite.py::TestDirectWriteSystem": 15,
-    "tests/runtime/test_master_failover.py::test_a_replica_repaired_by_a_later_master_is_listed_with_its_original": 14,
     "tests/faults/test_found.py::test_a_node_fenced_out_of_recovery_does_not_rejoin_with_its_old_objects": 13,
     "tests/runtime/test_merged_trace.py::test_a_run_of_separate_processes_with_a_node_killed_is_a_behaviour_of_the_spec": 13,
 }

@@ -123,6 +123,29 @@ class TestWithTlc:
         assert "Model checking completed. No error has been found." in lines
         assert not (spec_dir / "states").exists()
 
+    def test_the_class_archive_is_written_once_then_mapped(self, spec_dir, tmp_path,
+                                                          monkeypatch):
+        """The first run writes the archive of TLC's classes, the next map it
+        with the same verdicts; an archive that cannot be written, or one the
+        JVM cannot use, leaves the run as it was."""
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        archive = tlc.class_archive(shutil.which("java"), tlc.find_jar())
+        assert archive.parent == tmp_path / "cache" / "kvproto" and not archive.exists()
+        tiny = models(spec_dir)["Tiny_Weak"]
+        first = tlc.run(tiny)
+        assert archive.stat().st_size > 0 and list(archive.parent.iterdir()) == [archive]
+        assert tlc._archive_options(archive)[0][0] == f"-XX:SharedArchiveFile={archive}"
+        for result in (first, tlc.run(tiny)):
+            assert (result.exit_code, result.verdict, result.violated) == (12, "safety", "AtMostOne")
+        archive.write_bytes(b"not an archive")
+        assert tlc.run(models(spec_dir)["Tiny"]).verdict == "ok"
+        blocked = tmp_path / "a-file"               # no directory can be made under it
+        blocked.write_text("")
+        assert tlc._archive_options(blocked / "tla2tools.jsa") == ([], None)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+        assert tlc.class_archive(shutil.which("java"), tlc.find_jar()) is None
+        assert tlc.run(models(spec_dir)["Tiny"]).verdict == "ok"
+
     def test_safety_violation_and_its_trace(self, spec_dir):
         result = tlc.run(models(spec_dir)["Tiny_Weak"])
         assert (result.exit_code, result.verdict, result.violated) == (12, "safety", "AtMostOne")

@@ -466,7 +466,7 @@ def check_steps(header: dict, steps: list[tuple[int, dict]], node_steps: list[li
                       "nodes_end": format_value(model.nodes_end),
                       "sent_end": format_value(model.sent_end)}
     ends = ("WindowEnd", "NodesWindowEnd") if end is not None else ()
-    cfg = cfg_text(model, traces.INVARIANTS + ("OpenedOnNodes",) + ends) \
+    cfg = cfg_text(model, traces.INVARIANTS + ("OpenedOnNodes",) + ends, traces.OVERRIDES) \
         .replace("INIT TraceInit", "INIT MergedInit").replace("NEXT TraceNext", "NEXT MergedNext")
     result = run_module("Publish", "MergedTrace", text, cfg, keep=keep, on_output=on_output,
                         also={"PublishTrace": publish})

@@ -33,7 +33,9 @@ TLC 2.15 prints its ``Progress(...)`` line once a minute, fixed in the jar
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
+import os
 import queue
 import re
 import shutil
@@ -286,7 +288,43 @@ def _verdict(model: Model, exit_code: int, output: str) -> tuple[str, str | None
 # --- running --------------------------------------------------------------------
 
 
-def tlc_command(model: Model, *, metadir: Path, dump_dot: Path | None = None, workers: int = 1) -> list[str]:
+def class_archive(java: str, jar: Path) -> Path | None:
+    """Where the JVM's archive of TLC's loaded classes for this ``java`` and
+    ``jar`` is kept (``~/.cache/kvproto``, or ``$XDG_CACHE_HOME/kvproto``);
+    None where that directory cannot be made."""
+    stamps = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+              for p in (Path(java).resolve(), jar.resolve())]
+    name = hashlib.sha256("|".join(stamps).encode()).hexdigest()[:16]
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvproto"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return home / f"tla2tools-{name}.jsa"
+
+
+def _archive_options(archive: Path | None) -> tuple[list[str], Path | None]:
+    """The JVM options that map ``archive`` (a fifth of a short run's CPU time
+    is the JVM loading TLC's classes), or, where there is none yet, that
+    write one when the JVM exits, and the file it is written to (moved into
+    place by :func:`run`). The JVM checks an archive against its own build
+    and the class path and loads the classes from the jar where it does not
+    match; its messages about the archive are not printed."""
+    if archive is None:
+        return [], None
+    quiet = "-Xlog:cds=off,cds+dynamic=off"
+    if archive.is_file():
+        return [f"-XX:SharedArchiveFile={archive}", quiet], None
+    written = archive.with_name(f"{archive.name}.{os.getpid()}.{threading.get_ident()}")
+    try:                    # the JVM does not start where it cannot write the archive
+        written.touch(exist_ok=False)
+    except OSError:
+        return [], None
+    return [f"-XX:ArchiveClassesAtExit={written}", quiet], written
+
+
+def tlc_command(model: Model, *, metadir: Path, dump_dot: Path | None = None, workers: int = 1,
+                archive: list[str] = ()) -> list[str]:
     """The ``java`` command line that checks ``model``.
 
     The JVM compiles with its quick compiler only (``TieredStopAtLevel=1``):
@@ -297,12 +335,14 @@ def tlc_command(model: Model, *, metadir: Path, dump_dot: Path | None = None, wo
     JVM's temporary directory is the run's own ``metadir``: SANY copies the
     standard modules it reads from the jar there, and runs sharing ``/tmp``
     (parallel tests) would otherwise parse each other's half-written copies.
+    ``archive``: the options of :func:`_archive_options`.
     """
     java = shutil.which("java")
     if java is None:
         raise FileNotFoundError("java is not on PATH (TLC needs Java 11 or later)")
     gc = "-XX:+UseSerialGC" if workers == 1 else "-XX:+UseParallelGC"
-    cmd = [java, gc, "-XX:TieredStopAtLevel=1", f"-Djava.io.tmpdir={metadir}", "-cp", str(find_jar()), "tlc2.TLC",
+    cmd = [java, gc, "-XX:TieredStopAtLevel=1", *archive, f"-Djava.io.tmpdir={metadir}",
+           "-cp", str(find_jar()), "tlc2.TLC",
            "-workers", str(workers), "-metadir", str(metadir), "-config", model.cfg.name]
     if not model.check_deadlock:
         cmd.append("-deadlock")
@@ -330,7 +370,11 @@ def run(
     lines: list[str] = []
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvproto-tlc-") as metadir:
-        cmd = tlc_command(model, metadir=Path(metadir), dump_dot=dump_dot, workers=workers)
+        java = shutil.which("java")
+        archive = class_archive(java, find_jar()) if java else None
+        options, written = _archive_options(archive)
+        cmd = tlc_command(model, metadir=Path(metadir), dump_dot=dump_dot, workers=workers,
+                          archive=options)
         proc = subprocess.Popen(
             cmd, cwd=model.cfg.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, encoding="utf-8", errors="replace", bufsize=1,
@@ -345,6 +389,11 @@ def run(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            if written is not None:
+                if written.is_file() and written.stat().st_size > 0:
+                    written.replace(archive)
+                else:
+                    written.unlink(missing_ok=True)
     return read_result(model, exit_code, "\n".join(lines) + "\n", time.monotonic() - start)
 
 

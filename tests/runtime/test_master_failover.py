@@ -291,58 +291,6 @@ def test_storage_node_lost_during_the_switch(children, raw, tmp_path):
     client.put(b"after", value(b"after"))
 
 
-def test_a_replica_repaired_by_a_later_master_is_listed_with_its_original(children, raw,
-                                                                         tmp_path):
-    """Puts of two replicas in one term; a storage node dies with that term's
-    master and the next master repairs the objects onto the third node; then
-    a third master takes over. The repaired replicas' nodes recorded the
-    objects' publishing term (spec/Failover.tla ``Repair``), so the third
-    master lists every original and every copy: each object has its two
-    replicas at once, nothing is repaired again, and every published entry
-    the nodes hold is listed (none leaked)."""
-    url = f"file://{tmp_path}/coordinator"
-    (a, a_addr), (b, b_addr), storage, client = cluster(children, url, raw, nodes=3)
-    keys = [f"r{i}".encode() for i in range(12)]
-    for k in keys:
-        client.put(k, value(k), replicas=2)
-    first = open_at(url, a_addr, raw)["term"]
-    victim, victim_ep = storage[0]
-    victim_seg = node_stats(raw, victim_ep)["segment"]
-    hit = [lease.key for lease in client.read_begin(keys)
-           if victim_seg in [seg for seg, *_ in lease.replicas]]
-    assert hit, "no object had a replica on the node to lose"
-    live = storage[1:]
-    victim.stop(signal.SIGKILL)
-    a.stop(signal.SIGKILL)
-    second = wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
-    # (the lost node is left out of the fence, or counted lost: its
-    # registration may run out first)
-    assert second["term"] > first and second["nodes_lost"] <= 1
-
-    def repaired() -> bool:
-        stats = [node_stats(raw, ep) for _, ep in live]
-        return all(s["indexed"] == s["published"] for s in stats) \
-            and sum(s["published"] for s in stats) == 2 * len(keys)
-
-    wait_for(repaired, timeout=30, what="the objects repaired to two replicas and marked")
-    counters = raw(b_addr).call("stats", {}).body["counters"]
-    assert counters["repairs_listed"] == len(hit)
-    c, c_addr = start_master(children, url)
-    b.stop(signal.SIGKILL)
-    third = wait_for(lambda: open_at(url, c_addr, raw), timeout=20, what="the third master open")
-    assert third["term"] > second["term"]
-    stats = raw(c_addr).call("stats", {}).body
-    assert stats["objects"] == len(keys) and stats["counters"]["checksum_mismatches"] == 0
-    leases = client.read_begin(keys)
-    assert all(len(lease.replicas) == 2 for lease in leases), \
-        [(lease.key, lease.replicas) for lease in leases if len(lease.replicas) != 2]
-    client.release(leases)
-    for k, got in zip(keys, client.get_many(keys)):
-        assert got is not None and bytes(got) == value(k), k
-    assert raw(c_addr).call("stats", {}).body["counters"]["repairs_started"] == 0
-    client.close()
-
-
 # --------------------------------------------------------------------------
 # The fence without processes: cores stepped directly
 # --------------------------------------------------------------------------
