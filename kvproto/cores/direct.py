@@ -159,11 +159,14 @@ class DirectCore:
         """Per region, None where its token does not hold it, else whether
         ``PublishDirect`` is accepted after ``WriteReported`` where ``shown``
         (its write shows done in the region's word; nothing is stepped)."""
-        at = list(map(self._rows.index.get, offsets))
+        return self._publishable(list(map(self._rows.index.get, offsets)), tokens, shown)
+
+    def _publishable(self, rows: list, tokens: list, shown: list) -> list:
+        """:meth:`publishable` of the regions at ``rows`` (None where none)."""
         tok, st, wrote = self._tok, self._st, self._wrote
         return [None if row is None or tok[row] != token
                 else st[row] == GRANTED and bool(wrote[row] or seen)
-                for row, token, seen in zip(at, tokens, shown)]
+                for row, token, seen in zip(rows, tokens, shown)]
 
     def publish_many(self, offsets: list, tokens: list, shown: list) -> bool:
         """``WriteReported`` where ``shown`` and not yet reported, then
@@ -171,14 +174,9 @@ class DirectCore:
         ``PublishDirect`` is accepted (:meth:`publishable`, the offsets
         distinct): True, all applied; else False and nothing changed."""
         rows = list(map(self._rows.index.get, offsets))
-        if None in rows or len(set(rows)) != len(rows):
+        if len(set(rows)) != len(rows) or not all(self._publishable(rows, tokens, shown)):
             return False
         at = np.array(rows, np.intp)
-        tok, st, wrote = (np.frombuffer(col, col.typecode, len(col))[at]
-                          for col in (self._tok, self._st, self._wrote))
-        if tok.tolist() != list(tokens) or (st != GRANTED).any() \
-                or not ((wrote != 0) | np.array(shown, bool)).all():
-            return False
         put(self._wrote, at, 1)
         put(self._st, at, PUBLISHED)
         return True
