@@ -335,11 +335,18 @@ def checksum_bench(sizes_mib: list[int], repeat: int) -> list[dict]:
     return rows
 
 
+#: the metadata rows: (keys a request, requests of one call in flight at once)
+META_ROWS = ((1, 1), (128, 1), (128, 4))
+
+
 def metadata_bench(keys: int) -> list[dict]:
     """4 KiB put, get and exists in keys/s at batch 1 and 128, next to raw pyzmq
     moving the same bytes in the same number of round trips (one request of
     ``batch`` x 4 KiB and its acknowledgement; one request and ``batch`` x 4 KiB
-    back; for exists, ``batch`` 24-byte keys each way)."""
+    back; for exists, ``batch`` 24-byte keys each way). The last row asks for
+    all the keys in one call of a client with ``batch=128, window=4``: its
+    lookups go four requests in flight (the put's requests go one at a time),
+    and the raw peer keeps as many in flight."""
     from kvproto.runtime.client import Client
 
     raw, sock = _start_raw()
@@ -363,11 +370,14 @@ def metadata_bench(keys: int) -> list[dict]:
         return keys / elapsed
 
     try:
-        client = Client(address, timeout=60.0)
         blob = np.zeros(4096, dtype=np.uint8)
-        for batch in (1, 128):
-            names = [f"meta/{batch}/{i:016d}".encode() for i in range(keys)]
+        client = Client(address, timeout=60.0)
+        for batch, window in META_ROWS:
+            client.batch, client.window = batch, window
+            names = [f"meta/{batch}/{window}/{i:016d}".encode() for i in range(keys)]
             chunks = [names[i:i + batch] for i in range(0, keys, batch)]
+            if window > 1:      # one call of every key
+                chunks = [names]
             rounds = len(chunks)
 
             def put(i):
@@ -383,23 +393,29 @@ def metadata_bench(keys: int) -> list[dict]:
                 if not all(client.exists_many(chunks[i])):
                     raise AssertionError("a put key was missing")
 
-            payload = bytes(4096 * len(chunks[0]))
-            keyblob = b"".join(chunks[0])
+            payload = bytes(4096 * batch)
+            keyblob = b"".join(names[:batch])
 
-            def raw_put(i):
-                sock.send_multipart([b"put", payload], copy=False)
-                sock.recv()
+            def raw_calls(*frames):
+                requests = -(-keys // batch) if window > 1 else 1
 
-            def raw_get(i):
-                sock.send_multipart([b"get", str(len(payload)).encode()])
-                sock.recv(copy=False)
-
-            def raw_exists(i):
-                sock.send_multipart([b"get", str(len(keyblob)).encode(), keyblob])
-                sock.recv(copy=False)
+                def run(i):
+                    waiting = 0
+                    for _ in range(requests):
+                        sock.send_multipart(frames, copy=False)
+                        waiting += 1
+                        if waiting == window:
+                            sock.recv(copy=False)
+                            waiting -= 1
+                    for _ in range(waiting):
+                        sock.recv(copy=False)
+                return run
+            raw_put = raw_calls(b"put", payload)
+            raw_get = raw_calls(b"get", str(len(payload)).encode())
+            raw_exists = raw_calls(b"get", str(len(keyblob)).encode(), keyblob)
 
             spent.clear()
-            row = {"batch": batch, "put_keys_s": rate(put, rounds, "put"),
+            row = {"batch": batch, "window": window, "put_keys_s": rate(put, rounds, "put"),
                    "get_keys_s": rate(get, rounds, "get"),
                    "exists_keys_s": rate(exists, rounds, "exists"),
                    "raw_put_keys_s": rate(raw_put, rounds),
@@ -714,7 +730,8 @@ def main(args: argparse.Namespace) -> int:
         print("4 KiB objects, keys/s (put = start + write + end; get = begin + read + end), "
               "next to raw pyzmq with the same bytes and round trips")
         for r in meta:
-            print(f"  batch {r['batch']:>3}:" + "".join(
+            print(f"  batch {r['batch']:>3}" + (f", {r['window']} in flight:" if r["window"] > 1
+                                                else ":") + "".join(
                 f"   {op} {r[op + '_keys_s']:,.0f} (raw {r['raw_' + op + '_keys_s']:,.0f}, "
                 f"{r[op + '_keys_s'] / r['raw_' + op + '_keys_s']:.3f})" for op in ("put", "get", "exists")))
             if "put_master_us" in r:

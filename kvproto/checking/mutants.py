@@ -66,6 +66,8 @@ def _one(path: str, original: str, replacement: str) -> tuple[Edit, ...]:
 
 SHM = "kvproto/runtime/shm.py"
 CLIENT = "kvproto/runtime/client.py"
+LINK = "kvproto/runtime/client_link.py"
+CLIENT_LEASES = "kvproto/runtime/client_leases.py"
 MASTER = "kvproto/runtime/master.py"
 REQUESTS = "kvproto/runtime/master_requests.py"
 TAKEOVER = "kvproto/runtime/master_takeover.py"
@@ -132,23 +134,32 @@ MUTANTS: tuple[Mutant, ...] = (
         "when it sent the request",
         _one(CLIENT,
              "            sent = time.monotonic()            # the lease deadline runs from here\n"
-             "            reply = self._lookup(\"read_begin\", body, len(ks), deadline)\n",
-             "            reply = self._lookup(\"read_begin\", body, len(ks), deadline)\n"
+             "            reply = self._lookup(\"read_begin\", self._read_body(ks), len(ks), deadline)\n",
+             "            reply = self._lookup(\"read_begin\", self._read_body(ks), len(ks), deadline)\n"
              "            sent = time.monotonic()\n"),
         (f"{LEASES}::test_a_lease_is_timed_from_the_request_not_the_reply",),
+        twin="Lease_Weak_DeadlineFromReply"),
+    Mutant(
+        "lease-deadline-from-reply-in-flight",
+        "lookups in flight together (get_many over several requests) are timed "
+        "from their replies instead of from when each request was sent",
+        _one(LINK,
+             "                yield reply, sent\n",
+             "                yield reply, time.monotonic()\n"),
+        (f"{LEASES}::test_lookups_in_flight_are_timed_from_their_requests",),
         twin="Lease_Weak_DeadlineFromReply"),
     Mutant(
         "accept-ignores-skew",
         "the reader's acceptance check ignores clock skew (accepts a transfer "
         "that completed within the TTL on its own clock)",
-        _one(CLIENT, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
+        _one(CLIENT_LEASES, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
              "        judged = {done: lm.accept_transfer(sent, done, ttl, 0.0)\n"),
         (f"{LEASES}::test_a_transfer_within_the_ttl_but_not_within_the_skew_margin_is_rejected",),
         twin="Lease_Weak_IgnoreSkew"),
     Mutant(
         "accept-everything",
         "the reader keeps the bytes of every leased transfer, however late",
-        _one(CLIENT, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
+        _one(CLIENT_LEASES, "        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)\n",
              "        judged = {done: True\n"),
         (f"{LEASES}::test_a_read_slower_than_its_lease_is_rejected_and_classified",)),
     Mutant(
@@ -246,8 +257,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "get-no-relookup-on-stale-term",
         "a get whose descriptor a node refuses as StaleTerm (a new master took "
         "over) misses instead of looking the key up again at the new master",
-        _one(CLIENT, "                        verify=verify) if relookup else [None] * len(stale)\n",
-             "                        verify=verify) if False else [None] * len(stale)\n"),
+        _one(CLIENT, "                    verify=verify) if relookup else [None] * len(stale)\n",
+             "                    verify=verify) if False else [None] * len(stale)\n"),
         ("tests/runtime/test_embedded.py::test_a_get_with_a_stale_descriptor_looks_up_again",)),
     Mutant(
         "node-skips-read-ticket",

@@ -24,6 +24,10 @@ with a memoryview per key and ``None`` for a miss; ``put_many`` returns one
 ``None`` (stored) or error instance per key; ``exists_many`` returns bools. A
 miss raises :class:`~kvproto.errors.KeyNotFound`.
 
+A call of more keys than ``batch`` sends several requests; the lookups of
+``exists_many`` and ``get_many`` go ``window`` at a time, the next sent
+before the answer to one is read (``ClientLink._lookups``).
+
 ``read_end`` is fire-and-forget, so for a moment after a ``get`` returns the
 object may still be pinned: a ``remove`` sent on *another* client's connection
 right then can get :class:`~kvproto.errors.ObjectBusy` (the same client's own
@@ -83,7 +87,6 @@ import socket
 import threading
 import time
 import uuid
-from itertools import repeat
 from typing import Any, Iterable, Optional
 
 import zmq
@@ -186,9 +189,6 @@ def grants_of(reply: wire.Reply, todo: list, replicas: int, results: list) -> di
 class Client(ClientLink, ClientLeases, TenantCalls):
     """A connection to one kvproto master (and, on demand, its storage nodes)."""
 
-    #: keys per master request; larger batches are sent in chunks so that one
-    #: request never holds the master's loop for long
-    BATCH = 4096
     #: with a coordinator, how often (seconds) the client asks it who the master
     #: is, also while it waits for a silent master
     LEADER_RECHECK = 0.5
@@ -200,9 +200,22 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                  lookup_timeout: float = 2.0, switch_window: float = 10.0,
                  recompute_rate: float = 100.0, recompute_burst: float = 100.0,
                  token: "str | bytes | None" = None, namespace: str = "default",
-                 checksums: bool = True) -> None:
+                 checksums: bool = True, batch: int = 4096, window: int = 4) -> None:
         if max_skew < 0:
             raise ValueError("max_skew must be >= 0")
+        if not (isinstance(batch, int) and 1 <= batch <= wire.MAX_BATCH):
+            raise errors.InvalidArgument(f"batch must be in [1, {wire.MAX_BATCH}], not {batch!r}")
+        if not (isinstance(window, int) and window >= 1):
+            raise errors.InvalidArgument(f"window must be a positive number of requests, not {window!r}")
+        #: keys per master request: a call of more keys sends several, so that
+        #: one request never holds the master's loop for long
+        self.batch = batch
+        #: lookups of one call (``exists_many``, ``get_many``) in flight at
+        #: once: the master serves the next while this client reads an answer
+        self.window = window
+        #: replies read while an earlier lookup was awaited, by request id
+        #: (``None`` until one arrives; see ``_lookups``)
+        self._early: dict = {}
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
                             ("switch_window", switch_window)):
             if not isinstance(value, (int, float)) or not value > 0:
@@ -391,8 +404,8 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 todo.append((i, _as_key(key), _as_view(data)))
             except errors.KvError as err:
                 results[i] = err
-        for at in range(0, len(todo), self.BATCH):
-            chunk = todo[at:at + self.BATCH]
+        for at in range(0, len(todo), self.batch):
+            chunk = todo[at:at + self.batch]
             try:
                 self._put_chunk(chunk, replicas, deadline, results)
             except errors.KvError as err:   # the chunk's put_start failed: nothing stored
@@ -487,20 +500,13 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         is counted (``checksum_counters``) and the next one tried; when none
         matches, ``ChecksumMismatch`` is raised. Off by default: it is one
         more pass over every byte read (see docs/protocols/publish.md)."""
-        return self._get_batch([key], timeout, raise_miss=True, verify=verify)[0]
+        return self._get_batch([key], self._deadline(timeout), raise_miss=True, verify=verify)[0]
 
     def get_many(self, keys: Iterable[Key], *, timeout: Optional[float] = None,
                  verify: bool = False) -> list[Optional[memoryview]]:
         """The bytes of each key, ``None`` for a miss (other failures raise;
         ``verify`` as for :meth:`get`)."""
-        keys = list(keys)
-        deadline = self._deadline(timeout)
-        out: list[Optional[memoryview]] = []
-        for at in range(0, len(keys), self.BATCH):
-            out.extend(self._get_batch(keys[at:at + self.BATCH],
-                                       max(deadline - time.monotonic(), 0.0), raise_miss=False,
-                                       verify=verify))
-        return out
+        return self._get_chunks(list(keys), self._deadline(timeout), None, verify)
 
     def get_into(self, key: Key, buffer, *, timeout: Optional[float] = None,
                  verify: bool = False):
@@ -530,8 +536,8 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 raise errors.InvalidArgument(f"buffer {buffer!r} is not from a transfer engine of this client")
             from kvproto.runtime.transfers import EngineRequest
             return EngineRequest(engine, buffer.request).get_into(key, buffer, timeout=timeout)
-        return self._get_batch([key], timeout, raise_miss=True, into=[_destination(buffer)],
-                               verify=verify)[0]
+        return self._get_batch([key], self._deadline(timeout), raise_miss=True,
+                               into=[_destination(buffer)], verify=verify)[0]
 
     def get_many_into(self, keys: Iterable[Key], buffers: Iterable, *,
                       timeout: Optional[float] = None, verify: bool = False) -> list[Optional[int]]:
@@ -540,143 +546,149 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         keys, views = list(keys), [_destination(b) for b in buffers]
         if len(keys) != len(views):
             raise errors.InvalidArgument(f"{len(keys)} keys but {len(views)} buffers")
-        deadline = self._deadline(timeout)
-        out: list[Optional[int]] = []
-        for at in range(0, len(keys), self.BATCH):
-            out.extend(self._get_batch(keys[at:at + self.BATCH],
-                                       max(deadline - time.monotonic(), 0.0), raise_miss=False,
-                                       into=views[at:at + self.BATCH], verify=verify))
-        return out
+        return self._get_chunks(keys, self._deadline(timeout), views, verify)
 
     #: lease ids held back before they are released on their own
     RELEASE_BATCH = 1024
 
-    def _get_batch(self, keys: list, timeout: Optional[float], raise_miss: bool,
-                   relookup: bool = True, into: Optional[list] = None,
-                   verify: bool = False) -> list:
-        """One lookup and read of ``keys`` (into ``into``'s buffers if given). A
-        lookup the master cannot answer (it is switching: not open, silent past
-        ``lookup_timeout``) is a miss for every key; a replica that refuses a
-        descriptor's stale term is looked up again once (at the new master),
-        then missed. The leases it took are released with the client's next
-        lookup (or :meth:`_release_now`)."""
-        deadline = self._deadline(timeout)
-        if not keys:
-            return []
+    def _get_chunks(self, keys: list, deadline: float, into: Optional[list],
+                    verify: bool) -> list:
+        """``get_many`` (into ``into``'s buffers if given): :meth:`_get_batch`
+        of each ``batch`` keys, their lookups in flight ``window`` at a time
+        (:meth:`~kvproto.runtime.client_link.ClientLink._lookups`). After a
+        failure no further lookup is sent, and the leases and pins of those
+        already answered are let go unread; then it raises."""
+        if len(keys) <= self.batch:
+            return self._get_batch(keys, deadline, False, into=into, verify=verify)
+        self._check_into(into, verify)
+        n = self.batch
+        chunks = [_as_keys(keys[at:at + n]) for at in range(0, len(keys), n)]
+        out: list = []
+        failed: list = []
+
+        def bodies():
+            for ks in chunks:
+                if failed:
+                    return
+                yield self._read_body(ks), len(ks)
+        with self._lock, self._activity():
+            for at, (reply, sent) in enumerate(self._lookups("read_begin", bodies(), deadline)):
+                ks = chunks[at]
+                if failed:
+                    if reply is not None:
+                        self._let_go(ks, wire.read_columns(reply, len(ks)))
+                    continue
+                try:
+                    out.extend(self._read_reply(ks, reply, sent, deadline, False, True,
+                                                None if into is None else into[at * n:at * n + n],
+                                                verify))
+                except errors.KvError as err:
+                    failed.append(err)
+        if failed:
+            raise failed[0]
+        return out
+
+    def _check_into(self, into: Optional[list], verify: bool) -> None:
         if verify and into is not None and any(isinstance(d, datapath.Consume) for d in into):
             raise errors.InvalidArgument("verify=True needs the bytes in host memory; a Consume "
                                          "moves them itself")
+
+    def _get_batch(self, keys: list, deadline: float, raise_miss: bool,
+                   relookup: bool = True, into: Optional[list] = None,
+                   verify: bool = False) -> list:
+        """One lookup and read of ``keys`` (into ``into``'s buffers if given)."""
+        if not keys:
+            return []
+        self._check_into(into, verify)
         ks = _as_keys(keys)
-        results: list = [None] * len(ks)
-        leased = self.leases
         with self._lock, self._activity():
-            body = {"client": self.client_id, "keys": ks, "columns": True}
-            if leased:
-                body["lease"] = True
-            if self._unreleased:
-                body["release"], self._unreleased = self._unreleased, []
-                self.lease_counters["releases"] += len(body["release"])
             sent = time.monotonic()            # the lease deadline runs from here
-            reply = self._lookup("read_begin", body, len(ks), deadline)
-            if reply is None:
-                if raise_miss:
-                    raise errors.KeyNotFound(f"{ks[0]!r}: a miss while the master switches")
-                return results
-            self._note_interval(reply)
-            term = reply.body.get("term", 0)
-            segments = reply.body.get("segments", {})
-            grants = wire.read_columns(reply, len(ks))
-            tokens, leases = grants["token"], grants.get("lease")
-            first_error: Optional[errors.KvError] = None
-            for i, code, message in grants["errors"]:
-                err = errors.from_wire(code, message)
-                if raise_miss or not isinstance(err, errors.KeyNotFound):
-                    first_error = first_error or err
-            try:
-                started = time.monotonic()
-                done_at: dict[int, float] = {}
-                errs = datapath.read_all(self, ks, grants, segments, deadline, results, done_at,
-                                         term, into, verify)
-                stale = [i for i in sorted(errs) if isinstance(errs[i], errors.StaleTerm)]
-                if stale:
-                    # the descriptor's master was replaced: look up again (once)
-                    self.failover_counters["stale_term_relookups"] += len(stale)
-                    self._find_master()
-                    again = self._get_batch(
-                        [ks[i] for i in stale], max(deadline - time.monotonic(), 0.0), False,
-                        relookup=False, into=None if into is None else [into[i] for i in stale],
-                        verify=verify) if relookup else [None] * len(stale)
-                    for i, got in zip(stale, again):
-                        results[i] = got
-                        del errs[i]
-                        if got is None and raise_miss:
-                            first_error = first_error or errors.KeyNotFound(f"{ks[i]!r}")
-                for i in sorted(errs):
-                    first_error = first_error or errs[i]
-                # a key read again was judged by its second read's own lease
-                if leases:
-                    first_error = self._check_leases(ks, leases, float(grants["ttl"]), sent,
-                                                     started, done_at, results,
-                                                     set(stale)) or first_error
-            finally:
-                pins = [] if leases is not None else \
-                    [[ks[i], token] for i, token in enumerate(tokens) if token]
-                if leases is not None:
-                    self._unreleased.extend(filter(None, leases))
-                try:  # fire-and-forget: the reply is dropped by a later _gather
-                    if pins:
-                        self._send(self._master(), "read_end", {
-                            "client": self.client_id, "items": pins})
-                    if len(self._unreleased) >= self.RELEASE_BATCH:
-                        self._release_now()
-                except (errors.KvError, zmq.ZMQError):
-                    pass
-            if first_error is not None:
-                raise first_error
+            reply = self._lookup("read_begin", self._read_body(ks), len(ks), deadline)
+            return self._read_reply(ks, reply, sent, deadline, raise_miss, relookup, into, verify)
+
+    def _read_body(self, ks: list) -> dict:
+        """A ``read_begin`` of ``ks``, carrying the lease releases held back."""
+        body = {"client": self.client_id, "keys": ks, "columns": True}
+        if self.leases:
+            body["lease"] = True
+        if self._unreleased:
+            body["release"], self._unreleased = self._unreleased, []
+            self.lease_counters["releases"] += len(body["release"])
+        return body
+
+    def _read_reply(self, ks: list, reply: Optional[wire.Reply], sent: float, deadline: float,
+                    raise_miss: bool, relookup: bool, into: Optional[list],
+                    verify: bool) -> list:
+        """The read of ``ks`` after its lookup's ``reply`` (sent at ``sent``). A
+        lookup the master cannot answer (it is switching: not open, silent past
+        ``lookup_timeout``; ``reply`` None) is a miss for every key; a replica
+        that refuses a descriptor's stale term is looked up again once (at the
+        new master), then missed. The leases it took are released with the
+        client's next lookup (or :meth:`_release_now`)."""
+        results: list = [None] * len(ks)
+        if reply is None:
+            if raise_miss:
+                raise errors.KeyNotFound(f"{ks[0]!r}: a miss while the master switches")
+            return results
+        self._note_interval(reply)
+        term = reply.body.get("term", 0)
+        segments = reply.body.get("segments", {})
+        grants = wire.read_columns(reply, len(ks))
+        leases = grants.get("lease")
+        first_error: Optional[errors.KvError] = None
+        for i, code, message in grants["errors"]:
+            err = errors.from_wire(code, message)
+            if raise_miss or not isinstance(err, errors.KeyNotFound):
+                first_error = first_error or err
+        try:
+            started = time.monotonic()
+            done_at: dict[int, float] = {}
+            errs = datapath.read_all(self, ks, grants, segments, deadline, results, done_at,
+                                     term, into, verify)
+            stale = [i for i in sorted(errs) if isinstance(errs[i], errors.StaleTerm)]
+            if stale:
+                # the descriptor's master was replaced: look up again (once)
+                self.failover_counters["stale_term_relookups"] += len(stale)
+                self._find_master()
+                again = self._get_batch(
+                    [ks[i] for i in stale], deadline, False, relookup=False,
+                    into=None if into is None else [into[i] for i in stale],
+                    verify=verify) if relookup else [None] * len(stale)
+                for i, got in zip(stale, again):
+                    results[i] = got
+                    del errs[i]
+                    if got is None and raise_miss:
+                        first_error = first_error or errors.KeyNotFound(f"{ks[i]!r}")
+            for i in sorted(errs):
+                first_error = first_error or errs[i]
+            # a key read again was judged by its second read's own lease
+            if leases:
+                first_error = self._check_leases(ks, leases, float(grants["ttl"]), sent,
+                                                 started, done_at, results,
+                                                 set(stale)) or first_error
+        finally:
+            self._let_go(ks, grants)
+        if first_error is not None:
+            raise first_error
         return results
 
-    def _check_leases(self, ks: list, leases: list, ttl: float, sent: float, started: float,
-                      done_at: dict, results: list, skip: set) -> Optional[errors.KvError]:
-        """The reader's acceptance check (``accept_transfer``) per leased key
-        (``leases[i]``, 0 for none; not the keys in ``skip``); a late
-        transfer's bytes are dropped, its rejection classified and counted."""
-        c = self.lease_counters
-        first: Optional[errors.KvError] = None
-        queued = max(started - sent, 0.0)
-        verified = time.monotonic()         # nothing reads the store after the transfer
-        read = range(len(results)) if 0 not in leases and datapath.all_present(results) else \
-            [i for i, (lease_id, got) in enumerate(zip(leases, results))
-             if lease_id and got is not None]
-        if skip:
-            read = [i for i in read if i not in skip]
-        if not read:
-            return None
-        dones = list(map(done_at.get, read, repeat(verified, len(read))))
-        # the keys a batch read at once share their completion time: each
-        # time is judged once (``accept_transfer`` depends on nothing else)
-        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)
-                  for done in dict.fromkeys(dones)}
-        late = [] if all(judged.values()) else \
-            [(i, done) for i, done in zip(read, dones) if not judged[done]]
-        for i, done in late:
-            results[i] = None              # never hand out bytes read past the lease
-            phases = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
-            reason = lm.classify_rejection(phases, self._budget(ttl))
-            c["lease_rejected"] += 1
-            c[f"rejected_{reason.value}"] += 1
-            first = first or errors.LeaseExpired(
-                f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
-                f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
-        c["lease_accepted"] += len(read) - len(late)
-        done = dones[-1]
-        self.last_read = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
-        c["lease_reads"] += len(read)
-        c["queued_s"] += queued * len(read)
-        for done in judged:
-            n = dones.count(done)
-            c["transferring_s"] += n * max(done - started, 0.0)
-            c["verifying_s"] += n * max(verified - done, 0.0)
-        return first
+    def _let_go(self, ks: list, grants: dict) -> None:
+        """Release what a lookup's ``grants`` hold once their reads are done
+        (or will not be made): leases with the next lookup, pins with
+        ``read_end`` (fire-and-forget: its reply is dropped by a later
+        ``_gather``)."""
+        leases = grants.get("lease")
+        if leases is not None:
+            self._unreleased.extend(filter(None, leases))
+        pins = [] if leases is not None else \
+            [[ks[i], token] for i, token in enumerate(grants["token"]) if token]
+        try:
+            if pins:
+                self._send(self._master(), "read_end", {"client": self.client_id, "items": pins})
+            if len(self._unreleased) >= self.RELEASE_BATCH:
+                self._release_now()
+        except (errors.KvError, zmq.ZMQError):
+            pass
 
     # ------------------------------------------------------------------ transfer engine
 
@@ -702,11 +714,10 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         ks = [_as_key(k) for k in keys]
         deadline = self._deadline(timeout)
         out: list[bool] = []
+        chunks = [ks[at:at + self.batch] for at in range(0, len(ks), self.batch)]
         with self._lock:
-            for at in range(0, len(ks), self.BATCH):
-                chunk = ks[at:at + self.BATCH]
-                reply = self._lookup("exists", {"keys": chunk, "found": True}, len(chunk),
-                                     deadline)
+            for chunk, (reply, _) in zip(chunks, self._lookups(
+                    "exists", (({"keys": c, "found": True}, len(c)) for c in chunks), deadline)):
                 out.extend([False] * len(chunk) if reply is None
                            else wire.found_of(reply, len(chunk)))
         return out

@@ -1,8 +1,9 @@
 """The read leases a :class:`~kvproto.runtime.client.Client` holds
 (``spec/Lease.tla``): :class:`ReadLease`, what the master granted; the
 releases a get holds back and sends with the client's next request (or a
-heartbeat); renewing and releasing leases taken with ``read_begin``; and the
-phase budget a rejected read is classified against. :class:`ClientLeases` is
+heartbeat); renewing and releasing leases taken with ``read_begin``; the
+reader's check after a transfer; and the phase budget a rejected read is
+classified against. :class:`ClientLeases` is
 a part of :class:`~kvproto.runtime.client.Client`: it uses the client's state,
 its lock and its requests to the master.
 """
@@ -10,12 +11,13 @@ its lock and its requests to the master.
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from typing import Optional, Sequence
 
 import zmq
 
 from kvproto import errors
-from kvproto.runtime import wire
+from kvproto.runtime import datapath, wire
 from kvproto.statemachines import lease as lm
 
 
@@ -120,3 +122,46 @@ class ClientLeases:
                 err, _ = wire.item_result(item)
                 if err is not None:   # already ended (expired, or a forced remove)
                     raise err
+
+    def _check_leases(self, ks: list, leases: list, ttl: float, sent: float, started: float,
+                      done_at: dict, results: list, skip: set) -> Optional[errors.KvError]:
+        """The reader's acceptance check (``accept_transfer``) per leased key
+        (``leases[i]``, 0 for none; not the keys in ``skip``); a late
+        transfer's bytes are dropped, its rejection classified and counted."""
+        c = self.lease_counters
+        first: Optional[errors.KvError] = None
+        queued = max(started - sent, 0.0)
+        verified = time.monotonic()         # nothing reads the store after the transfer
+        read = range(len(results)) if 0 not in leases and datapath.all_present(results) else \
+            [i for i, (lease_id, got) in enumerate(zip(leases, results))
+             if lease_id and got is not None]
+        if skip:
+            read = [i for i in read if i not in skip]
+        if not read:
+            return None
+        dones = list(map(done_at.get, read, repeat(verified, len(read))))
+        # the keys a batch read at once share their completion time: each
+        # time is judged once (``accept_transfer`` depends on nothing else)
+        judged = {done: lm.accept_transfer(sent, done, ttl, self.max_skew)
+                  for done in dict.fromkeys(dones)}
+        late = [] if all(judged.values()) else \
+            [(i, done) for i, done in zip(read, dones) if not judged[done]]
+        for i, done in late:
+            results[i] = None              # never hand out bytes read past the lease
+            phases = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
+            reason = lm.classify_rejection(phases, self._budget(ttl))
+            c["lease_rejected"] += 1
+            c[f"rejected_{reason.value}"] += 1
+            first = first or errors.LeaseExpired(
+                f"read of {ks[i]!r} completed {done - sent:.3f}s after its request, past its "
+                f"lease ({ttl:.3f}s - skew {self.max_skew:.3f}s): {reason.value}")
+        c["lease_accepted"] += len(read) - len(late)
+        done = dones[-1]
+        self.last_read = lm.ReadPhases(queued, max(done - started, 0.0), max(verified - done, 0.0))
+        c["lease_reads"] += len(read)
+        c["queued_s"] += queued * len(read)
+        for done in judged:
+            n = dones.count(done)
+            c["transferring_s"] += n * max(done - started, 0.0)
+            c["verifying_s"] += n * max(verified - done, 0.0)
+        return first

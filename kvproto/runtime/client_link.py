@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 import time
 import weakref
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import zmq
 
@@ -142,6 +143,11 @@ class ClientLink:
         One socket (the common case) is read with blocking receives bounded by
         the deadline; several are polled with a poller kept per socket set."""
         got: dict[int, wire.Reply] = {}
+        early = self._early
+        if early:       # read while another request was awaited (see _lookups)
+            for rid in pending:
+                if early.get(rid) is not None:
+                    got[rid] = early.pop(rid)
         socks = set(pending.values())
         one = next(iter(socks)) if len(socks) == 1 else None
         poller = None if one is not None else self._poller(socks)
@@ -165,14 +171,16 @@ class ClientLink:
                     self._take(frames, sock, pending, got)
         return got
 
-    @staticmethod
-    def _take(frames: list, sock: zmq.Socket, pending: dict, got: dict) -> None:
+    def _take(self, frames: list, sock: zmq.Socket, pending: dict, got: dict) -> None:
         try:
             reply = wire.decode_reply(frames)
         except errors.KvError:
             return
-        if pending.get(reply.request_id) is sock:
-            got[reply.request_id] = reply
+        rid = reply.request_id
+        if pending.get(rid) is sock:
+            got[rid] = reply
+        elif rid in self._early:        # a lookup of _lookups, awaited later
+            self._early[rid] = reply
 
     def _poller(self, socks: set) -> zmq.Poller:
         """A poller over ``socks``, kept while the same set is asked for again."""
@@ -310,6 +318,64 @@ class ClientLink:
         except SWITCHING:
             self.failover_counters["switch_misses"] += keys
             return None
+
+    def _lookups(self, op: str, bodies: Iterable[tuple[dict, int]], deadline: float
+                 ) -> Iterator[tuple[Optional[wire.Reply], float]]:
+        """What :meth:`_lookup` answers for each ``(body, keys)`` of ``bodies``,
+        in order, each with the time its request was sent; up to ``window``
+        requests are in flight on the master's connection, so the master
+        serves the next ones while the caller works on an answer. A body is
+        taken from ``bodies`` only as its request is sent (a caller stops
+        further requests by ending ``bodies``). A request the master did not
+        serve (not open, silent for ``lookup_timeout``, or sent on a
+        connection replaced since) is asked again on its own through
+        :meth:`_lookup`, which finds the master anew. A request the master
+        refused raises, as from :meth:`_lookup`."""
+        if self._coordinator is not None and \
+                time.monotonic() - self._leader_checked > self.LEADER_RECHECK:
+            self._find_master()
+        if self._unreleased and op != "read_begin":
+            self._release_now()         # ordered before these requests on the connection
+        source = iter(bodies)
+        flight: deque = deque()         # (request id or None, socket, master, sent, body, keys)
+        early = self._early
+
+        def send() -> None:
+            while len(flight) < self.window:
+                item = next(source, None)
+                if item is None:
+                    return
+                body, keys = item
+                sent = time.monotonic()
+                if not self.master:     # _lookup finds one first
+                    flight.append((None, None, "", sent, body, keys))
+                    continue
+                sock = self._master()
+                rid = self._send(sock, op, body)
+                early[rid] = None
+                flight.append((rid, sock, self.master, sent, body, keys))
+        try:
+            send()
+            while flight:
+                rid, sock, asked, sent, body, keys = flight.popleft()
+                reply = None
+                if rid is not None and sock is self._master_sock and self.master == asked:
+                    reply = self._await_master(sock, rid, min(deadline, sent + self.lookup_timeout),
+                                               sent)
+                    if self.observe is not None and reply is not None:
+                        self.observe(op, time.monotonic() - sent)
+                early.pop(rid, None)
+                if reply is None or reply.status == errors.MasterNotOpen.code:
+                    sent = time.monotonic()
+                    reply = self._lookup(op, body, keys, deadline)
+                else:
+                    self._unserved_since = None
+                    reply.raise_for_status()
+                send()                  # the next request, before the caller reads this answer
+                yield reply, sent
+        finally:
+            for item in flight:
+                early.pop(item[0], None)
 
     def _find_master(self) -> Optional[errors.KvError]:
         """Ask the coordinator (if any) who the master is now; reconnect if it

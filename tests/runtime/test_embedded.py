@@ -140,9 +140,9 @@ def test_batches_report_per_key(client):
         client.remove(k)
 
 
-def test_large_batches_are_chunked(cluster, monkeypatch):
-    c = cluster.client()
-    monkeypatch.setattr(c, "BATCH", 1000)
+@pytest.mark.parametrize("window", [1, 4])
+def test_large_batches_are_chunked(cluster, window):
+    c = cluster.client(batch=1000, window=window)
     keys = [b"chunk/%05d/" % i + b"k" * 300 for i in range(2500)]   # long keys: split commands
     results = c.put_many([(k, k[:16]) for k in keys], replicas=2)
     assert results == [None] * len(keys)

@@ -174,6 +174,31 @@ def test_a_lease_is_timed_from_the_request_not_the_reply():
         assert bytes(reader.get(b"late")) == b"r" * (4 * KiB)
 
 
+def test_lookups_in_flight_are_timed_from_their_requests():
+    """The same for a ``get_many`` whose lookups are in flight together
+    (``window``): each read is judged from when its own request was sent, so
+    replies that arrive late reject quick transfers."""
+    with kvproto.embedded(storage_nodes=1, segment_size="4MiB", lease_ttl=0.4) as cluster:
+        writer = cluster.client()
+        reader = cluster.client(local_reads=False, batch=1, window=2)
+        keys = [b"late/0", b"late/1"]
+        assert writer.put_many([(k, b"r" * (4 * KiB)) for k in keys]) == [None, None]
+        awaited = reader._await_master
+
+        def reply_arrives_late(*args):
+            reply = awaited(*args)
+            time.sleep(0.6)                            # past the lease, before the transfer
+            return reply
+
+        reader._await_master = reply_arrives_late
+        with pytest.raises(errors.LeaseExpired):
+            reader.get_many(keys)
+        _, client = counters(reader)
+        assert client["lease_rejected"] >= 1 and client["lease_accepted"] == 0
+        reader._await_master = awaited
+        assert [bytes(v) for v in reader.get_many(keys)] == [b"r" * (4 * KiB)] * 2
+
+
 def test_a_transfer_within_the_ttl_but_not_within_the_skew_margin_is_rejected():
     """The reader keeps a transfer only if it completed before ``ttl -
     max_skew`` on its own clock (a slow clock measures too little;

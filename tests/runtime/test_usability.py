@@ -460,7 +460,8 @@ def test_kvproto_bench_runs_its_payload_and_metadata_sections():
                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "1 MiB" in out.stdout and "batch 128" in out.stdout and "exists" in out.stdout
-    assert out.stdout.count("CPU per key, master / storage node / client:") == 2
+    assert out.stdout.count("CPU per key, master / storage node / client:") == 3
+    assert "batch 128, 4 in flight" in out.stdout
 
 
 def test_kvproto_bench_runs_its_rebuild_sections():

@@ -1,0 +1,142 @@
+"""Lookups in flight ``window`` at a time (``ClientLink._lookups``): a call of
+more keys than ``batch`` sends several requests before the first answer is
+read; answers are matched to their requests whatever order they arrive in, a
+request the master did not serve is asked again alone, and a ``get_many`` that
+fails lets go of what the requests already sent took."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+import kvproto
+from kvproto import errors
+from kvproto.runtime import datapath, wire
+
+
+def _fake_master(answer):
+    """A master that collects ``exists`` requests and, each time one arrives,
+    calls ``answer(waiting)`` (the requests not answered yet, oldest first,
+    each ``(identity, request)``): it returns the ones to answer now, each
+    ``(identity, request, status)``. Replies say every key is found. Records
+    the most requests ever waiting at once in ``most[0]`` and every request's
+    keys in ``asked``."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    waiting: list = []
+    most, asked = [0], []
+
+    def serve():
+        while not stop.is_set():
+            if not sock.poll(20):
+                continue
+            identity, *frames = sock.recv_multipart()
+            req = wire.decode_request(frames, wire.MASTER_MAX_HEADER, 0)
+            if req.op != "exists":
+                continue
+            asked.append(list(req.body["keys"]))
+            waiting.append((identity, req))
+            most[0] = max(most[0], len(waiting))
+            for identity, req, status in answer(list(waiting)):
+                waiting.remove((identity, req))
+                body = {"found": b"\1" * len(req.body["keys"])} if status == 0 else \
+                    {"message": "not open"}
+                sock.send_multipart([identity, wire.encode_reply(req.request_id, status, body)])
+        sock.close(linger=0)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"tcp://127.0.0.1:{port}", stop, most, asked
+
+
+KEYS = [b"k%d" % i for i in range(12)]
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_answers_in_reverse_order_are_matched_to_their_requests(window):
+    """The master answers only once ``window`` requests wait, newest first:
+    no answer is dropped while an older one is awaited, and no more than
+    ``window`` requests are ever in flight."""
+    def answer(waiting):
+        if len(waiting) < window and len(asked) < 4:    # 12 keys, 3 a request
+            return []
+        return [(i, r, 0) for i, r in reversed(waiting)]
+    address, stop, most, asked = _fake_master(answer)
+    c = kvproto.Client(address, batch=3, window=window, lookup_timeout=5.0)
+    try:
+        t = time.monotonic()
+        assert c.exists_many(KEYS) == [True] * 12
+        assert time.monotonic() - t < 2.5           # no answer waited out lookup_timeout
+        assert asked == [KEYS[at:at + 3] for at in range(0, 12, 3)]
+        assert most[0] == window
+    finally:
+        c.close()
+        stop.set()
+
+
+def test_a_request_the_master_did_not_serve_is_asked_again_alone():
+    """The second of three requests in flight is answered ``MasterNotOpen``
+    once: the others' answers are kept, and that one is sent again."""
+    refused = []
+
+    def answer(waiting):
+        out = []
+        for identity, req in waiting:
+            if req.body["keys"] == KEYS[4:8] and not refused:
+                refused.append(req.request_id)
+                out.append((identity, req, errors.MasterNotOpen.code))
+            else:
+                out.append((identity, req, 0))
+        return out
+    address, stop, most, asked = _fake_master(answer)
+    c = kvproto.Client(address, batch=4, window=3, lookup_timeout=5.0)
+    try:
+        assert c.exists_many(KEYS) == [True] * 12
+        assert asked == [KEYS[0:4], KEYS[4:8], KEYS[8:12], KEYS[4:8]]
+    finally:
+        c.close()
+        stop.set()
+
+
+def test_batch_and_window_are_checked():
+    for kwargs in ({"batch": 0}, {"batch": wire.MAX_BATCH + 1}, {"window": 0}, {"window": 1.5}):
+        with pytest.raises(errors.InvalidArgument):
+            kvproto.Client("tcp://127.0.0.1:1", **kwargs)
+
+
+@pytest.mark.parametrize("leases", [True, False], ids=["leases", "pins"])
+def test_a_failed_get_many_lets_go_of_the_lookups_in_flight(monkeypatch, leases):
+    """The second of five lookups fails while the third and fourth are in
+    flight: the fifth is never sent, and the master holds nothing of the
+    client's afterwards (the leases released, the pins ended)."""
+    with kvproto.embedded(storage_nodes=1, segment_size="16MiB") as cluster:
+        c = cluster.client(batch=2, window=2, leases=leases)
+        keys = [b"p%d" % i for i in range(10)]
+        assert c.put_many([(k, b"v" * 64) for k in keys]) == [None] * 10
+        sent = []
+        c.observe = lambda op, s: sent.append(op)
+        real = datapath.read_all
+
+        def read_all(client, ks, *args):
+            if ks == keys[2:4]:
+                raise errors.ChecksumMismatch("the second lookup's read")
+            return real(client, ks, *args)
+        monkeypatch.setattr(datapath, "read_all", read_all)
+        with pytest.raises(errors.ChecksumMismatch):
+            c.get_many(keys)
+        assert sent == ["read_begin"] * 4
+        c.flush_releases()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            stats = cluster.stats()
+            if stats["leases"]["held"] == 0 and stats["clients"] == 0:
+                break
+            time.sleep(0.05)
+        assert stats["leases"]["held"] == 0 and stats["clients"] == 0, stats
+        monkeypatch.undo()
+        assert [bytes(v) for v in c.get_many(keys)] == [b"v" * 64] * 10
