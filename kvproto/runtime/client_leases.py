@@ -57,12 +57,20 @@ class ClientLeases:
     """The lease bookkeeping of :class:`~kvproto.runtime.client.Client` (see
     the module docstring)."""
 
-    def flush_releases(self) -> None:
+    def flush_releases(self, *, timeout: Optional[float] = None) -> None:
         """Release now the leases this client's reads took and still holds back
-        (they otherwise go with its next request or within a heartbeat), e.g.
-        before another client removes what this one read."""
+        (they otherwise go with its next request or within a heartbeat), and
+        wait until the master has released them, e.g. before another client
+        removes what this one read (that client's request comes on another
+        connection, which the master may serve first). Raises what a request
+        to the master raises."""
         with self._lock:
-            self._release_now()
+            if not self._unreleased:
+                return
+            leases, self._unreleased = self._unreleased, []
+            self.lease_counters["releases"] += len(leases)
+            self._call_master("release", {"client": self.client_id, "leases": leases},
+                              self._deadline(timeout))
 
     def _release_now(self) -> None:
         """Send the held-back lease releases (fire-and-forget, so they reach the
