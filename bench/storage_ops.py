@@ -20,7 +20,7 @@ import argparse
 import statistics
 import time
 
-from kvproto.runtime.shm import SegmentMemory, gen_word
+from kvproto.runtime.shm import SegmentMemory, WriterLock, gen_word
 from kvproto.runtime.storage import StorageCore
 
 
@@ -32,6 +32,7 @@ def main() -> None:
                         help="writes over the network (a writes message) instead of direct writes")
     args = parser.parse_args()
     mem = SegmentMemory(256 << 20, 4096)
+    writer = WriterLock()           # a live direct writer: free looks at its lock
     core = StorageCore(mem, "seg")
     pages, size = mem.capacity // mem.page_size, 4096
     payload = memoryview(bytes(size))
@@ -51,7 +52,7 @@ def main() -> None:
                         base + i + 1) for i in range(args.batch)]
             assign = {"segment": "seg", "term": 1, "regions": regions}
             if not args.network:
-                assign["direct"] = [[offset, "writer"] for offset, *_ in regions]
+                assign["direct"] = [[offset, writer.name] for offset, *_ in regions]
             timed("assign", "assign", assign)
             if args.network:
                 writes = {"segment": "seg", "term": 1, "owner": "client",
@@ -68,6 +69,7 @@ def main() -> None:
                 (offset, token, size) for offset, _, _, token in regions]})
     finally:
         mem.close()
+        writer.close()
     for kind, times in spent.items():
         if times:
             print(f"{kind:8s} {statistics.median(times) / args.batch * 1e6:7.2f} µs per key "

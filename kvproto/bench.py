@@ -15,8 +15,9 @@ write into the node's segment on this host) they are also shown against the
 memcpy.
 
 Metadata: batched puts (start + write + end), gets and exists of 4 KiB
-objects, batch sizes 1 and 128, in keys/s, next to raw pyzmq moving the same
-bytes in the same round trips; and the master's memory per stored object, measured
+objects, batch sizes 1 and 128, and 128 with four requests of one call in
+flight (the client's ``window``), in keys/s, next to raw pyzmq moving the same
+bytes in the same round trips (as many in flight); and the master's memory per stored object, measured
 as the growth of a process holding the master's directory and lease table (the
 fast cores on shared rows, filled by the steps the master takes: PutStart,
 PutEnd, the lease table's Put) with one million published objects.

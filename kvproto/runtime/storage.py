@@ -417,6 +417,7 @@ class StorageCore:
         write it drains instead (``FreeDirect``): its item is ``[0, "draining"]``,
         and the master keeps it out until this node reports it drained."""
         node, term, results = self.node, body["term"], []
+        alive: dict = {}
         for offset, token, length in body["regions"]:
             region = node.region(offset)
             free = None
@@ -426,24 +427,35 @@ class StorageCore:
                 if entry is None or entry.token != token or term < node.term:
                     self._refusal(free)   # not held here with that token, or a stale term
                     free = None
-            err, draining = self._release(offset, token, length)
+            err, draining = self._release(offset, token, length, alive)
             if err is None and free is not None:
                 self._commit(free)
             results.append(wire.error_item(err) if err is not None
                            else wire.ok_item("draining" if draining else None))
         return {"results": results}, []
 
-    def _release(self, offset: int, token: int, length: int) -> tuple[Optional[errors.KvError], bool]:
+    def _release(self, offset: int, token: int, length: int,
+                 alive: Optional[dict] = None) -> tuple[Optional[errors.KvError], bool]:
         """Free a region (``FreeRegion``), through ``FreeDirect`` when a direct
         writer holds it: ``(error, draining)``. A draining region leaves the
         region table (it holds no object) but keeps its generation word, where
-        its writer's report will show."""
+        its writer's report will show. ``alive`` keeps, for the regions of one
+        command, whether each writer lived when first asked (three system
+        calls a look): a writer seen alive is taken as alive for the rest of
+        the command, the safe side (its regions drain), and a dead one stays
+        dead."""
         region = self.direct.regions.get(offset)
         draining, free = False, None
         if region is not None and region.token == token:
             self._observe(offset, token)
             region = self.direct.regions[offset]
-            free = dw.FreeDirect(offset, token, writer_alive(region.writer))
+            writer = region.writer
+            if alive is None:
+                lives = writer_alive(writer)
+            else:
+                lives = alive[writer] if writer in alive \
+                    else alive.setdefault(writer, writer_alive(writer))
+            free = dw.FreeDirect(offset, token, lives)
             if region.state is dw.RegionState.DRAINING:   # refused: stepped for its error
                 return self._dstep(free)[1], False
             draining = region.state is dw.RegionState.GRANTED and not region.wrote \
@@ -641,9 +653,10 @@ class StorageCore:
         if err is not None:
             raise err
         purged = effects[0]
+        alive: dict = {}
         for key in purged.keys:
             e = doomed[key]
-            self._release(e.offset, e.token, e.length)
+            self._release(e.offset, e.token, e.length, alive)
         self.counters["purged"] += len(purged.keys)
         self.counters["bytes_purged"] += purged.freed
         return {"purged": len(purged.keys), "freed": purged.freed,
