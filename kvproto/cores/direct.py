@@ -181,6 +181,22 @@ class DirectCore:
         put(self._st, at, PUBLISHED)
         return True
 
+    def free_many(self, offsets: list, tokens: list) -> bool:
+        """``FreeDirect`` of each region in turn when every one is held by its
+        token, not draining, and its write reported (each one then ``Freed``,
+        whatever its writer's liveness): True, all applied; else False and
+        nothing changed."""
+        rows = list(map(self._held, offsets, tokens))
+        if None in rows or len(set(rows)) != len(rows):
+            return False
+        st, wrote = self._st, self._wrote
+        if any(st[row] == DRAINING or not wrote[row] for row in rows):
+            return False
+        release = self._rows.release
+        for row in rows:
+            release(row, 1)
+        return True
+
     def _free(self, ev: FreeDirect) -> tuple:
         row = self._held(ev.offset, ev.token)
         if row is None or self._st[row] == DRAINING:

@@ -251,6 +251,31 @@ class StorageNodeCore:
         self.term = term
         return True
 
+    def free_regions(self, term: int, offsets: list, tokens: list) -> bool:
+        """``FreeRegion(segment, offset, token, length)`` then
+        ``StampedFree(segment, key, term, token)`` of each region in turn
+        (``key`` the region's) when every one is accepted: True, all applied;
+        else False and nothing changed. Every one is accepted when the offsets
+        and the regions' keys distinct, each region is owned by its token,
+        each region's key holds an index entry of that token, and the term is
+        not stale."""
+        reg, idx = self._reg, self._idx
+        rows = list(map(reg.index.get, offsets))
+        if term < self.term or None in rows or len(set(rows)) != len(rows):
+            return False
+        r_tok, r_key, i_tok = self._r_tok, self._r_key, self._i_tok
+        keys = [r_key[row] for row in rows]
+        entries = list(map(idx.index.get, keys))
+        if None in entries or len(set(entries)) != len(entries) or any(r_tok[row] != token for row, token in zip(rows, tokens)) \
+                or any(i_tok[entry] != token for entry, token in zip(entries, tokens)):
+            return False
+        for row, entry in zip(rows, entries):
+            del r_key[row]
+            reg.release(row, 1)
+            idx.release(entry, 1)
+        self.term = term
+        return True
+
     def publish_region(self, term: int, offset: int, token: int, key, checksum: int = 0,
                        requested: int = 0, by: int = 0, write: bool = False
                        ) -> Optional[errors.KvError]:

@@ -71,8 +71,8 @@ log = logging.getLogger("kvproto.storage")
 
 #: a request item's success (``wire.ok_item()``), shared: packed, never changed
 OK = wire.ok_item()
-#: an assign or publish of at least this many regions goes through the cores'
-#: batch steps; fewer are stepped one by one, which costs less than the batch
+#: an assign, publish or free of at least this many regions goes through the
+#: cores' batch steps; fewer are stepped one by one, which costs less than the batch
 #: steps' array calls at batch 1 (both are held to the same reference steps)
 BATCH_STEP_FROM = 32
 
@@ -417,8 +417,11 @@ class StorageCore:
         write it drains instead (``FreeDirect``): its item is ``[0, "draining"]``,
         and the master keeps it out until this node reports it drained."""
         node, term, results = self.node, body["term"], []
+        rows = body["regions"]
+        if self.trace is None and len(rows) >= BATCH_STEP_FROM and self._free_all(term, rows):
+            return {"results": [OK] * len(rows)}, []
         alive: dict = {}
-        for offset, token, length in body["regions"]:
+        for offset, token, length in rows:
             region = node.region(offset)
             free = None
             if region is not None and region.token == token:
@@ -433,6 +436,30 @@ class StorageCore:
             results.append(wire.error_item(err) if err is not None
                            else wire.ok_item("draining" if draining else None))
         return {"results": results}, []
+
+    def _free_all(self, term: int, rows: list) -> bool:
+        """The regions of a ``free`` at once, when each one's steps are
+        accepted and none drains (the cores' batch steps, equal to stepping
+        them in turn): ``StorageNodeCore.free_regions`` and, for a direct
+        writer's region whose write was reported, ``DirectCore.free_many``.
+        True, all freed; else False and nothing changed."""
+        offsets, tokens, _ = map(list, zip(*rows))
+        if max(offsets) >= self.memory.capacity:
+            return False
+        held = list(map(self.direct.held, offsets, tokens))
+        mine = [(offset, token) for offset, token, h in zip(offsets, tokens, held)
+                if h is not None]
+        # a direct writer's region frees at once only once its write was
+        # reported (else it may drain: step by step, asking after the writer)
+        if any(h is not None and (h[0] is dw.RegionState.DRAINING or not h[1]) for h in held):
+            return False
+        if not self.node.free_regions(term, offsets, tokens):
+            return False
+        if mine and not self.direct.free_many(*map(list, zip(*mine))):
+            raise errors.InternalError("FreeDirect was refused where accepted")
+        self.memory.set_words(offsets, [0] * len(offsets))
+        self.counters["freed"] += len(offsets)
+        return True
 
     def _release(self, offset: int, token: int, length: int,
                  alive: Optional[dict] = None) -> tuple[Optional[errors.KvError], bool]:

@@ -754,7 +754,8 @@ class StorageDiff(Differential):
                "allocate", "allocate", "allocate", "publish", "publish", "stamped_read",
                "index_request", "purge", "stamped_free", "restart",
                "allocate_region", "allocate_region", "publish_region", "publish_region",
-               "allocate_regions", "allocate_regions", "publish_regions", "publish_regions")
+               "allocate_regions", "allocate_regions", "publish_regions", "publish_regions",
+               "free_regions", "free_regions")
 
     def begin(self, c: Choose):
         self.table, self.node = P.RegionTable(NODE), F.StorageNode()
@@ -793,7 +794,7 @@ class StorageDiff(Differential):
         reference is left as it was)."""
         table, node = self.table, self.node
         for event in events:
-            if isinstance(event, (P.AssignRegion, P.WriteReplica)):
+            if isinstance(event, (P.AssignRegion, P.WriteReplica, P.FreeRegion)):
                 table, effects = P.storage_step(table, event)
             else:
                 node, effects = F.storage_step(node, event)
@@ -888,6 +889,27 @@ class StorageDiff(Differential):
                 break
         self.batch(got, ours)
 
+    def free_regions(self, c: Choose):
+        """A ``free``'s regions at once: each one's FreeRegion then StampedFree
+        of its key's entry, in turn, all or none; mostly regions whose key
+        holds an entry of their token, sometimes one repeated."""
+        seg, term = self.core.segment, self.term(c)
+        index = self.node.index
+        ready = [o for o, r in self.table.regions.items()
+                 if r.key in index and index[r.key].token == r.token]
+        picks = [self.region(c) for _ in range(c.int(1, 6))] if not ready or c.rare(3) else \
+            [(o, self.table.regions[o].token if not c.rare(8) else c.int(1, 400))
+             for o in c.some(ready, 1, 6)]
+        if c.rare(4):
+            picks.append(picks[0])
+        events = []
+        for offset, token in picks:
+            region = self.table.regions.get(offset)
+            key = region.key if region is not None else self.key(c)
+            events += [P.FreeRegion(seg, offset, token, 1), F.StampedFree(seg, key, term, token)]
+        got = self.core.free_regions(term, [o for o, _ in picks], [t for _, t in picks])
+        self.batch(got, self.fold(events) is None)
+
     def term(self, c: Choose) -> int:
         """Mostly the node's term or the next; sometimes a stale or a later one."""
         t = self.node.term
@@ -961,7 +983,8 @@ class DirectDiff(Differential):
     writers' regions (draining), drains, and stale tokens."""
 
     ACTIONS = ("grant", "grant", "grant", "report", "report", "publish", "publish", "free",
-               "drain", "grant_many", "grant_many", "publish_many", "publish_many")
+               "drain", "grant_many", "grant_many", "publish_many", "publish_many",
+               "free_many", "free_many")
 
     def begin(self, c: Choose):
         self.table, self.core = D.DirectTable(), DirectCore()
@@ -1047,6 +1070,29 @@ class DirectDiff(Differential):
             return events
         got = self.core.publish_many(offsets, tokens, shown)
         assert got == self.fold([steps(*r) for r in zip(offsets, tokens, shown)])
+        assert self.core.reference() == self.table
+
+
+    def free_many(self, c: Choose):
+        """FreeDirect of several regions at once, taken only when each one is
+        Freed whether or not its writer lives, all or none; mostly reported
+        regions, sometimes one repeated."""
+        done = [o for o, r in self.table.regions.items()
+                if r.wrote and r.state is not D.RegionState.DRAINING]
+        picks = [self.region(c) for _ in range(c.int(1, 5))] if not done or c.rare(3) else \
+            [(o, self.table.regions[o].token) for o in c.some(done, 1, 5)]
+        if c.rare(4):
+            picks.append(picks[0])
+        table, freed = self.table, True
+        for offset, token in picks:
+            for alive in (True, False):
+                after, effects = D.node_step(table, D.FreeDirect(offset, token, alive))
+                freed = freed and bool(effects) and isinstance(effects[0], D.Freed)
+            table = after
+        got = self.core.free_many([o for o, _ in picks], [t for _, t in picks])
+        assert got == freed
+        if freed:
+            self.table = table
         assert self.core.reference() == self.table
 
 
