@@ -771,14 +771,27 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         """Delete a published object (``KeyNotFound``, ``NotPublished``,
         ``ObjectBusy``, ``ObjectLeased``). ``force=True`` (operators) ends the
         object's read leases first; the master logs it."""
-        body: dict = {"keys": [_as_key(key)]}
-        if force:
-            body["force"] = True
+        err = self.remove_many([key], force=force, timeout=timeout)[0]
+        if err is not None:
+            raise err
+
+    def remove_many(self, keys: Iterable[Key], *, force: bool = False,
+                    timeout: Optional[float] = None) -> list[Optional[errors.KvError]]:
+        """:meth:`remove` of each key, ``batch`` keys a request: per key
+        ``None`` (removed) or the error it was refused with (a request no
+        master served raises, as for :meth:`remove`)."""
+        ks = [_as_key(k) for k in keys]
+        deadline = self._deadline(timeout)
+        out: list[Optional[errors.KvError]] = []
         with self._lock:
-            reply = self._call_master("remove", body, self._deadline(timeout))
-            err, _ = wire.item_result(wire.items_of(reply, 1)[0])
-            if err is not None:
-                raise err
+            for at in range(0, len(ks), self.batch):
+                body: dict = {"keys": ks[at:at + self.batch]}
+                if force:
+                    body["force"] = True
+                reply = self._call_master("remove", body, deadline)
+                out.extend(wire.item_result(item)[0]
+                           for item in wire.items_of(reply, len(body["keys"])))
+        return out
 
     def stats(self, *, timeout: Optional[float] = None) -> dict:
         """The master's counters and per-segment space, and under ``"client"``

@@ -189,6 +189,28 @@ def test_remove_refuses_pinned_and_pending(cluster, raw):
     r.call("put_revoke", {"client": "slow", "items": [[b"pending", token]]})
 
 
+def test_remove_many_answers_each_key(cluster, raw):
+    """Several requests (``batch`` 3), each key's own answer: removed,
+    missing, pinned; the store frees what it removed (the storage nodes'
+    batched free included: 40 keys a request)."""
+    c = cluster.client(batch=3)
+    c.put(b"pinned", b"bytes")
+    r = raw(cluster.master_address)
+    grant = r.call("read_begin", {"client": "pinner", "keys": [b"pinned"]}).body["items"][0]
+    assert c.put_many([(b"rm/%d" % i, b"v" * 100) for i in range(4)]) == [None] * 4
+    got = c.remove_many([b"rm/0", b"nothing", b"pinned", b"rm/1", b"rm/2", b"rm/3", b"rm/1"])
+    assert [type(e).__name__ if e else None for e in got] == [
+        None, "KeyNotFound", "ObjectBusy", None, None, None, "KeyNotFound"]
+    assert c.exists_many([b"rm/0", b"pinned", b"rm/3"]) == [False, True, False]
+    r.call("read_end", {"client": "pinner", "items": [[b"pinned", grant[1]["token"]]]})
+    assert c.remove_many([]) == []
+    big = cluster.client()
+    keys = [b"rm/big/%d" % i for i in range(40)]
+    assert big.put_many([(k, b"w" * 4096) for k in keys], replicas=2) == [None] * 40
+    assert big.remove_many([*keys, b"pinned"]) == [None] * 41
+    assert big.stats()["objects"] == 0
+
+
 def test_a_revoked_writer_cannot_publish_the_next_attempt(cluster, raw):
     """``PutEnd`` publishes only the attempt its token names (spec
     ``TokenOwns``): a writer whose attempt was revoked, ending its put after
