@@ -17,6 +17,7 @@ only ``handle`` and ``start``, so the same script measures an older revision
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--network", action="store_true",
                         help="writes over the network (a writes message) instead of direct writes")
     args = parser.parse_args()
+    gc.freeze()                     # the collector as a server process runs it
+    gc.set_threshold(50_000, 20, 100)
     mem = SegmentMemory(256 << 20, 4096)
     writer = WriterLock()           # a live direct writer: free looks at its lock
     core = StorageCore(mem, "seg")
