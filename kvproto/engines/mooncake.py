@@ -417,25 +417,23 @@ class MooncakeDistributedStore:
     def remove(self, key: str, force: bool = False) -> int:
         """0, ``-704`` on a miss, ``-706`` while a read holds a lease on it
         (``force=True`` ends the leases first)."""
-        try:
-            self._need().remove(key, force=bool(force))
-            return OK
-        except errors.KvError as err:
-            return return_code(err)
+        return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
-        return [self.remove(k, force) for k in keys]
+        """:meth:`remove` of each key, in requests of many keys (``remove_many``)."""
+        try:
+            return [OK if err is None else return_code(err)
+                    for err in self._need().remove_many(list(keys), force=bool(force))]
+        except errors.KvError as err:
+            return [return_code(err)] * len(keys)
 
     def _remove_listed(self, match) -> int:
         try:
             keys = self._need().keys()
         except errors.KvError as err:
             return return_code(err)
-        removed = 0
-        for key in keys:
-            if match(key.decode("utf-8", "surrogateescape")) and self.remove(key) == OK:
-                removed += 1
-        return removed
+        chosen = [key for key in keys if match(key.decode("utf-8", "surrogateescape"))]
+        return self.batch_remove(chosen).count(OK) if chosen else 0
 
     def remove_by_regex(self, regex: str) -> int:
         """Remove every key ``regex`` finds a match in: the number removed

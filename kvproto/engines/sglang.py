@@ -202,10 +202,9 @@ class KvprotoHiCacheStorage(HiCacheStorage):
 
     def clear(self) -> None:
         """Remove every object of this back end's namespace."""
-        for key in self.client.keys(self.namespace.engine_key("").encode()):
-            try:
-                self.client.remove(key)
-            except errors.KvError as err:
+        keys = self.client.keys(self.namespace.engine_key("").encode())
+        for key, err in zip(keys, self.client.remove_many(keys)):
+            if err is not None:
                 log.warning("clear: %s stays: %s", key, err)
 
     def get_stats(self):
