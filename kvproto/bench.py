@@ -346,8 +346,8 @@ def metadata_bench(keys: int) -> list[dict]:
     ``batch`` x 4 KiB and its acknowledgement; one request and ``batch`` x 4 KiB
     back; for exists, ``batch`` 24-byte keys each way). The last row asks for
     all the keys in one call of a client with ``batch=128, window=4``: its
-    lookups go four requests in flight (the put's requests go one at a time),
-    and the raw peer keeps as many in flight."""
+    lookups go four requests in flight (a put, the next chunk's ``put_start``
+    while a chunk is written), and the raw peer keeps as many in flight."""
     from kvproto.runtime.client import Client
 
     raw, sock = _start_raw()

@@ -68,6 +68,7 @@ SHM = "kvproto/runtime/shm.py"
 CLIENT = "kvproto/runtime/client.py"
 LINK = "kvproto/runtime/client_link.py"
 CLIENT_LEASES = "kvproto/runtime/client_leases.py"
+CLIENT_PUTS = "kvproto/runtime/client_puts.py"
 MASTER = "kvproto/runtime/master.py"
 REQUESTS = "kvproto/runtime/master_requests.py"
 TAKEOVER = "kvproto/runtime/master_takeover.py"
@@ -251,8 +252,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "put-retry-not-abandoned",
         "a put whose put_start timed out does not abandon the attempt the "
         "master may have granted, so its retry is refused KeyExists",
-        _one(CLIENT, "                self._abandon([k for _, k, _ in todo])\n", "                pass\n"),
+        _one(CLIENT_PUTS, "            self._abandon([k for _, k, _ in todo])\n            raise\n",
+             "            raise\n"),
         ("tests/runtime/test_processes.py::test_a_put_that_timed_out_does_not_block_its_retry",)),
+    Mutant(
+        "put-ahead-not-abandoned",
+        "a put_start sent ahead of its chunk (window) and left unanswered is "
+        "asked again without abandoning the attempts the master may have "
+        "granted, so the keys are refused KeyExists",
+        _one(CLIENT_PUTS, "            if reply is None:\n"
+                     "                self._abandon([k for _, k, _ in todo])\n",
+             "            if reply is None:\n"
+             "                pass\n"),
+        ("tests/runtime/test_requests_in_flight.py::"
+         "test_a_put_start_sent_ahead_and_left_unanswered_is_abandoned_and_asked_again",)),
     Mutant(
         "get-no-relookup-on-stale-term",
         "a get whose descriptor a node refuses as StaleTerm (a new master took "

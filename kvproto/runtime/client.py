@@ -26,7 +26,9 @@ miss raises :class:`~kvproto.errors.KeyNotFound`.
 
 A call of more keys than ``batch`` sends several requests; the lookups of
 ``exists_many`` and ``get_many`` go ``window`` at a time, the next sent
-before the answer to one is read (``ClientLink._lookups``).
+before the answer to one is read (``ClientLink._lookups``), and a
+``put_many`` sends a chunk's ``put_start`` while the chunk before it is
+written (:mod:`kvproto.runtime.client_puts`).
 
 ``read_end`` is fire-and-forget, so for a moment after a ``get`` returns the
 object may still be pinned: a ``remove`` sent on *another* client's connection
@@ -97,6 +99,7 @@ from kvproto.runtime.endpoints import check_master, coordinator_url
 from kvproto.runtime import datapath
 from kvproto.runtime.client_leases import LEASE_COUNTERS, ClientLeases, ReadLease
 from kvproto.runtime.client_link import ClientLink
+from kvproto.runtime.client_puts import ClientPuts
 from kvproto.runtime.client_tenants import TenantCalls
 from kvproto.runtime.shm import WriterLock, host_id
 from kvproto.statemachines import lease as lm
@@ -168,25 +171,7 @@ def put_retrying(client: "Client", key: Key, data: Any, within: float, *, replic
             time.sleep(pause)
 
 
-def grants_of(reply: wire.Reply, todo: list, replicas: int, results: list) -> dict:
-    """The grants of a ``put_start`` answered as columns for ``todo``'s
-    ``(i, key, view)``: ``i -> (key, view, token, replicas)``, each replica
-    ``(segment, offset, direct)`` (``direct`` 1 where the segment is granted to
-    this client as a direct writer; the length is the view's); a refused
-    key's error set in ``results``."""
-    columns = wire.put_columns(reply, len(todo), replicas)
-    for at, code, message in columns["errors"]:
-        results[todo[at][0]] = errors.from_wire(code, message)
-    rows, at = list(zip(columns["segment"], columns["offset"], columns["direct"])), 0
-    grants: dict[int, tuple] = {}
-    for (i, k, v), token in zip(todo, columns["token"]):
-        if token:
-            grants[i] = (k, v, token, rows[at:at + replicas])
-            at += replicas
-    return grants
-
-
-class Client(ClientLink, ClientLeases, TenantCalls):
+class Client(ClientLink, ClientLeases, ClientPuts, TenantCalls):
     """A connection to one kvproto master (and, on demand, its storage nodes)."""
 
     #: with a coordinator, how often (seconds) the client asks it who the master
@@ -212,6 +197,7 @@ class Client(ClientLink, ClientLeases, TenantCalls):
         self.batch = batch
         #: lookups of one call (``exists_many``, ``get_many``) in flight at
         #: once: the master serves the next while this client reads an answer
+        #: (above one, ``put_many`` also sends a chunk's put_start ahead)
         self.window = window
         #: replies read while an earlier lookup was awaited, by request id
         #: (``None`` until one arrives; see ``_lookups``)
@@ -404,91 +390,8 @@ class Client(ClientLink, ClientLeases, TenantCalls):
                 todo.append((i, _as_key(key), _as_view(data)))
             except errors.KvError as err:
                 results[i] = err
-        for at in range(0, len(todo), self.batch):
-            chunk = todo[at:at + self.batch]
-            try:
-                self._put_chunk(chunk, replicas, deadline, results)
-            except errors.KvError as err:   # the chunk's put_start failed: nothing stored
-                for i, _, _ in chunk:
-                    results[i] = results[i] or err
+        self._put_chunks(todo, replicas, deadline, results)
         return results
-
-    def _writer_lock(self) -> Optional[WriterLock]:
-        """This client's direct-writer lock (made at its first put), or None
-        when it does not write directly."""
-        if self._writer is None and self._writable.enabled:
-            try:
-                self._writer = WriterLock()
-            except OSError:
-                self._writable.enabled = False
-        return self._writer
-
-    def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list) -> None:
-        with self._lock, self._activity():
-            body = {"client": self.client_id, "replicas": replicas, "columns": True,
-                    "items": [[k, v.nbytes] for _, k, v in todo]}
-            writer = self._writer_lock()
-            if writer is not None:
-                body["writer"], body["host"] = writer.name, self._writable.host
-            try:
-                reply = self._call_master("put_start", body, deadline)
-            except errors.RequestTimeout:
-                # the master may have granted attempts whose tokens never
-                # reached us: end them now, so that a retry is not KeyExists
-                self._abandon([k for _, k, _ in todo])
-                raise
-            self._note_interval(reply)
-            term = reply.body.get("term", 0)
-            del body    # its [key, length] per key, freed before the grants are made
-            grants = grants_of(reply, todo, replicas, results)
-            ended: set[int] = set()
-            self._in_flight = tuple(g[2] for g in grants.values())
-            sums: Optional[dict] = {} if self.checksums else None
-            try:
-                failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
-                                            deadline, term, sums)
-                for i, err in failed.items():
-                    results[i] = err
-                ok = [i for i in grants if i not in failed]
-                if ok:
-                    try:
-                        rep = self._call_master("put_end", {
-                            "client": self.client_id, "columns": True,
-                            "items": [[grants[i][0], grants[i][2], sums.get(i, 0)]
-                                      if sums is not None else [grants[i][0], grants[i][2]]
-                                      for i in ok]}, deadline)
-                    except errors.KvError as err:
-                        for i in ok:
-                            results[i] = err
-                    else:
-                        ended.update(ok)
-                        for at, code, message in wire.put_end_refused(rep, len(ok)):
-                            results[ok[at]] = errors.from_wire(code, message)
-            finally:
-                self._in_flight = ()
-                self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
-
-    def _revoke(self, attempts: list[tuple[bytes, int]], wait: float = 2.0) -> None:
-        """Best effort: give up ``attempts`` (the master reclaims them anyway when
-        this client falls silent)."""
-        if not attempts:
-            return
-        try:
-            self._call_master("put_revoke", {"client": self.client_id,
-                                             "items": [[k, t] for k, t in attempts]},
-                              time.monotonic() + wait)
-        except errors.KvError:
-            pass
-
-    def _abandon(self, keys: list[bytes]) -> None:
-        """End this client's pending attempts on ``keys`` whose tokens it never
-        received (``put_abandon``). Fire-and-forget, on the master connection,
-        so it is handled before this client's next request; the master also
-        ends such attempts by their own deadline."""
-        try:
-            self._send(self._master(), "put_abandon", {"client": self.client_id, "keys": keys})
-        except (errors.KvError, zmq.ZMQError):
-            pass
 
     # ------------------------------------------------------------------ get
 

@@ -1,8 +1,11 @@
-"""Lookups in flight ``window`` at a time (``ClientLink._lookups``): a call of
-more keys than ``batch`` sends several requests before the first answer is
-read; answers are matched to their requests whatever order they arrive in, a
-request the master did not serve is asked again alone, and a ``get_many`` that
-fails lets go of what the requests already sent took."""
+"""Requests of one call in flight together (``window``). Lookups
+(``ClientLink._lookups``): a call of more keys than ``batch`` sends several
+requests before the first answer is read; answers are matched to their
+requests whatever order they arrive in, a request the master did not serve is
+asked again alone, and a ``get_many`` that fails lets go of what the requests
+already sent took. Puts: the next chunk's ``put_start`` goes before this
+chunk's writes and ``put_end``; one left unanswered is abandoned and asked
+again."""
 
 from __future__ import annotations
 
@@ -55,6 +58,12 @@ def _fake_master(answer):
 
 
 KEYS = [b"k%d" % i for i in range(12)]
+
+
+@pytest.fixture
+def cluster_of_one():
+    with kvproto.embedded(storage_nodes=1, segment_size="16MiB") as cluster:
+        yield cluster
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])
@@ -140,3 +149,46 @@ def test_a_failed_get_many_lets_go_of_the_lookups_in_flight(monkeypatch, leases)
         assert stats["leases"]["held"] == 0 and stats["clients"] == 0, stats
         monkeypatch.undo()
         assert [bytes(v) for v in c.get_many(keys)] == [b"v" * 64] * 10
+
+
+def test_the_next_chunks_put_start_goes_before_this_chunks_put_end(cluster_of_one):
+    c = cluster_of_one.client(batch=2, window=2)
+    sent, send = [], c._send
+
+    def recording(sock, op, body, *args):
+        if op in ("put_start", "put_end"):
+            sent.append(op)
+        return send(sock, op, body, *args)
+    c._send = recording
+    items = [(b"in/%d" % i, b"v" * 100) for i in range(6)]
+    assert c.put_many(items) == [None] * 6
+    assert sent == ["put_start", "put_start", "put_end", "put_start", "put_end", "put_end"]
+    assert [bytes(v) for v in c.get_many([k for k, _ in items])] == [b"v" * 100] * 6
+    c.window = 1
+    sent.clear()
+    assert c.put_many([(b"one/%d" % i, b"w") for i in range(4)]) == [None] * 4
+    assert sent == ["put_start", "put_end"] * 2
+
+
+def test_a_put_start_sent_ahead_and_left_unanswered_is_abandoned_and_asked_again(
+        cluster_of_one):
+    """The master granted the second chunk's attempts, but (as if its answer
+    were lost) the client gets nothing: it abandons them and asks again, and
+    every key is stored, none refused ``KeyExists``."""
+    c = cluster_of_one.client(batch=2, window=2, lookup_timeout=1.0)
+    awaited = c._await_master
+    dropped = []
+
+    def losing_the_first_ahead(sock, rid, *args):
+        ahead = rid in c._early
+        reply = awaited(sock, rid, *args)
+        if ahead and not dropped:
+            dropped.append(rid)
+            return None
+        return reply
+    c._await_master = losing_the_first_ahead
+    items = [(b"lost/%d" % i, b"v" * 100) for i in range(6)]
+    assert c.put_many(items) == [None] * 6
+    assert dropped
+    assert c.exists_many([k for k, _ in items]) == [True] * 6
+    assert cluster_of_one.stats()["pending"] == 0
