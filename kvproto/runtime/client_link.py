@@ -144,7 +144,7 @@ class ClientLink:
         the deadline; several are polled with a poller kept per socket set."""
         got: dict[int, wire.Reply] = {}
         early = self._early
-        if early:       # read while another request was awaited (see _lookups)
+        if early:       # read while another request was awaited (_take)
             for rid in pending:
                 if early.get(rid) is not None:
                     got[rid] = early.pop(rid)
@@ -179,7 +179,7 @@ class ClientLink:
         rid = reply.request_id
         if pending.get(rid) is sock:
             got[rid] = reply
-        elif rid in self._early:        # a lookup of _lookups, awaited later
+        elif rid in self._early:        # a request sent ahead, awaited later
             self._early[rid] = reply
 
     def _poller(self, socks: set) -> zmq.Poller:
