@@ -181,16 +181,24 @@ class DirectCore:
         put(self._st, at, PUBLISHED)
         return True
 
+    def freeable(self, offsets: list, tokens: list) -> list:
+        """Per region, None where its token does not hold it, else whether
+        ``FreeDirect`` frees it whatever its writer's liveness (not draining,
+        its write reported; nothing is stepped)."""
+        return self._freeable(list(map(self._held, offsets, tokens)))
+
+    def _freeable(self, rows: list) -> list:
+        """:meth:`freeable` of the regions at ``rows`` (None where none)."""
+        st, wrote = self._st, self._wrote
+        return [None if row is None else st[row] != DRAINING and bool(wrote[row])
+                for row in rows]
+
     def free_many(self, offsets: list, tokens: list) -> bool:
         """``FreeDirect`` of each region in turn when every one is held by its
-        token, not draining, and its write reported (each one then ``Freed``,
-        whatever its writer's liveness): True, all applied; else False and
-        nothing changed."""
+        token and :meth:`freeable` (each one then ``Freed``): True, all
+        applied; else False and nothing changed."""
         rows = list(map(self._held, offsets, tokens))
-        if None in rows or len(set(rows)) != len(rows):
-            return False
-        st, wrote = self._st, self._wrote
-        if any(st[row] == DRAINING or not wrote[row] for row in rows):
+        if len(set(rows)) != len(rows) or not all(self._freeable(rows)):
             return False
         release = self._rows.release
         for row in rows:

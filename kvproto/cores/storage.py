@@ -256,7 +256,7 @@ class StorageNodeCore:
         ``StampedFree(segment, key, term, token)`` of each region in turn
         (``key`` the region's) when every one is accepted: True, all applied;
         else False and nothing changed. Every one is accepted when the offsets
-        and the regions' keys distinct, each region is owned by its token,
+        and the regions' keys are distinct, each region is owned by its token,
         each region's key holds an index entry of that token, and the term is
         not stale."""
         reg, idx = self._reg, self._idx
@@ -266,7 +266,8 @@ class StorageNodeCore:
         r_tok, r_key, i_tok = self._r_tok, self._r_key, self._i_tok
         keys = [r_key[row] for row in rows]
         entries = list(map(idx.index.get, keys))
-        if None in entries or len(set(entries)) != len(entries) or any(r_tok[row] != token for row, token in zip(rows, tokens)) \
+        if None in entries or len(set(entries)) != len(entries) \
+                or any(r_tok[row] != token for row, token in zip(rows, tokens)) \
                 or any(i_tok[entry] != token for entry, token in zip(entries, tokens)):
             return False
         for row, entry in zip(rows, entries):

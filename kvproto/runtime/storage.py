@@ -446,13 +446,13 @@ class StorageCore:
         offsets, tokens, _ = map(list, zip(*rows))
         if max(offsets) >= self.memory.capacity:
             return False
-        held = list(map(self.direct.held, offsets, tokens))
-        mine = [(offset, token) for offset, token, h in zip(offsets, tokens, held)
-                if h is not None]
         # a direct writer's region frees at once only once its write was
         # reported (else it may drain: step by step, asking after the writer)
-        if any(h is not None and (h[0] is dw.RegionState.DRAINING or not h[1]) for h in held):
+        freeable = self.direct.freeable(offsets, tokens)
+        if False in freeable:
             return False
+        mine = [(offset, token) for offset, token, f in zip(offsets, tokens, freeable)
+                if f is not None]
         if not self.node.free_regions(term, offsets, tokens):
             return False
         if mine and not self.direct.free_many(*map(list, zip(*mine))):
@@ -462,7 +462,7 @@ class StorageCore:
         return True
 
     def _release(self, offset: int, token: int, length: int,
-                 alive: Optional[dict] = None) -> tuple[Optional[errors.KvError], bool]:
+                 alive: dict) -> tuple[Optional[errors.KvError], bool]:
         """Free a region (``FreeRegion``), through ``FreeDirect`` when a direct
         writer holds it: ``(error, draining)``. A draining region leaves the
         region table (it holds no object) but keeps its generation word, where
@@ -476,12 +476,9 @@ class StorageCore:
         if region is not None and region.token == token:
             self._observe(offset, token)
             region = self.direct.regions[offset]
-            writer = region.writer
-            if alive is None:
-                lives = writer_alive(writer)
-            else:
-                lives = alive[writer] if writer in alive \
-                    else alive.setdefault(writer, writer_alive(writer))
+            lives = alive.get(region.writer)
+            if lives is None:
+                lives = alive[region.writer] = writer_alive(region.writer)
             free = dw.FreeDirect(offset, token, lives)
             if region.state is dw.RegionState.DRAINING:   # refused: stepped for its error
                 return self._dstep(free)[1], False

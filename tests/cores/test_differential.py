@@ -1075,14 +1075,19 @@ class DirectDiff(Differential):
 
     def free_many(self, c: Choose):
         """FreeDirect of several regions at once, taken only when each one is
-        Freed whether or not its writer lives, all or none; mostly reported
-        regions, sometimes one repeated."""
+        Freed whether or not its writer lives, all or none (and first what
+        ``freeable`` says of each); mostly reported regions, sometimes one
+        repeated."""
         done = [o for o, r in self.table.regions.items()
                 if r.wrote and r.state is not D.RegionState.DRAINING]
         picks = [self.region(c) for _ in range(c.int(1, 5))] if not done or c.rare(3) else \
             [(o, self.table.regions[o].token) for o in c.some(done, 1, 5)]
         if c.rare(4):
             picks.append(picks[0])
+        regions = [self.table.regions.get(o) for o, _ in picks]
+        assert self.core.freeable([o for o, _ in picks], [t for _, t in picks]) == [
+            None if r is None or r.token != t else r.state is not D.RegionState.DRAINING
+            and r.wrote for r, (_, t) in zip(regions, picks)]
         table, freed = self.table, True
         for offset, token in picks:
             for alive in (True, False):
