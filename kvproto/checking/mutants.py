@@ -260,9 +260,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a put_start sent ahead of its chunk (window) and left unanswered is "
         "asked again without abandoning the attempts the master may have "
         "granted, so the keys are refused KeyExists",
-        _one(CLIENT_PUTS, "            if reply is None:\n"
+        _one(CLIENT_PUTS, "            if unanswered:\n"
                      "                self._abandon([k for _, k, _ in todo])\n",
-             "            if reply is None:\n"
+             "            if unanswered:\n"
              "                pass\n"),
         ("tests/runtime/test_requests_in_flight.py::"
          "test_a_put_start_sent_ahead_and_left_unanswered_is_abandoned_and_asked_again",)),

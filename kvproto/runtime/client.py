@@ -199,9 +199,9 @@ class Client(ClientLink, ClientLeases, ClientPuts, TenantCalls):
         #: once: the master serves the next while this client reads an answer
         #: (above one, ``put_many`` also sends a chunk's put_start ahead)
         self.window = window
-        #: requests sent ahead of their turn (``_lookups``, a put's next
-        #: put_start) by id: the reply when it was read while another request
-        #: was awaited, else ``None``
+        #: requests sent ahead of their turn (``_send_ahead``: lookups in
+        #: flight, a put's next put_start) by id: the reply when it was read
+        #: while another request was awaited, else ``None``
         self._early: dict = {}
         for name, value in (("timeout", timeout), ("lookup_timeout", lookup_timeout),
                             ("switch_window", switch_window)):

@@ -319,63 +319,78 @@ class ClientLink:
             self.failover_counters["switch_misses"] += keys
             return None
 
+    def _send_ahead(self, op: str, body: dict) -> tuple:
+        """Send ``op`` to the master now, its answer awaited later
+        (:meth:`_await_ahead`; answers read meanwhile are kept in ``_early``):
+        ``(op, request id, socket, master, sent)``. The held-back lease
+        releases go first, as with :meth:`_call_master`."""
+        if self._unreleased and op != "read_begin":
+            self._release_now()
+        sock, sent = self._master(), time.monotonic()
+        rid = self._send(sock, op, body)
+        self._early[rid] = None
+        return op, rid, sock, self.master, sent
+
+    def _await_ahead(self, ahead: tuple, deadline: float) -> tuple[Optional[wire.Reply], bool]:
+        """The answer to a request of :meth:`_send_ahead` if the master served
+        it (a refusal raises, as from :meth:`_call_master`), else ``None``;
+        and whether it went unanswered (silent, or its connection replaced
+        since) rather than answered ``MasterNotOpen``."""
+        op, rid, sock, asked, sent = ahead
+        reply = None
+        if sock is self._master_sock and self.master == asked:
+            reply = self._await_master(sock, rid, deadline, sent)
+        self._early.pop(rid, None)
+        if reply is None:
+            return None, True
+        if reply.status == errors.MasterNotOpen.code:
+            return None, False
+        if self.observe is not None:
+            self.observe(op, time.monotonic() - sent)
+        self._unserved_since = None
+        return reply.raise_for_status(), False
+
     def _lookups(self, op: str, bodies: Iterable[tuple[dict, int]], deadline: float
                  ) -> Iterator[tuple[Optional[wire.Reply], float]]:
         """What :meth:`_lookup` answers for each ``(body, keys)`` of ``bodies``,
         in order, each with the time its request was sent; up to ``window``
-        requests are in flight on the master's connection, so the master
-        serves the next ones while the caller works on an answer. A body is
-        taken from ``bodies`` only as its request is sent (a caller stops
-        further requests by ending ``bodies``). A request the master did not
-        serve (not open, silent for ``lookup_timeout``, or sent on a
-        connection replaced since) is asked again on its own through
-        :meth:`_lookup`, which finds the master anew. A request the master
-        refused raises, as from :meth:`_lookup`."""
+        requests are in flight on the master's connection (:meth:`_send_ahead`),
+        so the master serves the next ones while the caller works on an
+        answer. A body is taken from ``bodies`` only as its request is sent (a
+        caller stops further requests by ending ``bodies``). A request the
+        master did not serve (:meth:`_await_ahead`) is asked again on its own
+        through :meth:`_lookup`, which finds the master anew. A request the
+        master refused raises, as from :meth:`_lookup`."""
         if self._coordinator is not None and \
                 time.monotonic() - self._leader_checked > self.LEADER_RECHECK:
             self._find_master()
-        if self._unreleased and op != "read_begin":
-            self._release_now()         # ordered before these requests on the connection
         source = iter(bodies)
-        flight: deque = deque()         # (request id or None, socket, master, sent, body, keys)
-        early = self._early
+        flight: deque = deque()         # (what _send_ahead returned, or None; body, keys)
 
         def send() -> None:
             while len(flight) < self.window:
                 item = next(source, None)
                 if item is None:
                     return
-                body, keys = item
-                sent = time.monotonic()
-                if not self.master:     # _lookup finds one first
-                    flight.append((None, None, "", sent, body, keys))
-                    continue
-                sock = self._master()
-                rid = self._send(sock, op, body)
-                early[rid] = None
-                flight.append((rid, sock, self.master, sent, body, keys))
+                body, keys = item       # without a master, _lookup finds one first
+                flight.append((self._send_ahead(op, body) if self.master else None, body, keys))
         try:
             send()
             while flight:
-                rid, sock, asked, sent, body, keys = flight.popleft()
+                ahead, body, keys = flight.popleft()
                 reply = None
-                if rid is not None and sock is self._master_sock and self.master == asked:
-                    reply = self._await_master(sock, rid, min(deadline, sent + self.lookup_timeout),
-                                               sent)
-                    if self.observe is not None and reply is not None:
-                        self.observe(op, time.monotonic() - sent)
-                early.pop(rid, None)
-                if reply is None or reply.status == errors.MasterNotOpen.code:
+                if ahead is not None:
+                    sent = ahead[-1]
+                    reply, _ = self._await_ahead(ahead, min(deadline, sent + self.lookup_timeout))
+                if reply is None:
                     sent = time.monotonic()
                     reply = self._lookup(op, body, keys, deadline)
-                else:
-                    self._unserved_since = None
-                    reply.raise_for_status()
                 send()                  # the next request, before the caller reads this answer
                 yield reply, sent
         finally:
-            for item in flight:
-                early.pop(item[0], None)
+            for ahead, _, _ in flight:
+                if ahead is not None:
+                    self._early.pop(ahead[1], None)
 
     def _find_master(self) -> Optional[errors.KvError]:
         """Ask the coordinator (if any) who the master is now; reconnect if it

@@ -60,8 +60,8 @@ class ClientPuts:
                         for i, _, _ in chunk:
                             results[i] = results[i] or err
             finally:
-                for rid, _, _, _, keys in ahead:    # never awaited: its grants end now
-                    self._early.pop(rid, None)
+                for sent, keys in ahead:            # never awaited: its grants end now
+                    self._early.pop(sent[1], None)
                     self._abandon(keys)
 
     def _put_start_body(self, todo: list, replicas: int) -> dict:
@@ -79,15 +79,10 @@ class ClientPuts:
         tokens (unanswered) has its attempts abandoned first, so that the
         request asked again is not ``KeyExists``."""
         if ahead:
-            rid, sock, asked, sent, _ = ahead.pop()
-            reply = None
-            if sock is self._master_sock and self.master == asked:
-                reply = self._await_master(sock, rid, deadline, sent)
-            self._early.pop(rid, None)
-            if reply is not None and reply.status != errors.MasterNotOpen.code:
-                self._unserved_since = None
-                return reply.raise_for_status()
-            if reply is None:
+            reply, unanswered = self._await_ahead(ahead.pop()[0], deadline)
+            if reply is not None:
+                return reply
+            if unanswered:
                 self._abandon([k for _, k, _ in todo])
         try:
             return self._call_master("put_start", self._put_start_body(todo, replicas), deadline)
@@ -119,12 +114,8 @@ class ClientPuts:
             term = reply.body.get("term", 0)
             grants = grants_of(reply, todo, replicas, results)
             if following is not None and self.master:
-                if self._unreleased:
-                    self._release_now()     # ordered before the request, as _call_master does
-                sock = self._master()
-                rid = self._send(sock, "put_start", self._put_start_body(following, replicas))
-                self._early[rid] = None
-                ahead.append((rid, sock, self.master, time.monotonic(),
+                ahead.append((self._send_ahead("put_start",
+                                               self._put_start_body(following, replicas)),
                               [k for _, k, _ in following]))
             ended: set[int] = set()
             self._in_flight = tuple(g[2] for g in grants.values())
