@@ -34,6 +34,7 @@ and can be put in sets and compared between TLC and Python.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -537,13 +538,21 @@ class TraceStep:
 
     ``action`` is ``"Initial predicate"``, the action's operator name, or
     ``"Stuttering"``. For a liveness lasso's last line ("Back to state N")
-    ``back_to`` is N and ``state`` is that earlier state.
+    ``back_to`` is N and ``state`` is that earlier state. ``text`` is the
+    state as TLC printed it.
     """
 
     index: int
     action: str
-    state: Fn
+    text: str = attrs.field(repr=False)
     back_to: int | None = None
+
+    @functools.cached_property
+    def state(self) -> Fn:
+        """The state, read on first use: a trace check's counterexample can
+        be hundreds of thousands of lines, of which the check reads the last
+        state alone."""
+        return Fn.of(parse_state(self.text))
 
 
 _STATE_HEADER = re.compile(r"^State (\d+): (.*)$")
@@ -565,11 +574,11 @@ def parse_trace(tlc_output: str) -> list[TraceStep]:
     lines = tlc_output.splitlines()
     steps: list[TraceStep] = []
 
-    def block(start: int) -> tuple[Fn, int]:
+    def block(start: int) -> tuple[str, int]:
         end = start
         while end < len(lines) and not _BLOCK_END.match(lines[end]):
             end += 1
-        return Fn.of(parse_state("\n".join(lines[start:end]))), end
+        return "\n".join(lines[start:end]), end
 
     i = 0
     while i < len(lines):
@@ -584,7 +593,7 @@ def parse_trace(tlc_output: str) -> list[TraceStep]:
             if index == 1 and steps:
                 break
             if rest == "Stuttering":
-                steps.append(TraceStep(index, "Stuttering", steps[-1].state))
+                steps.append(TraceStep(index, "Stuttering", steps[-1].text))
                 i += 1
                 continue
             state, i = block(i + 1)
@@ -593,7 +602,7 @@ def parse_trace(tlc_output: str) -> list[TraceStep]:
         if back and steps:
             target = int(back[1])
             action = _action(back[2] or "", "Back to state")
-            steps.append(TraceStep(len(steps) + 1, action, steps[target - 1].state, back_to=target))
+            steps.append(TraceStep(len(steps) + 1, action, steps[target - 1].text, back_to=target))
             break
         i += 1
     return steps
