@@ -162,7 +162,10 @@ def test_cancelling_a_request_with_100_loads_in_flight_drains_to_zero(client, no
     assert client.put_many([(k, blob(i, 4 * KiB)) for i, k in enumerate(keys)]) == [None] * 100
     engine = client.transfer_engine(buffers=100, buffer_size=4 * KiB)
     before = counters(node)
-    node.faults["delay_ms"] = 300
+    # every load is still held when the request is cancelled: 2 s is longer
+    # than issuing the 100 takes on a loaded machine (held 300 ms, 73 of
+    # them had completed first in one run of the suite)
+    node.faults["delay_ms"] = 2000
     r = engine.request()
     transfers = [r.load(k, r.acquire(), timeout=10.0) for k in keys]
     assert engine.counts()["loading"] == 100
