@@ -112,6 +112,18 @@ def test_a_slab_is_cut_again_only_once_every_value_cut_from_it_is_gone():
     assert len({address(v) for v in later + again}) == len(later + again)
 
 
+def test_a_whole_request_of_small_objects_is_cut_again_from_kept_slabs():
+    """The values of a get_many of 4,096 objects of 4 KiB (one request at
+    the default batch), let go before the next such call: every copy of that
+    call lands in memory the first one faulted in."""
+    pool = ReadBuffers()
+    first = [pool.take(4096) for _ in range(4096)]
+    del first
+    again = [pool.take(4096) for _ in range(4096)]
+    assert (pool.fresh, pool.reused) == (4096, 4096)
+    assert len({address(v) for v in again}) == len(again)
+
+
 def test_a_held_get_keeps_its_bytes_while_later_gets_reuse_released_memory(client):
     a, b = data_of(b"held-a", BIG), data_of(b"held-b", BIG)
     client.put(b"held-a", a)
