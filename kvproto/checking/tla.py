@@ -586,8 +586,8 @@ def parse_trace(tlc_output: str) -> list[TraceStep]:
         header = _STATE_HEADER.match(line)
         back = _BACK_TO.match(line)
         if _INIT_VIOLATION.search(line) and not steps:
-            state, i = block(i + 1)
-            return [TraceStep(1, "Initial predicate", state)]
+            text, i = block(i + 1)
+            return [TraceStep(1, "Initial predicate", text)]
         if header:
             index, rest = int(header[1]), header[2].strip()
             if index == 1 and steps:
@@ -596,8 +596,8 @@ def parse_trace(tlc_output: str) -> list[TraceStep]:
                 steps.append(TraceStep(index, "Stuttering", steps[-1].text))
                 i += 1
                 continue
-            state, i = block(i + 1)
-            steps.append(TraceStep(index, _action(rest, rest), state))
+            text, i = block(i + 1)
+            steps.append(TraceStep(index, _action(rest, rest), text))
             continue
         if back and steps:
             target = int(back[1])
