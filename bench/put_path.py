@@ -29,7 +29,7 @@ import statistics
 import time
 
 from kvproto.runtime import wire
-from kvproto.runtime.client import grants_of
+from kvproto.runtime.client_puts import grants_of
 from kvproto.runtime.master import MasterCore
 from kvproto.runtime.shm import SegmentMemory, gen_word
 from kvproto.runtime.storage import StorageCore

@@ -478,3 +478,12 @@ def test_kvproto_bench_runs_its_rebuild_sections():
     assert "with tenants (2,000 objects in one tenant's namespace" in out.stdout
     assert "the registry's load" in out.stdout and "raw dict of the keys" in out.stdout
     assert "the standby recovered 5,000 in" in out.stdout
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))
+def test_every_bench_script_imports(script):
+    """The scripts under bench/ are run by hand, not by the suite: each at
+    least imports what it names (a function that moved module breaks one)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"bench_{script[:-3]}", REPO / "bench" / script)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
