@@ -8,8 +8,11 @@ starting over at that moment would, and check that the copy is not kept."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import kvproto
 from kvproto import errors
@@ -189,3 +192,57 @@ def test_regions_next_to_each_other_are_copied_together_up_to_a_run(segment, mon
     got = local.read_many(offsets, [LENGTH] * 4, tokens, mem.nonce, take)
     assert [bytes(v) for v in got] == [bytes([f]) * LENGTH for f in (0xAA, 0xBB, 0xCC, 0xDD)]
     assert taken == [2 * LENGTH, LENGTH, LENGTH]
+
+
+def _greedy_runs(starts: list, ends: list, limit: int) -> list:
+    """The runs the array passes copy, cut one region at a time: a region
+    joins the run before it when it starts where that run ends and the run
+    stays within ``limit`` bytes (a run is one region at least)."""
+    runs: list = []
+    for start, end in zip(starts, ends):
+        if runs and start == runs[-1][1] and end - runs[-1][0] <= limit:
+            runs[-1][1] = end
+        else:
+            runs.append([start, end])
+    return [end - start for start, end in runs]
+
+
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_the_runs_of_array_passes_are_cut_one_region_at_a_time(data):
+    """However the regions lie (next to each other or not, asked in their
+    order in the segment or not, some not complete), the array passes copy
+    each complete region's bytes and take one buffer per run of the cut made
+    one region at a time (``_greedy_runs``)."""
+    pages = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=12))
+    mem = SegmentMemory(sum(pages) * PAGE, PAGE, prefix="kvpt")
+    local = LocalSegment(mem.name, mem.gen_name, mem.capacity, mem.page_size)
+    try:
+        regions, at = [], 0
+        for n, count in enumerate(pages):
+            length = count * PAGE - data.draw(st.sampled_from([0, 0, 1, PAGE - 1]))
+            token, complete = n + 1, data.draw(st.booleans()) or n % 3 == 0
+            mem.set_word(at, gen_word(token, False))
+            mem.view(at, length)[:] = bytes([n + 1]) * length
+            mem.set_word(at, gen_word(token, complete))
+            regions.append((at, length, token, complete, n + 1))
+            at += count * PAGE
+        if data.draw(st.booleans()):
+            regions = data.draw(st.permutations(regions))
+        limit = data.draw(st.sampled_from([PAGE, 2 * PAGE, 5 * PAGE, 64 << 10]))
+        offsets, lengths, tokens, complete, fills = (list(c) for c in zip(*regions))
+        taken = []
+
+        def take(n):
+            taken.append(n)
+            return bytearray(n)
+        with mock.patch.object(shm, "READ_ARRAYS_FROM", 1), \
+                mock.patch.object(shm, "READ_RUN_BYTES", limit):
+            got = local.read_many(offsets, lengths, tokens, mem.nonce, take)
+        ready = [(o, o + n) for o, n, ok in zip(offsets, lengths, complete) if ok]
+        assert taken == _greedy_runs([s for s, _ in ready], [e for _, e in ready], limit)
+        assert [None if v is None else bytes(v) for v in got] == \
+            [bytes([fill]) * n if ok else None for n, ok, fill in zip(lengths, complete, fills)]
+    finally:
+        local.close()
+        mem.close()
