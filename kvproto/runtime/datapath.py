@@ -182,7 +182,8 @@ class ReadBuffers:
     idle (0: none). Objects of at most :data:`SLAB_OBJECT` bytes are cut, one
     after the other, from a slab of :data:`SLAB_BYTES` (one allocation for a
     batch of small gets rather than one each; a value still held keeps its
-    slab's memory): an idle one of the last :data:`SLABS` slabs, else a fresh
+    slab's memory): an idle one of the last :data:`SLABS` slabs (kept besides
+    the buffers ``capacity`` counts, 16 MiB at most), else a fresh
     one (whose pages the copies would fault in, a 4 KiB get's copy costing
     three times as much)."""
 
