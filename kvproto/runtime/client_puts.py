@@ -107,42 +107,41 @@ class ClientPuts:
         """One ``put_start``, the writes and one ``put_end`` of ``todo``; with
         ``following``, that chunk's ``put_start`` is sent once this one's
         grants are in (into ``ahead``), so the master allocates it while this
-        client writes."""
-        with self._lock, self._activity():
-            reply = self._put_started(todo, replicas, deadline, ahead)
-            self._note_interval(reply)
-            term = reply.body.get("term", 0)
-            grants = grants_of(reply, todo, replicas, results)
-            if following is not None and self.master:
-                ahead.append((self._send_ahead("put_start",
-                                               self._put_start_body(following, replicas)),
-                              [k for _, k, _ in following]))
-            ended: set[int] = set()
-            self._in_flight = tuple(g[2] for g in grants.values())
-            sums: Optional[dict] = {} if self.checksums else None
-            try:
-                failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
-                                            deadline, term, sums)
-                for i, err in failed.items():
-                    results[i] = err
-                ok = [i for i in grants if i not in failed]
-                if ok:
-                    try:
-                        rep = self._call_master("put_end", {
-                            "client": self.client_id, "columns": True,
-                            "items": [[grants[i][0], grants[i][2], sums.get(i, 0)]
-                                      if sums is not None else [grants[i][0], grants[i][2]]
-                                      for i in ok]}, deadline)
-                    except errors.KvError as err:
-                        for i in ok:
-                            results[i] = err
-                    else:
-                        ended.update(ok)
-                        for at, code, message in wire.put_end_refused(rep, len(ok)):
-                            results[ok[at]] = errors.from_wire(code, message)
-            finally:
-                self._in_flight = ()
-                self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
+        client writes (its caller holds the lock and the heartbeat)."""
+        reply = self._put_started(todo, replicas, deadline, ahead)
+        self._note_interval(reply)
+        term = reply.body.get("term", 0)
+        grants = grants_of(reply, todo, replicas, results)
+        if following is not None and self.master:
+            ahead.append((self._send_ahead("put_start",
+                                           self._put_start_body(following, replicas)),
+                          [k for _, k, _ in following]))
+        ended: set[int] = set()
+        self._in_flight = tuple(g[2] for g in grants.values())
+        sums: Optional[dict] = {} if self.checksums else None
+        try:
+            failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
+                                        deadline, term, sums)
+            for i, err in failed.items():
+                results[i] = err
+            ok = [i for i in grants if i not in failed]
+            if ok:
+                try:
+                    rep = self._call_master("put_end", {
+                        "client": self.client_id, "columns": True,
+                        "items": [[grants[i][0], grants[i][2], sums.get(i, 0)]
+                                  if sums is not None else [grants[i][0], grants[i][2]]
+                                  for i in ok]}, deadline)
+                except errors.KvError as err:
+                    for i in ok:
+                        results[i] = err
+                else:
+                    ended.update(ok)
+                    for at, code, message in wire.put_end_refused(rep, len(ok)):
+                        results[ok[at]] = errors.from_wire(code, message)
+        finally:
+            self._in_flight = ()
+            self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
 
     def _revoke(self, attempts: list[tuple[bytes, int]], wait: float = 2.0) -> None:
         """Best effort: give up ``attempts`` (the master reclaims them anyway when
