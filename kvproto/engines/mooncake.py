@@ -433,7 +433,7 @@ class MooncakeDistributedStore:
         except errors.KvError as err:
             return return_code(err)
         chosen = [key for key in keys if match(key.decode("utf-8", "surrogateescape"))]
-        return self.batch_remove(chosen).count(OK) if chosen else 0
+        return self.batch_remove(chosen).count(OK)
 
     def remove_by_regex(self, regex: str) -> int:
         """Remove every key ``regex`` finds a match in: the number removed

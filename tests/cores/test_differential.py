@@ -1072,7 +1072,6 @@ class DirectDiff(Differential):
         assert got == self.fold([steps(*r) for r in zip(offsets, tokens, shown)])
         assert self.core.reference() == self.table
 
-
     def free_many(self, c: Choose):
         """FreeDirect of several regions at once, taken only when each one is
         Freed whether or not its writer lives, all or none (and first what
