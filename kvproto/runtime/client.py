@@ -516,8 +516,7 @@ class Client(ClientLink, ClientLeases, ClientPuts, TenantCalls):
         if self.leases:
             body["lease"] = True
         if self._unreleased:
-            body["release"], self._unreleased = self._unreleased, []
-            self.lease_counters["releases"] += len(body["release"])
+            body["release"] = self._take_releases()
         return body
 
     def _read_reply(self, ks: list, reply: Optional[wire.Reply], sent: float, deadline: float,

@@ -65,29 +65,29 @@ class ClientLeases:
         connection, which the master may serve first). Raises what a request
         to the master raises."""
         with self._lock:
-            body = self._take_releases()
-            if body is not None:
-                self._call_master("release", body, self._deadline(timeout))
+            leases = self._take_releases()
+            if leases:
+                self._call_master("release", {"client": self.client_id, "leases": leases},
+                                  self._deadline(timeout))
 
     def _release_now(self) -> None:
         """Send the held-back lease releases (fire-and-forget, so they reach the
         master before this client's next request on the same connection)."""
-        body = self._take_releases()
-        if body is None:
+        leases = self._take_releases()
+        if not leases:
             return
         try:
-            self._send(self._master(), "release", body)
+            self._send(self._master(), "release", {"client": self.client_id, "leases": leases})
         except (errors.KvError, zmq.ZMQError):
             pass
 
-    def _take_releases(self) -> Optional[dict]:
-        """The ``release`` request of the held-back leases, which are then no
-        longer held back (counted as released), or None when there are none."""
-        if not self._unreleased:
-            return None
+    def _take_releases(self) -> list:
+        """The held-back lease releases, which are then no longer held back
+        (counted as released): for a ``release`` request, or to go with a
+        ``read_begin``."""
         leases, self._unreleased = self._unreleased, []
         self.lease_counters["releases"] += len(leases)
-        return {"client": self.client_id, "leases": leases}
+        return leases
 
     def _budget(self, ttl: float) -> lm.LeaseBudget:
         if self.lease_budget is not None:
