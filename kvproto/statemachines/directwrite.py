@@ -188,7 +188,7 @@ class Attempt:
     wrote: bool = False
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     dir: immutables.Map       # key -> (token, slot, published) | None
     table: DirectTable        # the node's direct regions (slot names as offsets)

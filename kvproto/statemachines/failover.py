@@ -110,7 +110,7 @@ class Master:
     directory: immutables.Map = immutables.Map()
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class StorageNode:
     """A storage node's fence (highest term seen) and its object index."""
 
@@ -783,7 +783,7 @@ TOLD_NONE = ("none", None)
 TOLD_REMOVED = ("removed", None)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     coord_term: int
     masters: immutables.Map         # master -> Master

@@ -297,7 +297,7 @@ class Request:
     taker: Taker
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     requests: immutables.Map     # request -> Request
     budget: int                  # recomputes left

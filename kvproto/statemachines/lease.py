@@ -85,7 +85,7 @@ class Lease:
     expires: int
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class LeaseTable:
     """The master's state: ``now``, ``dir`` and ``lease`` of the spec.
 
@@ -666,7 +666,7 @@ class ReadState:
     clobbered: bool = False
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     table: LeaseTable
     slots: tuple                   # the storage regions, one object each

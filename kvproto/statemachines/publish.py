@@ -98,7 +98,7 @@ class SegmentLedger:
     live: bool = True
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Directory:
     """The master's state: ``dir``, ``free``, ``live`` and ``nextToken``."""
 
@@ -117,7 +117,7 @@ class Region:
     done: bool = False
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class RegionTable:
     """A storage node's region table for its segment: offset -> :class:`Region`."""
 
@@ -698,7 +698,7 @@ class Attempt:
     written: frozenset = frozenset()
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     """The closed system, with the spec's history variables: what the writers
     were told (``published_token``), whose bytes each region holds

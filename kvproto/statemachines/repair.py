@@ -295,7 +295,7 @@ def plan_repairs(table: RepairTable) -> list[StartRepair]:
 # --------------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     master: RepairTable
     region: immutables.Map     # storage nodes: segment -> frozenset of keys with a region there

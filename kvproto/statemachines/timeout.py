@@ -150,7 +150,7 @@ class Stats:
     recovered: int = 0       # written-off buffers brought back by a late completion or ack
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Pool:
     """The client transfer engine's state."""
 
@@ -813,7 +813,7 @@ def node_step(node: NodeTransfers, event) -> tuple[NodeTransfers, Effects]:
 # --------------------------------------------------------------------------
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class System:
     pool: Pool
     node: NodeTransfers = NodeTransfers()
