@@ -81,7 +81,7 @@ class TenancyCore:
     records built on access), ``now``, ``ttl``, ``capacity`` and ``used``."""
 
     __slots__ = ("ttl", "capacity", "now", "used", "_tenants", "_ns", "_objects", "_reads",
-                 "_readers", "_judges", "_changes", "tenants", "namespaces", "objects", "reads",
+                 "_readers", "tenants", "namespaces", "objects", "reads",
                  "readers")
 
     def __init__(self, ttl: float, capacity: int) -> None:
@@ -96,28 +96,6 @@ class TenancyCore:
         self._setup()
 
     def _setup(self) -> None:
-        self._judges = {
-            AddTenant: self._judge_add_tenant, AddNamespace: self._judge_add_namespace,
-            AddObject: self._judge_add_object, Tick: self._judge_tick,
-            GrantRead: self._judge_grant, RevokeRead: self._judge_revoke,
-            Begin: self._judge_begin, Fetch: self._judge_fetch, Renew: self._judge_renew,
-            Release: self._judge_release, WriteStart: self._judge_write_start,
-            WriteEnd: self._judge_pending, WriteAbort: self._judge_pending,
-            Remove: self._judge_remove, Evict: self._judge_evict, AgeOut: self._judge_age_out,
-            Create: self._judge_create, PreWarm: self._judge_pre_warm,
-            Switch: self._judge_switch, RouteBack: self._judge_route_back,
-            Drop: self._judge_drop,
-        }
-        self._changes = {
-            AddTenant: self._add_tenant, AddNamespace: self._add_namespace,
-            AddObject: self._add_object, Tick: self._tick, GrantRead: self._grant,
-            RevokeRead: self._revoke, Begin: self._begin, Fetch: self._fetch,
-            Renew: self._renew, Release: self._release, WriteStart: self._write_start,
-            WriteEnd: self._write_end, WriteAbort: self._write_abort, Remove: self._remove,
-            Evict: self._evict, AgeOut: self._age_out, Create: self._create,
-            PreWarm: self._pre_warm, Switch: self._switch, RouteBack: self._route_back,
-            Drop: self._drop,
-        }
         self.tenants = _Tenants(self)
         self.namespaces = _Namespaces(self)
         self.objects = _Objects(self)
@@ -131,11 +109,11 @@ class TenancyCore:
         err = self._judge(event)(event, self.now)
         if err is not None:
             return (Refused(err),)
-        return self._changes[type(event)](event)
+        return getattr(self, _CHANGES[type(event)])(event)
 
     def _judge(self, event):
         try:
-            return self._judges[type(event)]
+            return getattr(self, _JUDGES[type(event)])
         except KeyError:
             raise TypeError(f"not a tenancy event: {event!r}") from None
 
@@ -670,6 +648,32 @@ class TenancyCore:
     def __repr__(self) -> str:
         return (f"TenancyCore({len(self._tenants)} tenants, {len(self._ns)} namespaces, "
                 f"{len(self._objects)} objects, {len(self._reads)} reads)")
+
+
+#: The method that judges each event (its refusal, or ``None``) and the one
+#: that applies it, by name: a copy binds no methods of its own.
+_JUDGES = {
+    AddTenant: "_judge_add_tenant", AddNamespace: "_judge_add_namespace",
+    AddObject: "_judge_add_object", Tick: "_judge_tick",
+    GrantRead: "_judge_grant", RevokeRead: "_judge_revoke",
+    Begin: "_judge_begin", Fetch: "_judge_fetch", Renew: "_judge_renew",
+    Release: "_judge_release", WriteStart: "_judge_write_start",
+    WriteEnd: "_judge_pending", WriteAbort: "_judge_pending",
+    Remove: "_judge_remove", Evict: "_judge_evict", AgeOut: "_judge_age_out",
+    Create: "_judge_create", PreWarm: "_judge_pre_warm",
+    Switch: "_judge_switch", RouteBack: "_judge_route_back",
+    Drop: "_judge_drop",
+}
+_CHANGES = {
+    AddTenant: "_add_tenant", AddNamespace: "_add_namespace",
+    AddObject: "_add_object", Tick: "_tick", GrantRead: "_grant",
+    RevokeRead: "_revoke", Begin: "_begin", Fetch: "_fetch",
+    Renew: "_renew", Release: "_release", WriteStart: "_write_start",
+    WriteEnd: "_write_end", WriteAbort: "_write_abort", Remove: "_remove",
+    Evict: "_evict", AgeOut: "_age_out", Create: "_create",
+    PreWarm: "_pre_warm", Switch: "_switch", RouteBack: "_route_back",
+    Drop: "_drop",
+}
 
 
 class _View(Mapping):
