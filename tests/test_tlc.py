@@ -94,11 +94,23 @@ def test_cfg_header_options_and_errors(tmp_path):
     cfg.write_text("\\* conformance: soak\nINIT Init\n")
     model = tlc.Model.from_cfg(cfg)
     assert model.conformance and model.conformance_soak
+    assert not model.optimise
+    cfg.write_text("\\* jit: full\nINIT Init\n")
+    assert tlc.Model.from_cfg(cfg).optimise
     for header in ["expect: safety", "expect: ok Inv", "expect: maybe", "deadlock: sometimes",
-                   "conformance: perhaps"]:
+                   "conformance: perhaps", "jit: fast"]:
         cfg.write_text(f"\\* {header}\nINIT Init\n")
         with pytest.raises(ValueError):
             tlc.Model.from_cfg(cfg)
+
+
+@needs_java
+def test_only_a_model_marked_jit_full_gets_the_optimising_compiler(tmp_path):
+    cfg = tmp_path / "Spec.cfg"
+    for header, quick_only in (("", True), ("\\* jit: quick\n", True), ("\\* jit: full\n", False)):
+        cfg.write_text(f"{header}INIT Init\n")
+        command = tlc.tlc_command(tlc.Model.from_cfg(cfg), metadir=tmp_path)
+        assert ("-XX:TieredStopAtLevel=1" in command) is quick_only, header
 
 
 def test_parse_progress():
