@@ -11,22 +11,29 @@ import uuid
 
 import pytest
 
-lmcache = pytest.importorskip("lmcache.v1.storage_backend.remote_backend",
-                              reason="lmcache is not importable (install the 'engines' extra)")
 torch = pytest.importorskip("torch")
 
 import kvproto  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat  # noqa: E402
-from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
-from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
-
 from engine_helpers import fresh_import  # noqa: E402
 from kvproto.engines.shim import PATH as SHIM_PATH  # noqa: E402
 
 pytestmark = [pytest.mark.engines, pytest.mark.runtime]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lmcache_imported():
+    """LMCache, imported when this module's tests run rather than when they are
+    collected: its import takes seconds, and every worker collects every module."""
+    global CacheEngineKey, LMCacheEngineConfig, MemoryFormat, LMCacheMetadata
+    global LocalCPUBackend, RemoteBackend
+    pytest.importorskip("lmcache.v1.storage_backend.remote_backend",
+                        reason="lmcache is not importable (install the 'engines' extra)")
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
 CHUNK = 16
 SHAPE = (2, 2, CHUNK, 2, 8)          # layers, K/V, tokens, heads, head dim

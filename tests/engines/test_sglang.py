@@ -10,14 +10,22 @@ import uuid
 import pytest
 from hypothesis import given, settings, strategies as st
 
-hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
-                         reason="sglang is not importable (install the 'engines' extra)")
-factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 torch = pytest.importorskip("torch")
 
 import kvproto  # noqa: E402
 
 pytestmark = [pytest.mark.engines, pytest.mark.runtime]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_imported():
+    """SGLang's storage modules, imported when this module's tests run rather
+    than when they are collected: their import takes seconds, and every worker
+    collects every module."""
+    global hs, factory
+    hs = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
+                             reason="sglang is not importable (install the 'engines' extra)")
+    factory = pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 
 PAGE = 4            # tokens per page
 TOKEN_BYTES = 32    # K and V of one token: 2 x 16 bytes
