@@ -26,6 +26,18 @@ k1, k2, none = ModelValue("k1"), ModelValue("k2"), ModelValue("none")
 
 # --- values -----------------------------------------------------------------------
 
+def test_a_model_value_is_one_object_per_name():
+    import copy
+    import pickle
+    assert ModelValue("k1") is k1 and parse_value("k1") is k1
+    assert k1 == ModelValue("k1") and k1 != k2 and hash(k1) == hash(ModelValue("k1"))
+    assert pickle.loads(pickle.dumps(k1)) is k1 and copy.deepcopy(k1) is k1
+    with pytest.raises(AttributeError):
+        k1.name = "k2"
+    with pytest.raises(TypeError):
+        ModelValue(1)
+
+
 @pytest.mark.parametrize("text, value", [
     ("42", 42),
     ("-7", -7),

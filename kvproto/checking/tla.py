@@ -45,11 +45,36 @@ import attrs
 Value = Any  # int | str | bool | ModelValue | frozenset | tuple | Fn
 
 
-@attrs.frozen(repr=False)
 class ModelValue:
-    """A TLC model value or other bare identifier, e.g. ``k1`` or ``none``."""
+    """A TLC model value or other bare identifier, e.g. ``k1`` or ``none``.
 
-    name: str
+    There is one object per name (``ModelValue("k1") is ModelValue("k1")``),
+    so equality and hashing are the object's own, done in C: a conformance
+    graph hashes millions of model values. Immutable; copies and pickles are
+    the same object.
+    """
+
+    __slots__ = ("name",)
+    _interned: dict[str, ModelValue] = {}
+
+    def __new__(cls, name: str) -> ModelValue:
+        found = cls._interned.get(name)
+        if found is not None:
+            return found
+        if type(name) is not str:
+            raise TypeError(f"a model value's name is a str, not {type(name).__name__}")
+        value = object.__new__(cls)
+        object.__setattr__(value, "name", name)
+        return cls._interned.setdefault(name, value)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError("a ModelValue is immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("a ModelValue is immutable")
+
+    def __reduce__(self):
+        return ModelValue, (self.name,)
 
     def __repr__(self) -> str:
         return f"ModelValue({self.name!r})"
