@@ -106,23 +106,18 @@ class TenancyCore:
 
     def step(self, event) -> tuple:
         """Apply one event (those of ``tenancy.step``)."""
-        err = self._judge(event)(event, self.now)
+        judge, change = _methods(event)
+        err = getattr(self, judge)(event, self.now)
         if err is not None:
             return (Refused(err),)
-        return getattr(self, _CHANGES[type(event)])(event)
-
-    def _judge(self, event):
-        try:
-            return getattr(self, _JUDGES[type(event)])
-        except KeyError:
-            raise TypeError(f"not a tenancy event: {event!r}") from None
+        return getattr(self, change)(event)
 
     def refusal(self, event, now: Optional[float] = None) -> Optional[errors.KvError]:
         """The error :meth:`step` would refuse ``event`` with once the clock
         is at ``now`` (default: the core's; not earlier), or ``None``; changes
         nothing."""
         now = self.now if now is None or now < self.now else now
-        return self._judge(event)(event, now)
+        return getattr(self, _methods(event)[0])(event, now)
 
     def settle(self) -> None:
         """Every bucket counted up to ``now`` (``tenancy.settle``)."""
@@ -650,30 +645,38 @@ class TenancyCore:
                 f"{len(self._objects)} objects, {len(self._reads)} reads)")
 
 
-#: The method that judges each event (its refusal, or ``None``) and the one
-#: that applies it, by name: a copy binds no methods of its own.
-_JUDGES = {
-    AddTenant: "_judge_add_tenant", AddNamespace: "_judge_add_namespace",
-    AddObject: "_judge_add_object", Tick: "_judge_tick",
-    GrantRead: "_judge_grant", RevokeRead: "_judge_revoke",
-    Begin: "_judge_begin", Fetch: "_judge_fetch", Renew: "_judge_renew",
-    Release: "_judge_release", WriteStart: "_judge_write_start",
-    WriteEnd: "_judge_pending", WriteAbort: "_judge_pending",
-    Remove: "_judge_remove", Evict: "_judge_evict", AgeOut: "_judge_age_out",
-    Create: "_judge_create", PreWarm: "_judge_pre_warm",
-    Switch: "_judge_switch", RouteBack: "_judge_route_back",
-    Drop: "_judge_drop",
+#: Per event type, by name, the method that judges it (its refusal, or
+#: ``None``) and the one that applies it: a copy binds no methods of its own.
+_METHODS = {
+    AddTenant: ("_judge_add_tenant", "_add_tenant"),
+    AddNamespace: ("_judge_add_namespace", "_add_namespace"),
+    AddObject: ("_judge_add_object", "_add_object"),
+    Tick: ("_judge_tick", "_tick"),
+    GrantRead: ("_judge_grant", "_grant"),
+    RevokeRead: ("_judge_revoke", "_revoke"),
+    Begin: ("_judge_begin", "_begin"),
+    Fetch: ("_judge_fetch", "_fetch"),
+    Renew: ("_judge_renew", "_renew"),
+    Release: ("_judge_release", "_release"),
+    WriteStart: ("_judge_write_start", "_write_start"),
+    WriteEnd: ("_judge_pending", "_write_end"),
+    WriteAbort: ("_judge_pending", "_write_abort"),
+    Remove: ("_judge_remove", "_remove"),
+    Evict: ("_judge_evict", "_evict"),
+    AgeOut: ("_judge_age_out", "_age_out"),
+    Create: ("_judge_create", "_create"),
+    PreWarm: ("_judge_pre_warm", "_pre_warm"),
+    Switch: ("_judge_switch", "_switch"),
+    RouteBack: ("_judge_route_back", "_route_back"),
+    Drop: ("_judge_drop", "_drop"),
 }
-_CHANGES = {
-    AddTenant: "_add_tenant", AddNamespace: "_add_namespace",
-    AddObject: "_add_object", Tick: "_tick", GrantRead: "_grant",
-    RevokeRead: "_revoke", Begin: "_begin", Fetch: "_fetch",
-    Renew: "_renew", Release: "_release", WriteStart: "_write_start",
-    WriteEnd: "_write_end", WriteAbort: "_write_abort", Remove: "_remove",
-    Evict: "_evict", AgeOut: "_age_out", Create: "_create",
-    PreWarm: "_pre_warm", Switch: "_switch", RouteBack: "_route_back",
-    Drop: "_drop",
-}
+
+
+def _methods(event) -> tuple[str, str]:
+    try:
+        return _METHODS[type(event)]
+    except KeyError:
+        raise TypeError(f"not a tenancy event: {event!r}") from None
 
 
 class _View(Mapping):
