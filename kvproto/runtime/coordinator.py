@@ -9,7 +9,7 @@ a standby may win with a higher term; the old master learns it from ``keepalive`
 returning False and must step down.
 
 Storage nodes register ``segment -> endpoint`` under the same kind of lease
-(:meth:`~Coordinator.register_node`, refreshed every ``ttl/3``) so a new master
+(:meth:`~Coordinator.register_node`, refreshed every ``ttl/4``) so a new master
 finds every live node with :meth:`~Coordinator.nodes`.
 
 Every call is a plain blocking call; the coordinator runs no threads. Callers
@@ -78,7 +78,7 @@ class Coordinator(ABC):
 
     @abstractmethod
     def register_node(self, segment: str, endpoint: str) -> None:
-        """Register or refresh (idempotent; call it every ttl/3) a storage node."""
+        """Register or refresh (idempotent; call it every ttl/4) a storage node."""
 
     @abstractmethod
     def drop_node(self, segment: str) -> None:

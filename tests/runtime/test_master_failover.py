@@ -283,6 +283,12 @@ def test_storage_node_lost_during_the_switch(children, raw, tmp_path):
     victim, victim_ep = storage[0]
     victim_seg = node_stats(raw, victim_ep)["segment"]
     victim.stop(signal.SIGKILL)
+    # the coordinator lists a dead node until its registration runs out (2 s
+    # after its last refresh), and the standby takes over about a master TTL
+    # after the kill: on a loaded machine that can come later. The node is
+    # listed again here, for longer, so that its death surely falls within
+    # the switch (the standby fences it, no answer comes: lost)
+    connect(url, ttl=30.0).register_node(victim_seg, victim_ep)
     a.stop(signal.SIGKILL)
     last = wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
     assert last["nodes_lost"] == 1
