@@ -13,6 +13,7 @@ from kvproto.checking.tla import (
     function,
     format_state,
     format_value,
+    gc_paused,
     parse_dot,
     parse_state,
     parse_trace,
@@ -25,6 +26,37 @@ k1, k2, none = ModelValue("k1"), ModelValue("k2"), ModelValue("none")
 
 
 # --- values -----------------------------------------------------------------------
+
+def test_a_graph_built_with_the_collector_paused_is_left_out_of_its_passes():
+    """``gc_paused``: the collector is off inside; what was garbage before is
+    collected on entry; what is alive on leaving is frozen (never walked
+    again, still freed by reference counting); the collector is on again."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    assert gc.isenabled()
+    gone_before = cycle()          # unreachable, not collected yet
+    frozen = gc.get_freeze_count()
+    with gc_paused():
+        assert not gc.isenabled() and gone_before() is None
+        built = [Node() for _ in range(1000)]
+        with gc_paused():          # nested: the inner one leaves it off
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= frozen + len(built)
+    kept = weakref.ref(built[0])
+    del built
+    assert kept() is None          # frozen, and freed by reference counting
+
 
 def test_a_model_value_is_one_object_per_name():
     import copy
