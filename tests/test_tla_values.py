@@ -27,37 +27,6 @@ k1, k2, none = ModelValue("k1"), ModelValue("k2"), ModelValue("none")
 
 # --- values -----------------------------------------------------------------------
 
-def test_a_graph_built_with_the_collector_paused_is_left_out_of_its_passes():
-    """``gc_paused``: the collector is off inside; what was garbage before is
-    collected on entry; what is alive on leaving is frozen (never walked
-    again, still freed by reference counting); the collector is on again."""
-    import gc
-    import weakref
-
-    class Node:
-        pass
-
-    def cycle():
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        return weakref.ref(a)
-
-    assert gc.isenabled()
-    gone_before = cycle()          # unreachable, not collected yet
-    frozen = gc.get_freeze_count()
-    with gc_paused():
-        assert not gc.isenabled() and gone_before() is None
-        built = [Node() for _ in range(1000)]
-        with gc_paused():          # nested: the inner one leaves it off
-            pass
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    assert gc.get_freeze_count() >= frozen + len(built)
-    kept = weakref.ref(built[0])
-    del built
-    assert kept() is None          # frozen, and freed by reference counting
-
-
 def test_a_model_value_is_one_object_per_name():
     import copy
     import pickle
@@ -286,6 +255,38 @@ def test_parse_dot_reads_a_label_it_cannot_split_whole():
     dot = dot_of([{"x": 1}], []).replace(
         '"/\\\\ x = 1"', '"/\\\\ s = \\"a\\n/\\\\\\\\ b\\"\\n/\\\\ x = 1"')
     assert parse_dot(dot).states == {Fn.of({"s": "a\n/\\ b", "x": 1})}
+
+
+def test_a_graph_built_with_the_collector_paused_is_left_out_of_its_passes():
+    """``gc_paused``: the collector is off inside; what was garbage before is
+    collected on entry; what is alive on leaving is frozen (never walked
+    again, still freed by reference counting); the collector is on again."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    assert gc.isenabled()
+    gone_before = cycle()          # unreachable, not collected yet
+    frozen = gc.get_freeze_count()
+    with gc_paused():
+        assert not gc.isenabled() and gone_before() is None
+        built = [Node() for _ in range(1000)]
+        with gc_paused():          # nested: the inner one leaves it off
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= frozen + len(built)
+    kept = weakref.ref(built[0])
+    del built
+    assert kept() is None          # frozen, and freed by reference counting
+
 
 # --- traces -------------------------------------------------------------------------
 
