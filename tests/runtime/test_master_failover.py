@@ -291,7 +291,9 @@ def test_storage_node_lost_during_the_switch(children, raw, tmp_path):
     # after the kill: on a loaded machine that can come later. The node is
     # listed again here, for longer, so that its death surely falls within
     # the switch (the standby fences it, no answer comes: lost)
-    connect(url, ttl=30.0).register_node(victim_seg, victim_ep)
+    lister = connect(url, ttl=30.0)
+    lister.register_node(victim_seg, victim_ep)
+    lister.close()
     a.stop(signal.SIGKILL)
     last = wait_for(lambda: open_at(url, b_addr, raw), timeout=20, what="the standby open")
     assert last["nodes_lost"] == 1
