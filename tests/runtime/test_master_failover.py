@@ -27,9 +27,8 @@ from runtime_helpers import wait_for
 
 pytestmark = pytest.mark.runtime
 
-#: the masters' election TTL: below the file coordinator's documented minimum
-#: (2 s), for short takeovers within one read lease (1.5 s); a loaded machine
-#: can make a master step down for nothing (see ``_removed``)
+#: the masters' election TTL: short, so that a takeover fits within one read
+#: lease (1.5 s)
 TTL = 1.0
 SEGMENT = 8 << 20
 
@@ -262,10 +261,9 @@ def test_a_new_master_keeps_what_it_recovered_leased_for_one_lease_ttl(children,
 
 def _removed(client, key: bytes) -> bool:
     """Whether ``remove(key)`` went through; not yet while it is leased, nor
-    while the master is not open: on a loaded machine the file coordinator's
-    renewal (a file replaced) can take longer than the TTL allows, and the
-    master then steps down and campaigns again (its quiet period starts again
-    when it reopens)."""
+    while the master is not open: a master that misses a renewal (a loaded
+    machine) steps down and campaigns again, and its quiet period starts
+    again when it reopens."""
     try:
         client.remove(key)
         return True
