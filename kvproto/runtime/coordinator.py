@@ -150,10 +150,10 @@ class FileCoordinator(Coordinator):
 
     A renewal writes in place because replacing a file (a new file, a rename)
     waits on the file system's journal: beside a whole test suite on a 2-core
-    machine, 9 in 2,193 replacing renewals took over 0.3 s (the longest 1.14 s,
-    longer than a 1 s lease), while 2,233 in-place renewals in the same run
-    took 28 ms at most. Records are padded with spaces to :data:`RECORD`
-    bytes, so a renewal keeps the file's size.
+    machine, replacing renewals have taken up to 1.14 s (longer than a 1 s
+    lease) and in-place ones 34 ms at most (``bench/renewals.py``). Records
+    are padded with spaces to :data:`RECORD` bytes, so a renewal keeps the
+    file's size.
 
     ``expires`` is ``time.monotonic()`` time, which Linux shares between the
     processes of one boot; records written under another boot count as expired.
