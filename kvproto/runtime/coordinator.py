@@ -140,8 +140,7 @@ def _boot_id() -> str:
 class FileCoordinator(Coordinator):
     """Coordinator state in a directory shared by the processes of one host.
 
-    * ``lock`` — held with ``flock`` around each short read-modify-write and
-      each read.
+    * ``lock`` — held with ``flock`` around each short read-modify-write.
     * ``state.json`` — ``{term, address, expires, boot}``: replaced atomically
       (and synced) when the term or the leader changes, written over in place
       when a keepalive renews it.
@@ -181,22 +180,11 @@ class FileCoordinator(Coordinator):
         self._lockf: Optional[Any] = None
 
     @contextlib.contextmanager
-    def _locked(self, create: bool = True) -> Iterator[None]:
-        """Hold the directory's lock. ``create=False`` (a reader) creates
-        nothing: where no lock file exists yet, nobody has written a record
-        to write over, and the read goes ahead without it."""
+    def _locked(self) -> Iterator[None]:
         with self._mutex:
             if self._lockf is None:
-                path = os.path.join(self._dir, "lock")
-                if create:
-                    os.makedirs(self._nodes, exist_ok=True)
-                    self._lockf = open(path, "a+")
-                else:
-                    with contextlib.suppress(FileNotFoundError):
-                        self._lockf = open(path)
-            if self._lockf is None:
-                yield
-                return
+                os.makedirs(self._nodes, exist_ok=True)
+                self._lockf = open(os.path.join(self._dir, "lock"), "a+")
             fcntl.flock(self._lockf.fileno(), fcntl.LOCK_EX)
             try:
                 yield
@@ -229,7 +217,8 @@ class FileCoordinator(Coordinator):
     def _renew(path: str, rec: dict[str, Any]) -> None:
         """Write ``rec`` over the record at ``path`` in place (one ``pwrite``,
         padded with spaces to the file's size), or as :meth:`_write` where
-        there is none. Held under the lock, like every read of it."""
+        there is none. Called under the lock, which every other writer and
+        reader holds too, except :meth:`leader` (:meth:`_read_settled`)."""
         try:
             fd = os.open(path, os.O_WRONLY)
         except FileNotFoundError:
@@ -240,6 +229,29 @@ class FileCoordinator(Coordinator):
             os.pwrite(fd, data.ljust(max(os.fstat(fd).st_size, RECORD)), 0)
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _read_settled(path: str) -> Optional[dict[str, Any]]:
+        """The record at ``path``, read without the lock (a client must not
+        wait on a master stopped inside it): read again until two reads
+        agree, since a renewal writing it in place may be read half done.
+        Such a renewal changes only ``expires`` (the term and the address
+        before it stay as they are), so even a read that agreed with a
+        half-done one could misjudge only whether the lease has run out."""
+        last = None
+        for _ in range(100):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                return None
+            if data == last:
+                break
+            last = data
+        try:
+            return json.loads(last)
+        except ValueError:          # no two reads agreed, the last one half done
+            return None
 
     def _read_state(self) -> dict[str, Any]:
         return self._read(self._state) or {"term": 0, "address": "", "expires": 0, "boot": self._boot}
@@ -275,8 +287,7 @@ class FileCoordinator(Coordinator):
     def leader(self) -> Optional[tuple[int, str]]:
         if not os.path.isdir(self._dir):
             raise CoordinatorUnavailable(f"{self.url}: no such directory (no master has used it)")
-        with self._locked(create=False):
-            st = self._read_state()
+        st = self._read_settled(self._state) or {"expires": 0}
         if self._live(st, time.monotonic()):
             return (int(st["term"]), st["address"])
         return None

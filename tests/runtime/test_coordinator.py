@@ -301,6 +301,40 @@ def test_file_renewal_over_a_longer_record_leaves_no_tail(tmp_path):
     c.close()
 
 
+def test_a_file_reader_neither_waits_on_the_lock_nor_reads_a_renewal_half_done(tmp_path):
+    """leader() takes no lock: a master stopped while holding it (here: the
+    lock held by another open file) does not stop clients from finding it;
+    and renewals written in place meanwhile never show as a wrong or missing
+    leader (a renewal that emptied the file first would)."""
+    import fcntl
+    import threading
+    master = connect(f"file://{tmp_path}", ttl=60)
+    term = master.campaign("tcp://127.0.0.1:5555")
+    reader = connect(f"file://{tmp_path}", ttl=60, create=False)
+    with open(tmp_path / "lock") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        found = []
+        t = threading.Thread(target=lambda: found.append(reader.leader()), daemon=True)
+        t.start()
+        t.join(5)
+        assert found == [(term, "tcp://127.0.0.1:5555")]
+    stop = threading.Event()
+
+    def renew():
+        while not stop.is_set():
+            assert master.keepalive(term)
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    try:
+        seen = {reader.leader() for _ in range(3000)}
+    finally:
+        stop.set()
+        renewer.join()
+    assert seen == {(term, "tcp://127.0.0.1:5555")}
+    reader.close()
+    master.close()
+
+
 def test_a_file_reader_creates_nothing(tmp_path):
     """A client's coordinator only reads: it creates no lock file, even
     where the directory exists."""
