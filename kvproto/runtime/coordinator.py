@@ -152,7 +152,9 @@ class FileCoordinator(Coordinator):
     machine, replacing renewals have taken up to 1.14 s (longer than a 1 s
     lease) and in-place ones 34 ms at most (``bench/renewals.py``). Records
     are padded with spaces to :data:`RECORD` bytes, so a renewal keeps the
-    file's size.
+    file's size; a record of usual length lies within the first 512 bytes,
+    one disk sector, which a disk writes whole, so a crash during a renewal
+    leaves the old record or the new one on disk.
 
     ``expires`` is ``time.monotonic()`` time, which Linux shares between the
     processes of one boot; records written under another boot count as expired.
