@@ -3,11 +3,13 @@ backends: a directory on one host and a real etcd on loopback."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -306,8 +308,6 @@ def test_a_file_reader_neither_waits_on_the_lock_nor_reads_a_renewal_half_done(t
     lock held by another open file) does not stop clients from finding it;
     and renewals written in place meanwhile never show as a wrong or missing
     leader (a renewal that emptied the file first would)."""
-    import fcntl
-    import threading
     master = connect(f"file://{tmp_path}", ttl=60)
     term = master.campaign("tcp://127.0.0.1:5555")
     reader = connect(f"file://{tmp_path}", ttl=60, create=False)
@@ -318,11 +318,11 @@ def test_a_file_reader_neither_waits_on_the_lock_nor_reads_a_renewal_half_done(t
         t.start()
         t.join(5)
         assert found == [(term, "tcp://127.0.0.1:5555")]
-    stop = threading.Event()
+    stop, renewed = threading.Event(), []
 
     def renew():
         while not stop.is_set():
-            assert master.keepalive(term)
+            renewed.append(master.keepalive(term))
     renewer = threading.Thread(target=renew, daemon=True)
     renewer.start()
     try:
@@ -330,6 +330,7 @@ def test_a_file_reader_neither_waits_on_the_lock_nor_reads_a_renewal_half_done(t
     finally:
         stop.set()
         renewer.join()
+    assert renewed and all(renewed)
     assert seen == {(term, "tcp://127.0.0.1:5555")}
     reader.close()
     master.close()
