@@ -18,7 +18,7 @@ import threading
 from collections import deque
 import time
 import weakref
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 import zmq
 
@@ -195,7 +195,8 @@ class ClientLink:
         return cached
 
     def _call_master(self, op: str, body: dict, deadline: float,
-                     started: Optional[float] = None) -> wire.Reply:
+                     started: Optional[float] = None,
+                     meanwhile: Optional[Callable[[], None]] = None) -> wire.Reply:
         """One request to the master. With a coordinator, a master that is not
         open, or is silent for ``LEADER_RECHECK``, makes the client ask the
         coordinator again, and the request goes to the master it names if that
@@ -203,20 +204,23 @@ class ClientLink:
         served raises one of :data:`SWITCHING` while a switch may be under
         way, and :class:`~kvproto.errors.MasterUnreachable` (or
         ``CoordinatorUnavailable``) past the window (see :meth:`_not_served`);
-        ``started`` (default: now) is when the call began."""
+        ``started`` (default: now) is when the call began; ``meanwhile`` (the
+        caller's own work) runs once, after the request is first sent and
+        before its answer is awaited."""
         started = time.monotonic() if started is None else started
         if self._coordinator is not None and started - self._leader_checked > self.LEADER_RECHECK:
             self._find_master()
         if self._unreleased and op != "read_begin":
             self._release_now()         # ordered before this request on the connection
         try:
-            reply = self._ask_master(op, body, deadline, started)
+            reply = self._ask_master(op, body, deadline, started, meanwhile)
         except (*SWITCHING, errors.CoordinatorUnavailable) as err:
             raise self._not_served(err, started) from None
         self._unserved_since = None
         return reply.raise_for_status()
 
-    def _ask_master(self, op: str, body: dict, deadline: float, started: float) -> wire.Reply:
+    def _ask_master(self, op: str, body: dict, deadline: float, started: float,
+                    meanwhile: Optional[Callable[[], None]] = None) -> wire.Reply:
         """The reply of a master that served the request (any status but
         ``MasterNotOpen``), or the reason none did."""
         for _ in range(4):
@@ -228,7 +232,11 @@ class ClientLink:
             asked = self.master
             sock = self._master()
             sent_at = time.perf_counter()
-            reply = self._await_master(sock, self._send(sock, op, body), deadline, started)
+            rid = self._send(sock, op, body)
+            if meanwhile is not None:
+                meanwhile()
+                meanwhile = None
+            reply = self._await_master(sock, rid, deadline, started)
             if self.observe is not None:
                 self.observe(op, time.perf_counter() - sent_at)
             if reply is not None and reply.status != errors.MasterNotOpen.code:

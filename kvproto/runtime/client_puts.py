@@ -72,20 +72,28 @@ class ClientPuts:
             body["writer"], body["host"] = writer.name, self._writable.host
         return body
 
-    def _put_started(self, todo: list, replicas: int, deadline: float, ahead: list) -> wire.Reply:
+    def _put_started(self, todo: list, replicas: int, deadline: float, ahead: list,
+                     sums: Optional[dict]) -> wire.Reply:
         """The master's answer to ``todo``'s ``put_start``: the one sent ahead
         (``ahead``, taken from it) if the master served it, else asked now. A
         put_start the master may have granted without this client getting the
         tokens (unanswered) has its attempts abandoned first, so that the
-        request asked again is not ``KeyExists``."""
+        request asked again is not ``KeyExists``. With ``sums``, the
+        checksums of ``todo``'s bytes are computed while the master works on
+        the request (:func:`~kvproto.runtime.datapath.checksums`)."""
+        hashing = None if sums is None else (lambda: datapath.checksums(todo, sums))
         if ahead:
+            if hashing is not None:
+                hashing()
+                hashing = None
             reply, unanswered = self._await_ahead(ahead.pop()[0], deadline)
             if reply is not None:
                 return reply
             if unanswered:
                 self._abandon([k for _, k, _ in todo])
         try:
-            return self._call_master("put_start", self._put_start_body(todo, replicas), deadline)
+            return self._call_master("put_start", self._put_start_body(todo, replicas), deadline,
+                                     meanwhile=hashing)
         except errors.RequestTimeout:
             # the master may have granted attempts whose tokens never
             # reached us: end them now, so that a retry is not KeyExists
@@ -108,7 +116,8 @@ class ClientPuts:
         ``following``, that chunk's ``put_start`` is sent once this one's
         grants are in (into ``ahead``), so the master allocates it while this
         client writes (its caller holds the lock and the heartbeat)."""
-        reply = self._put_started(todo, replicas, deadline, ahead)
+        sums: Optional[dict] = {} if self.checksums else None
+        reply = self._put_started(todo, replicas, deadline, ahead, sums)
         self._note_interval(reply)
         term = reply.body.get("term", 0)
         grants = grants_of(reply, todo, replicas, results)
@@ -118,7 +127,6 @@ class ClientPuts:
                           [k for _, k, _ in following]))
         ended: set[int] = set()
         self._in_flight = tuple(g[2] for g in grants.values())
-        sums: Optional[dict] = {} if self.checksums else None
         try:
             failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
                                         deadline, term, sums)

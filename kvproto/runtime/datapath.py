@@ -24,7 +24,10 @@ assign did not show in time. Each region sent is a tracked transfer of the
 Timeout protocol (``spec/Timeout.tla``): a message unacknowledged by the
 deadline is cancelled at its node, which discards what has not run. With
 ``sums`` the :func:`checksum` of each object's bytes is computed as well (one
-pass over them: the caller's buffer, or where a :class:`Fill` produced them).
+pass over them: the caller's buffer, or where a :class:`Fill` produced them);
+the client computes those of the caller's buffers (:func:`checksums`) while
+its ``put_start`` is with the master, so a put's hash costs it no time of its
+own.
 
 :class:`LocalSegments` keeps the mappings of this host's segments (read-only
 for reads, writable for direct writes).
@@ -56,6 +59,14 @@ def checksum(data) -> int:
     """An object's checksum: XXH3-64 of its bytes (``data``: any contiguous
     buffer), never 0 (0 means none, on the wire and in the directory)."""
     return xxhash.xxh3_64_intdigest(data) or 1
+
+
+def checksums(todo: list, sums: dict) -> None:
+    """``sums[i]`` = the :func:`checksum` of each ``(i, key, view)`` of
+    ``todo`` whose bytes are there already (not a :class:`Fill`)."""
+    for i, _, view in todo:
+        if not isinstance(view, Fill):
+            sums[i] = checksum(view)
 
 
 class Fill:
@@ -542,7 +553,8 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     into the segment, the others as one
     ``writes`` message per storage node, all in flight at once; wait for the
     acks. Returns the failures by ``i``; with a dict ``sums``, sets
-    ``sums[i]`` to the :func:`checksum` of each object's bytes.
+    ``sums[i]`` to the :func:`checksum` of each object's bytes where it is
+    not set yet.
 
     A message unacked by the deadline fails its regions with
     ``TransferTimeout`` and is cancelled at its node (each region's transfer,
@@ -554,7 +566,7 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     materialized: dict[int, memoryview] = {}
     writable: dict = {}     # segment -> this client's writable mapping of it (or None), once
     for i, (key, view, token, replicas) in grants.items():
-        if sums is not None and not isinstance(view, Fill):
+        if sums is not None and i not in sums and not isinstance(view, Fill):
             sums[i] = checksum(view)
         for seg, offset, direct in replicas:
             info = segments.get(seg)

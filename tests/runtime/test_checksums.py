@@ -145,3 +145,47 @@ def test_a_fills_checksum_is_taken_where_it_produced_the_bytes(cluster, direct):
     assert (writer.transfer_counters["direct_writes"] > before) == direct
     assert cluster.master.core.directory.objects[key].checksum == checksum(data)
     assert bytes(writer.get(key, verify=True)) == data
+
+
+@pytest.mark.parametrize("batch", [4096, 2], ids=["one put_start", "put_starts sent ahead"])
+def test_a_puts_checksums_are_computed_while_its_put_start_is_with_the_master(
+        cluster, monkeypatch, batch):
+    """Each key's bytes are hashed after the ``put_start`` naming it was sent
+    and before its answer is awaited, so the hash overlaps the master's work
+    (with ``batch=2`` the later chunks' requests go out ahead of their writes);
+    the checksums still reach the directory."""
+    from kvproto.runtime import datapath
+    writer = cluster.client(batch=batch, window=2)
+    keys = [b"overlap-%d-%d" % (batch, n) for n in range(5)]
+    data = {k: k.ljust(32, b".") + payload(k, 4 * KiB) for k in keys}
+    events: list = []
+    started: dict[int, list] = {}           # put_start rid -> its keys
+    send, await_master = writer._send, writer._await_master
+
+    def sending(sock, op, body, *more):
+        rid = send(sock, op, body, *more)
+        if op == "put_start":
+            started[rid] = [bytes(item[0]) for item in body["items"]]
+            events.append(("sent", rid))
+        return rid
+
+    def awaiting(sock, rid, *more):
+        if rid in started:
+            events.append(("await", rid))
+        return await_master(sock, rid, *more)
+
+    def hashing(view, checksum=datapath.checksum):
+        events.append(("hash", bytes(view[:32]).rstrip(b".")))
+        return checksum(view)
+
+    monkeypatch.setattr(writer, "_send", sending)
+    monkeypatch.setattr(writer, "_await_master", awaiting)
+    monkeypatch.setattr(datapath, "checksum", hashing)
+    assert writer.put_many([(k, data[k]) for k in keys]) == [None] * len(keys)
+    assert len(started) == (1 if batch > len(keys) else 3)
+    for rid, named in started.items():
+        sent, awaited = events.index(("sent", rid)), events.index(("await", rid))
+        for key in named:
+            assert sent < events.index(("hash", key)) < awaited, (key, events)
+    for k in keys:
+        assert cluster.master.core.directory.objects[k].checksum == checksum(data[k])
