@@ -234,9 +234,9 @@ def main() -> None:
         cls._send = _send
         inner_call = cls._call_master
 
-        def _call(self, op, body, deadline, started=None):
+        def _call(self, op, body, deadline, started=None, meanwhile=None):
             try:
-                return inner_call(self, op, body, deadline, started)
+                return inner_call(self, op, body, deadline, started, meanwhile)
             finally:
                 note("client_reply_" + op)
         cls._call_master = _call

@@ -216,10 +216,10 @@ def test_a_pending_put_unwritten_is_carried_and_one_written_and_never_ended_stop
                 lost = cluster.client(local_reads=False, local_writes=False)
                 real = lost._call_master
 
-                def drop_put_end(op, body, deadline):
+                def drop_put_end(op, body, deadline, **kw):
                     if op == "put_end":
                         raise errors.RequestTimeout("put_end lost")
-                    return real(op, body, deadline)
+                    return real(op, body, deadline, **kw)
 
                 mp.setattr(lost, "_call_master", drop_put_end)
                 mp.setattr(lost, "_revoke", lambda *a, **k: None)
