@@ -267,6 +267,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/runtime/test_requests_in_flight.py::"
          "test_a_put_start_sent_ahead_and_left_unanswered_is_abandoned_and_asked_again",)),
     Mutant(
+        "put-end-ahead-lost-counted-stored",
+        "a chunk's put_end answered while the next chunk is written (window) "
+        "that no master answers leaves its keys counted as stored and their "
+        "attempts unrevoked",
+        _one(CLIENT_PUTS, "            for i in ok:\n"
+                     "                results[i] = err\n"
+                     "            self._revoke([(grants[i][0], grants[i][2]) for i in ok])\n",
+             "            pass\n"),
+        ("tests/runtime/test_requests_in_flight.py::"
+         "test_a_put_end_sent_ahead_that_goes_unanswered_fails_its_keys_and_revokes_them",)),
+    Mutant(
         "get-no-relookup-on-stale-term",
         "a get whose descriptor a node refuses as StaleTerm (a new master took "
         "over) misses instead of looking the key up again at the new master",

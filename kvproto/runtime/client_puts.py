@@ -4,7 +4,8 @@
 segment, or one message per storage node), ``put_end`` (publish), and the
 revoke or abandon of what was not ended. A call of more keys than ``batch``
 goes in chunks; with a ``window`` above one the next chunk's ``put_start`` is
-in flight while this chunk is written. :class:`ClientPuts` is a part of
+in flight while this chunk is written, and this chunk's ``put_end`` while the
+next one is. :class:`ClientPuts` is a part of
 :class:`~kvproto.runtime.client.Client`: it uses the client's state, its lock
 and its requests to the master.
 """
@@ -47,19 +48,25 @@ class ClientPuts:
         """Put ``todo`` (``(i, key, view)``, results by ``i``) ``batch`` keys a
         chunk: a chunk whose ``put_start`` failed stores nothing, each of its
         keys gets that error. With a ``window`` above one, the next chunk's
-        ``put_start`` is sent once this chunk's grants are in."""
+        ``put_start`` is sent once this chunk's grants are in, and a chunk's
+        ``put_end`` is answered while the next chunk is written (its answer
+        awaited after those writes); every answer is in before this returns."""
         chunks = [todo[at:at + self.batch] for at in range(0, len(todo), self.batch)]
         ahead: list = []        # the next chunk's put_start, sent before this chunk's writes
+        ending: list = []       # a chunk's put_end, sent, its answer awaited after the next writes
         with self._lock, self._activity():
             try:
                 for k, chunk in enumerate(chunks):
                     following = chunks[k + 1] if k + 1 < len(chunks) and self.window > 1 else None
                     try:
-                        self._put_chunk(chunk, replicas, deadline, results, ahead, following)
+                        self._put_chunk(chunk, replicas, deadline, results, ahead, following,
+                                        ending)
                     except errors.KvError as err:   # the chunk's put_start failed: nothing stored
                         for i, _, _ in chunk:
                             results[i] = results[i] or err
             finally:
+                while ending:
+                    self._put_ended(*ending.pop(), deadline, results)
                 for sent, keys in ahead:            # never awaited: its grants end now
                     self._early.pop(sent[1], None)
                     self._abandon(keys)
@@ -111,11 +118,15 @@ class ClientPuts:
         return self._writer
 
     def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list,
-                   ahead: list, following: Optional[list] = None) -> None:
+                   ahead: list, following: Optional[list] = None,
+                   ending: Optional[list] = None) -> None:
         """One ``put_start``, the writes and one ``put_end`` of ``todo``; with
         ``following``, that chunk's ``put_start`` is sent once this one's
         grants are in (into ``ahead``), so the master allocates it while this
-        client writes (its caller holds the lock and the heartbeat)."""
+        client writes, and this chunk's ``put_end`` is sent without awaiting
+        its answer (into ``ending``, which the caller ends); the ``put_end``
+        already there, the chunk before's, is awaited after this chunk's
+        writes (its caller holds the lock and the heartbeat)."""
         sums: Optional[dict] = {} if self.checksums else None
         reply = self._put_started(todo, replicas, deadline, ahead, sums)
         self._note_interval(reply)
@@ -126,30 +137,49 @@ class ClientPuts:
                                            self._put_start_body(following, replicas)),
                           [k for _, k, _ in following]))
         ended: set[int] = set()
-        self._in_flight = tuple(g[2] for g in grants.values())
+        self._in_flight = tuple(g[2] for g in grants.values()) + tuple(
+            was[i][2] for _, _, done, was in ending or () for i in done)
         try:
             failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
                                         deadline, term, sums)
             for i, err in failed.items():
                 results[i] = err
+            while ending:
+                self._put_ended(*ending.pop(), deadline, results)
             ok = [i for i in grants if i not in failed]
             if ok:
-                try:
-                    rep = self._call_master("put_end", {
-                        "client": self.client_id, "columns": True,
+                body = {"client": self.client_id, "columns": True,
                         "items": [[grants[i][0], grants[i][2], sums.get(i, 0)]
                                   if sums is not None else [grants[i][0], grants[i][2]]
-                                  for i in ok]}, deadline)
-                except errors.KvError as err:
-                    for i in ok:
-                        results[i] = err
+                                  for i in ok]}
+                sent = self._send_ahead("put_end", body) \
+                    if following is not None and ending is not None and self.master else None
+                ended.update(ok)        # from here on revoked, if need be, by _put_ended
+                if sent is not None:
+                    ending.append((sent, body, ok, grants))
                 else:
-                    ended.update(ok)
-                    for at, code, message in wire.put_end_refused(rep, len(ok)):
-                        results[ok[at]] = errors.from_wire(code, message)
+                    self._put_ended(None, body, ok, grants, deadline, results)
         finally:
             self._in_flight = ()
             self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
+
+    def _put_ended(self, sent: Optional[tuple], body: dict, ok: list, grants: dict,
+                   deadline: float, results: list) -> None:
+        """The answer to the ``put_end`` of ``ok`` (``body``): the one
+        :meth:`_send_ahead` sent (``sent``) if the master served it, else
+        asked now; each refused key's error set in ``results``. A ``put_end``
+        no master answered fails its keys, and their attempts are revoked."""
+        try:
+            reply = self._await_ahead(sent, deadline)[0] if sent is not None else None
+            if reply is None:
+                reply = self._call_master("put_end", body, deadline)
+        except errors.KvError as err:
+            for i in ok:
+                results[i] = err
+            self._revoke([(grants[i][0], grants[i][2]) for i in ok])
+            return
+        for at, code, message in wire.put_end_refused(reply, len(ok)):
+            results[ok[at]] = errors.from_wire(code, message)
 
     def _revoke(self, attempts: list[tuple[bytes, int]], wait: float = 2.0) -> None:
         """Best effort: give up ``attempts`` (the master reclaims them anyway when

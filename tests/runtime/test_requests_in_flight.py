@@ -192,3 +192,81 @@ def test_a_put_start_sent_ahead_and_left_unanswered_is_abandoned_and_asked_again
     assert dropped
     assert c.exists_many([k for k, _ in items]) == [True] * 6
     assert cluster_of_one.stats()["pending"] == 0
+
+
+def _recording(c, monkeypatch):
+    """Record on ``c`` each request sent (``("send", op, rid)``), each answer
+    awaited (``("await", op, rid)``) and each chunk written (``("write",
+    first key)``) in ``events``."""
+    events, ops = [], {}
+    send, awaited, write_all = c._send, c._await_master, datapath.write_all
+
+    def sending(sock, op, body, *args):
+        rid = send(sock, op, body, *args)
+        ops[rid] = op
+        events.append(("send", op, rid))
+        return rid
+
+    def awaiting(sock, rid, *args):
+        events.append(("await", ops.get(rid), rid))
+        return awaited(sock, rid, *args)
+
+    def writing(client, grants, *args):
+        events.append(("write", min(g[0] for g in grants.values())))
+        return write_all(client, grants, *args)
+    monkeypatch.setattr(c, "_send", sending)
+    monkeypatch.setattr(c, "_await_master", awaiting)
+    monkeypatch.setattr(datapath, "write_all", writing)
+    return events
+
+
+def test_a_chunks_put_end_is_answered_while_the_next_chunk_is_written(cluster_of_one,
+                                                                       monkeypatch):
+    """With a window, chunk n's ``put_end`` goes out after its writes and its
+    answer is awaited only after chunk n+1's writes, before chunk n+1's own
+    ``put_end``; the last chunk's is awaited at once, and none is left."""
+    c = cluster_of_one.client(batch=2, window=2)
+    events = _recording(c, monkeypatch)
+    items = [(b"end/%d" % i, b"v" * 100) for i in range(6)]
+    assert c.put_many(items) == [None] * 6
+    ends = [e for e in events if e[0] == "send" and e[1] == "put_end"]
+    writes = [e for e in events if e[0] == "write"]
+    assert [w[1] for w in writes] == [b"end/0", b"end/2", b"end/4"]
+    for n, (_, _, rid) in enumerate(ends):
+        sent, awaited = events.index(ends[n]), events.index(("await", "put_end", rid))
+        assert events.index(writes[n]) < sent < awaited
+        if n + 1 < len(ends):
+            assert events.index(writes[n + 1]) < awaited < events.index(ends[n + 1])
+    assert not c._early
+    assert c.exists_many([k for k, _ in items]) == [True] * 6
+
+
+def test_a_put_end_sent_ahead_that_goes_unanswered_fails_its_keys_and_revokes_them(
+        cluster_of_one, monkeypatch):
+    """The first chunk's ``put_end`` gets no answer and asking again fails:
+    its keys get that error (not a success by default) and their attempts are
+    revoked; the other chunks are stored."""
+    c = cluster_of_one.client(batch=2, window=2)
+    events = _recording(c, monkeypatch)
+    awaited, call = c._await_master, c._call_master
+    revoked = []
+
+    def losing_the_first_put_end(sock, rid, *args):
+        reply = awaited(sock, rid, *args)
+        ends = [e[2] for e in events if e[:2] == ("send", "put_end")]
+        return None if ends and rid == ends[0] else reply
+
+    def failing_put_end_again(op, body, *args, **kw):
+        if op == "put_end" and body["items"][0][0] == b"unended/0":
+            raise errors.RequestTimeout("no answer")
+        if op == "put_revoke":
+            revoked.extend(k for k, _ in body["items"])
+        return call(op, body, *args, **kw)
+    monkeypatch.setattr(c, "_await_master", losing_the_first_put_end)
+    monkeypatch.setattr(c, "_call_master", failing_put_end_again)
+    items = [(b"unended/%d" % i, b"v" * 100) for i in range(6)]
+    results = c.put_many(items)
+    assert [type(r) for r in results[:2]] == [errors.RequestTimeout] * 2
+    assert results[2:] == [None] * 4
+    assert sorted(revoked) == [b"unended/0", b"unended/1"]
+    assert not c._early
