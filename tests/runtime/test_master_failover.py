@@ -113,15 +113,18 @@ def test_kill_9_of_the_active_master_with_writers_and_readers(children, raw, coo
     wrong, done, stop = [], [], threading.Event()
 
     def traffic(n: int) -> None:
-        c = kvproto.Client(url, timeout=2.0, lookup_timeout=0.5)
+        # the second writer puts four keys a call in chunks of two, so its
+        # put_ends are answered while the next chunk is written
+        c = kvproto.Client(url, timeout=2.0, lookup_timeout=0.5,
+                           **({"batch": 2, "window": 2} if n else {}))
         i = 0
         try:
             while not stop.is_set():
                 i += 1
-                k = f"live-{n}-{i}".encode()
+                put = [f"live-{n}-{i}-{j}".encode() for j in range(4 if n else 1)]
                 try:
-                    c.put(k, value(k))
-                    done.append(k)
+                    results = c.put_many([(k, value(k)) for k in put])
+                    done.extend(k for k, err in zip(put, results) if err is None)
                 except errors.KvError:
                     pass
                 probe = keys + done[-5:]
@@ -144,6 +147,7 @@ def test_kill_9_of_the_active_master_with_writers_and_readers(children, raw, coo
     for t in threads:
         t.join(30)
     assert not wrong, f"wrong bytes read for {wrong[:5]}"
+    assert any(k.startswith(b"live-1-") for k in done)     # the chunked writer stored
     assert last["term"] > old_term and last["nodes_lost"] == 0
     assert opened < 15
     # every object published before the kill is served by the new master
