@@ -118,8 +118,7 @@ class ClientPuts:
         return self._writer
 
     def _put_chunk(self, todo: list, replicas: int, deadline: float, results: list,
-                   ahead: list, following: Optional[list] = None,
-                   ending: Optional[list] = None) -> None:
+                   ahead: list, following: Optional[list], ending: list) -> None:
         """One ``put_start``, the writes and one ``put_end`` of ``todo``; with
         ``following``, that chunk's ``put_start`` is sent once this one's
         grants are in (into ``ahead``), so the master allocates it while this
@@ -138,7 +137,7 @@ class ClientPuts:
                           [k for _, k, _ in following]))
         ended: set[int] = set()
         self._in_flight = tuple(g[2] for g in grants.values()) + tuple(
-            was[i][2] for _, _, done, was in ending or () for i in done)
+            was[i][2] for _, _, done, was in ending for i in done)
         try:
             failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
                                         deadline, term, sums)
@@ -153,7 +152,7 @@ class ClientPuts:
                                   if sums is not None else [grants[i][0], grants[i][2]]
                                   for i in ok]}
                 sent = self._send_ahead("put_end", body) \
-                    if following is not None and ending is not None and self.master else None
+                    if following is not None and self.master else None
                 ended.update(ok)        # from here on revoked, if need be, by _put_ended
                 if sent is not None:
                     ending.append((sent, body, ok, grants))
