@@ -103,3 +103,14 @@ def test_a_later_generation_replaces_an_earlier_one():
 def test_client_exceptions_are_failures():
     r = verdict([{"op": "exception", "error": "TypeError: x", "trace": "...", "t": 1.0}], {})
     assert r.exceptions == 1 and r.failed
+
+
+def test_a_batch_killed_in_the_middle_leaves_each_begun_key_unknown():
+    """A put_many journals a put? per key before the call: a worker killed
+    before the answers leaves every one of them unknown (present or not),
+    and a key whose put ended keeps its own outcome."""
+    begun = [{"op": "put?", "key": k, "gen": 1, "t0": 0.0} for k in "abc"]
+    ended = [{"op": "put", "key": "a", "gen": 1, "t0": 0.0, "t1": 1.0, "out": "ok"}]
+    for final in ({"a": 1}, {"a": 1, "b": 1, "c": 1}, {"a": 1, "c": 1}):
+        assert not verdict(begun + ended, final).failed
+    assert verdict(begun + ended, {"b": 1, "c": 1}).failed          # the acknowledged a lost

@@ -63,7 +63,7 @@ class Matrix:
     #: cell's run fits the trace checkers' bounds (keys, tokens, steps):
     #: writers keep few objects and mostly put removed keys again, readers
     #: ask for few never-written keys, everyone pauses between operations
-    TRACED = {"writer": dict(live=3, reput=0.8, pause=0.02),
+    TRACED = {"writer": dict(live=3, reput=0.8, pause=0.02, put_many=0.0),
               "reader": dict(never=2, pause=0.05), "loader": dict(never=2, pause=0.05)}
 
     def __init__(self, workdir: Optional[Path] = None, seed: int = 0,
@@ -121,6 +121,10 @@ class Matrix:
             # one writer copies into same-host segments itself (direct writes),
             # one sends its bytes over the network
             config["client"]["local_writes"] = index % 2 == 0
+            # a fifth of the steps put four new keys in one put_many of two
+            # chunks: a chunk's put_end is answered while the next is written
+            config.update(put_many=0.2)
+            config["client"].update(batch=2, window=2)
         else:
             config.update(batch=8)
             config["client"]["local_reads"] = role == "reader" and index % 2 == 0   # one over shared memory

@@ -150,13 +150,13 @@ class History:
         return h
 
     def add(self, records: Iterable[dict]) -> None:
-        begun: Optional[dict] = None
+        begun: dict = {}        # key -> its operation begun and not ended (a batch: several)
         for r in records:
             op = r.get("op")
             if op in ("put?", "remove?"):
-                begun = r
+                begun[r["key"]] = r
             elif op in ("put", "remove"):
-                begun = None
+                begun.pop(r["key"], None)
                 self.ops.setdefault(r["key"], []).append(
                     Op(op, r["gen"], outcome(op, r["out"], self.duplicates), r["t0"], r["t1"], r["out"]))
             elif op == "get":
@@ -165,10 +165,9 @@ class History:
                 self.exceptions.append(r)
             elif op == "engine":
                 self.engines.append(r)
-        if begun is not None:   # killed in the middle: the outcome is unknown
-            kind = begun["op"][:-1]
-            self.ops.setdefault(begun["key"], []).append(
-                Op(kind, begun["gen"], UNKNOWN, begun["t0"], None, "killed"))
+        for r in begun.values():    # killed in the middle: the outcome is unknown
+            self.ops.setdefault(r["key"], []).append(
+                Op(r["op"][:-1], r["gen"], UNKNOWN, r["t0"], None, "killed"))
 
     def possible(self, key: str) -> set:
         """The states ``key`` may be in after its history: generations and/or ABSENT."""

@@ -211,6 +211,12 @@ class Writer(Worker):
         if self.removed and roll > 1 - c.get("reput", 0.1):
             key, gen = self.removed.pop(self.rng.randrange(len(self.removed)))
             return self.put(key, gen + 1)
+        if roll > 1 - c.get("reput", 0.1) - c.get("put_many", 0.0):
+            # new keys in one put_many, which the client (batch 2, window 2)
+            # splits into chunks whose put_ends are answered while the next is written
+            keys = [f"{self.prefix}/{self.n + j}" for j in range(1, 5)]
+            self.n += len(keys)
+            return self.put_many(keys)
         self.n += 1
         return self.put(f"{self.prefix}/{self.n}", 1)
 
@@ -225,6 +231,26 @@ class Writer(Worker):
         if out == "ok":
             self.live.append((key, gen))
         return out == "ok"
+
+    def put_many(self, keys: list[str]) -> bool:
+        """New keys (generation 1) in one ``put_many``: each journalled as its
+        own put, begun before the call and ended with its own outcome."""
+        c = self.config
+        items = [(k, value(k.encode(), 1, self.rng.randint(c.get("min_size", 256),
+                                                           c.get("max_size", 8192))))
+                 for k in keys]
+        t0 = time.monotonic()
+        for key in keys:
+            self.journal.write(op="put?", key=key, gen=1, t0=t0)
+        results, out = self.call(self.client.put_many, items, replicas=c.get("replicas", 1))
+        t1, stored = time.monotonic(), False
+        for key, err in zip(keys, results if results is not None else [None] * len(keys)):
+            done = out if results is None else "ok" if err is None else type(err).__name__
+            self.journal.write(op="put", key=key, gen=1, t0=t0, t1=t1, out=done)
+            if done == "ok":
+                self.live.append((key, 1))
+                stored = True
+        return stored
 
     def remove(self, entry: tuple[str, int]) -> bool:
         key, gen = entry
