@@ -23,11 +23,10 @@ frame per region taken from the caller's buffer; so is a direct write whose
 assign did not show in time. Each region sent is a tracked transfer of the
 Timeout protocol (``spec/Timeout.tla``): a message unacknowledged by the
 deadline is cancelled at its node, which discards what has not run. With
-``sums`` the :func:`checksum` of each object's bytes is computed as well (one
-pass over them: the caller's buffer, or where a :class:`Fill` produced them);
-the client computes those of the caller's buffers (:func:`checksums`) while
-its ``put_start`` is with the master, so a put's hash costs it no time of its
-own.
+``sums`` the :func:`checksum` of each :class:`Fill`'s bytes is taken where it
+produced them; the client computes those of the caller's buffers
+(:func:`checksums`) while its ``put_start`` is with the master, so a put's
+hash costs it no time of its own.
 
 :class:`LocalSegments` keeps the mappings of this host's segments (read-only
 for reads, writable for direct writes).
@@ -553,8 +552,8 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     into the segment, the others as one
     ``writes`` message per storage node, all in flight at once; wait for the
     acks. Returns the failures by ``i``; with a dict ``sums``, sets
-    ``sums[i]`` to the :func:`checksum` of each object's bytes where it is
-    not set yet.
+    ``sums[i]`` to the :func:`checksum` of each :class:`Fill`'s bytes (the
+    caller's buffers are hashed before: :func:`checksums`).
 
     A message unacked by the deadline fails its regions with
     ``TransferTimeout`` and is cancelled at its node (each region's transfer,
@@ -566,8 +565,6 @@ def write_all(client, grants: dict, segments: dict, deadline: float,
     materialized: dict[int, memoryview] = {}
     writable: dict = {}     # segment -> this client's writable mapping of it (or None), once
     for i, (key, view, token, replicas) in grants.items():
-        if sums is not None and i not in sums and not isinstance(view, Fill):
-            sums[i] = checksum(view)
         for seg, offset, direct in replicas:
             info = segments.get(seg)
             if not isinstance(info, list) or not info:
