@@ -273,7 +273,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "attempts unrevoked",
         _one(CLIENT_PUTS, "            for i in ok:\n"
                      "                results[i] = err\n"
-                     "            self._revoke([(grants[i][0], grants[i][2]) for i in ok])\n",
+                     "            self._revoke([(item[0], item[1]) for item in body[\"items\"]])\n",
              "            pass\n"),
         ("tests/runtime/test_requests_in_flight.py::"
          "test_a_put_end_sent_ahead_that_goes_unanswered_fails_its_keys_and_revokes_them",)),

@@ -137,7 +137,7 @@ class ClientPuts:
                           [k for _, k, _ in following]))
         ended: set[int] = set()
         self._in_flight = tuple(g[2] for g in grants.values()) + tuple(
-            was[i][2] for _, _, done, was in ending for i in done)
+            item[1] for _, body, _ in ending for item in body["items"])
         try:
             failed = datapath.write_all(self, grants, reply.body.get("segments", {}),
                                         deadline, term, sums)
@@ -155,16 +155,17 @@ class ClientPuts:
                     if following is not None and self.master else None
                 ended.update(ok)        # from here on revoked, if need be, by _put_ended
                 if sent is not None:
-                    ending.append((sent, body, ok, grants))
+                    ending.append((sent, body, ok))
                 else:
-                    self._put_ended(None, body, ok, grants, deadline, results)
+                    self._put_ended(None, body, ok, deadline, results)
         finally:
             self._in_flight = ()
             self._revoke([(grants[i][0], grants[i][2]) for i in grants if i not in ended])
 
-    def _put_ended(self, sent: Optional[tuple], body: dict, ok: list, grants: dict,
-                   deadline: float, results: list) -> None:
-        """The answer to the ``put_end`` of ``ok`` (``body``): the one
+    def _put_ended(self, sent: Optional[tuple], body: dict, ok: list, deadline: float,
+                   results: list) -> None:
+        """The answer to the ``put_end`` of ``ok`` (``body``, whose items
+        name each attempt's key and token in ``ok``'s order): the one
         :meth:`_send_ahead` sent (``sent``) if the master served it, else
         asked now; each refused key's error set in ``results``. A ``put_end``
         no master answered fails its keys, and their attempts are revoked."""
@@ -175,7 +176,7 @@ class ClientPuts:
         except errors.KvError as err:
             for i in ok:
                 results[i] = err
-            self._revoke([(grants[i][0], grants[i][2]) for i in ok])
+            self._revoke([(item[0], item[1]) for item in body["items"]])
             return
         for at, code, message in wire.put_end_refused(reply, len(ok)):
             results[ok[at]] = errors.from_wire(code, message)
