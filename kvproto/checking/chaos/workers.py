@@ -220,10 +220,15 @@ class Writer(Worker):
         self.n += 1
         return self.put(f"{self.prefix}/{self.n}", 1)
 
+    def _value(self, key: str, gen: int) -> bytes:
+        """``key``'s bytes at ``gen``, of a random size within the config's."""
+        c = self.config
+        return value(key.encode(), gen, self.rng.randint(c.get("min_size", 256),
+                                                         c.get("max_size", 8192)))
+
     def put(self, key: str, gen: int) -> bool:
         c = self.config
-        size = self.rng.randint(c.get("min_size", 256), c.get("max_size", 8192))
-        data = value(key.encode(), gen, size)
+        data = self._value(key, gen)
         t0 = time.monotonic()
         self.journal.write(op="put?", key=key, gen=gen, t0=t0)
         _, out = self.call(self.client.put, key, data, replicas=c.get("replicas", 1))
@@ -235,17 +240,16 @@ class Writer(Worker):
     def put_many(self, keys: list[str]) -> bool:
         """New keys (generation 1) in one ``put_many``: each journalled as its
         own put, begun before the call and ended with its own outcome."""
-        c = self.config
-        items = [(k, value(k.encode(), 1, self.rng.randint(c.get("min_size", 256),
-                                                           c.get("max_size", 8192))))
-                 for k in keys]
+        items = [(k, self._value(k, 1)) for k in keys]
         t0 = time.monotonic()
         for key in keys:
             self.journal.write(op="put?", key=key, gen=1, t0=t0)
-        results, out = self.call(self.client.put_many, items, replicas=c.get("replicas", 1))
+        results, out = self.call(self.client.put_many, items,
+                                 replicas=self.config.get("replicas", 1))
         t1, stored = time.monotonic(), False
-        for key, err in zip(keys, results if results is not None else [None] * len(keys)):
-            done = out if results is None else "ok" if err is None else type(err).__name__
+        outs = [out] * len(keys) if results is None else \
+            ["ok" if err is None else type(err).__name__ for err in results]
+        for key, done in zip(keys, outs):
             self.journal.write(op="put", key=key, gen=1, t0=t0, t1=t1, out=done)
             if done == "ok":
                 self.live.append((key, 1))
