@@ -39,14 +39,21 @@ from kvproto.runtime.transfers import MachinePool
 from kvproto.statemachines import timeout as T
 
 
+#: a device save or restore is gathered (scattered) and DMA'd in pieces of at
+#: most this many bytes, so the DMA of one overlaps the gather (scatter) of
+#: the next (:meth:`BlockPool.gather`)
+PIECE_BYTES = 8 << 20
+
+
 class BlockPool(MachinePool):
     """An engine's KV cache, registered once: one tensor
     (``layout.tensor_shape(n)``), or for a layers-first layout one tensor per
     layer; block ``i`` is machine buffer ``"blk{i}"``.
 
     :meth:`gather` and :meth:`scatter` move a run of blocks between the cache
-    and one contiguous host buffer (the bytes of an object): on a GPU, one
-    gather on the device and one DMA, or one DMA and one scatter."""
+    and one contiguous host buffer (the bytes of an object): on a GPU, a
+    gather on the device and a DMA, or a DMA and a scatter, pipelined piece
+    by piece."""
 
     def __init__(self, kv: Any, layout: KVLayout, *, max_cancels: int = 3, max_leaked: int = 4) -> None:
         import torch
@@ -60,6 +67,7 @@ class BlockPool(MachinePool):
         self._bytes = None if self.layers else kv.view(torch.uint8).reshape(n, layout.block_bytes)
         #: each cache tensor as rows of bytes, one row a block (of one layer, layers first)
         self._rows = [t.view(torch.uint8).reshape(n, -1) for t in (self.layers or [kv])]
+        self._side = None
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_blocks: int, device: Any = None, **kw) -> "BlockPool":
@@ -141,43 +149,111 @@ class BlockPool(MachinePool):
                         obj.copy_(cache)
         return copy_runs
 
+    def pieces(self, n: int, piece_bytes: int) -> list[list[tuple[int, int, int]]]:
+        """An object of ``n`` blocks cut into pieces of at most
+        ``piece_bytes`` (at least one block row), in the object's byte order:
+        each piece a list of ``(part, first, end)``, blocks ``first:end`` of
+        part ``part`` (the whole object for blocks first, a layer's share for
+        layers first; :meth:`_views`), parts next to each other in the object,
+        so a piece's bytes are one contiguous range (:meth:`span`)."""
+        row = self._rows[0].shape[1]
+        step = max(1, piece_bytes // row)
+        out: list = []
+        piece: list = []
+        room = step
+        for part in range(len(self._rows)):
+            first = 0
+            while first < n:
+                end = min(n, first + room)
+                piece.append((part, first, end))
+                room -= end - first
+                first = end
+                if not room:
+                    out.append(piece)
+                    piece, room = [], step
+        if piece:
+            out.append(piece)
+        return out
+
+    def span(self, n: int, piece: list) -> tuple[int, int]:
+        """The byte range ``[lo, hi)`` of ``piece`` (of :meth:`pieces`) in an
+        object of ``n`` blocks."""
+        row = self._rows[0].shape[1]
+        (part, first, _), (last, _, end) = piece[0], piece[-1]
+        return (part * n + first) * row, (last * n + end) * row
+
+    def _side_stream(self):
+        """The stream of this pool's on-device gathers and scatters, beside
+        the copy stream's DMAs (made once)."""
+        import torch
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def _pipelined(self, blocks: Sequence[int], into_blocks: bool):
+        """The GPU's copy unit function for ``blocks``, run on the copy stream
+        (the current one), through one device buffer of the object's bytes,
+        piece by piece (:meth:`pieces`, :data:`PIECE_BYTES`). Out of the
+        blocks: each piece gathered on the side stream, then DMA'd to the host
+        on the copy stream, which waits for that gather only, so the next
+        gather runs during the DMA. Into the blocks: each piece DMA'd on the
+        copy stream, then scattered on the side stream, which waits for that
+        DMA only; the copy stream then waits for the last scatter, so the
+        unit's completion event covers every scatter."""
+        import torch
+        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
+        cache = self.layers if self.layers is not None else [self.kv]
+
+        def op(host) -> None:
+            n = len(idx)
+            copy, side = torch.cuda.current_stream(self.device), self._side_stream()
+            staged = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            parts = self._views(staged, n)
+            side.wait_stream(copy)      # after what the copy stream waits for (the KV's producer)
+            for piece in self.pieces(n, PIECE_BYTES):
+                lo, hi = self.span(n, piece)
+                if into_blocks:
+                    staged[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                    landed = torch.cuda.Event()
+                    landed.record(copy)
+                    side.wait_event(landed)
+                with torch.cuda.stream(side):
+                    for part, first, end in piece:
+                        if into_blocks:
+                            cache[part].index_copy_(0, idx[first:end], parts[part][first:end])
+                        else:
+                            torch.index_select(cache[part], 0, idx[first:end],
+                                               out=parts[part][first:end])
+                    if not into_blocks:
+                        gathered = torch.cuda.Event()
+                        gathered.record(side)
+                if not into_blocks:
+                    copy.wait_event(gathered)
+                    host[lo:hi].copy_(staged[lo:hi], non_blocking=True)
+            if into_blocks:
+                copy.wait_stream(side)
+            staged.record_stream(side)
+        return op
+
     def gather(self, blocks: Sequence[int]):
         """A copy unit's function: ``gather(blocks)(dst)`` writes the blocks'
         bytes into ``dst`` (a 1-D uint8 host tensor), on the copy stream: on the
         CPU straight into ``dst``, one copy per run of consecutive blocks (and
-        layer); on a GPU into one device buffer, then one DMA."""
-        import torch
+        layer); on a GPU gathered into one device buffer and DMA'd, piece by
+        piece, each DMA during the next piece's gather (:meth:`_pipelined`)."""
         if self.device.type == "cpu":
             return self._run_copies(blocks, into_blocks=False)
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        sources = self.layers if self.layers is not None else [self.kv]
-
-        def op(dst) -> None:   # pragma: no cover - needs a CUDA device
-            n = len(idx)
-            staged = torch.empty(dst.numel(), dtype=torch.uint8, device=self.device)
-            for src, out in zip(sources, self._views(staged, n)):
-                torch.index_select(src, 0, idx, out=out)
-            dst.copy_(staged, non_blocking=True)
-        return op
+        return self._pipelined(blocks, into_blocks=False)    # pragma: no cover - CUDA
 
     def scatter(self, blocks: Sequence[int]):
         """A copy unit's function: ``scatter(blocks)(src)`` writes the bytes in
         ``src`` (a 1-D uint8 host tensor) into the blocks, on the copy stream:
         on the CPU straight from ``src``, one copy per run of consecutive
-        blocks (and layer); on a GPU one DMA, then a scatter."""
-        import torch
+        blocks (and layer); on a GPU DMA'd and scattered piece by piece, each
+        scatter during the next piece's DMA (:meth:`_pipelined`)."""
         if self.device.type == "cpu":
             return self._run_copies(blocks, into_blocks=True)
-        idx = torch.tensor(list(blocks), dtype=torch.long, device=self.device)
-        targets = self.layers if self.layers is not None else [self.kv]
-
-        def op(src) -> None:   # pragma: no cover - needs a CUDA device
-            n = len(idx)
-            staged = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
-            staged.copy_(src, non_blocking=True)
-            for dst, part in zip(targets, self._views(staged, n)):
-                dst.index_copy_(0, idx, part)
-        return op
+        return self._pipelined(blocks, into_blocks=True)     # pragma: no cover - CUDA
 
     def state_of(self, block: int) -> T.BufState:
         return self.state.buffers[self.name(block)].state

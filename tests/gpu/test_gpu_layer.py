@@ -477,3 +477,125 @@ def test_a_copy_unit_of_no_buffer_is_refused():
     finally:
         copier.close()
         backend.close()
+
+
+class _Streams:
+    """A stand-in for ``torch.cuda``'s streams and events on the CPU: work
+    runs at once, and each copy, gather, scatter, event record and wait is
+    written down with the stream it was issued on, so a test can check the
+    order a device would keep."""
+
+    def __init__(self, monkeypatch) -> None:
+        import contextlib
+        self.log: list = []
+        self.current = "copy"
+        log, streams = self.log, self
+
+        class Stream:
+            def __init__(self, name="side", device=None):
+                self.name = name
+
+            def wait_stream(self, other):
+                log.append((self.name, "wait_stream", other.name))
+
+            def wait_event(self, event):
+                log.append((self.name, "wait_event", event.id))
+
+        class Event:
+            made = 0
+
+            def __init__(self):
+                Event.made += 1
+                self.id = Event.made
+
+            def record(self, stream):
+                log.append((stream.name, "record", self.id))
+
+        @contextlib.contextmanager
+        def stream(s):
+            before, streams.current = streams.current, s.name
+            try:
+                yield
+            finally:
+                streams.current = before
+
+        def logged(name, inner):
+            def run(*a, **k):
+                log.append((streams.current, name))
+                return inner(*a, **k)
+            return run
+
+        copy_stream = Stream("copy")
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: copy_stream)
+        monkeypatch.setattr(torch, "index_select", logged("gather", torch.index_select))
+        monkeypatch.setattr(torch.Tensor, "index_copy_", logged("scatter", torch.Tensor.index_copy_))
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+        copy_ = torch.Tensor.copy_
+
+        def dma(self, src, non_blocking=False):
+            if non_blocking:        # the DMAs; the test's own copies block
+                log.append((streams.current, "dma"))
+            return copy_(self, src, non_blocking=non_blocking)
+        monkeypatch.setattr(torch.Tensor, "copy_", dma)
+
+
+@pytest.mark.parametrize("layers_major", [False, True])
+@pytest.mark.parametrize("piece", [1, 3, 5, 64], ids=lambda p: f"{p}-rows")
+def test_a_device_save_and_restore_are_pipelined_piece_by_piece(monkeypatch, layers_major, piece):
+    """The GPU's copy unit (``BlockPool._pipelined``), run on the CPU with
+    recorded streams: the pieces cover the object's bytes once, in order; a
+    save's piece is DMA'd on the copy stream after waiting for its own
+    gather's event (not for the side stream as a whole, so the next gather
+    runs during the DMA); a restore's piece is scattered on the side stream
+    after waiting for its own DMA's event, and the copy stream waits for the
+    side stream at the end. The bytes are those of the run-by-run CPU copy."""
+    from kvproto.gpu import blocks as gpu_blocks
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, layers_major=layers_major)
+    kvt = ([torch.randn((10, *lay.layer_block_shape)).to(torch.bfloat16) for _ in range(3)]
+           if layers_major else torch.randn(lay.tensor_shape(10)).to(torch.bfloat16))
+    pool = BlockPool(kvt, lay)
+    row = pool._rows[0].shape[1]
+    chosen = [7, 8, 2, 0, 1, 9]
+    n = len(chosen)
+    pieces = pool.pieces(n, piece * row)
+    spans = [pool.span(n, p) for p in pieces]
+    assert spans[0][0] == 0 and spans[-1][1] == n * lay.block_bytes
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert all(0 < hi - lo <= max(piece, 1) * row for lo, hi in spans)
+
+    want = torch.zeros(n * lay.block_bytes, dtype=torch.uint8)
+    pool.gather(chosen)(want)                   # the CPU's run-by-run copy
+    monkeypatch.setattr(gpu_blocks, "PIECE_BYTES", piece * row)
+    streams = _Streams(monkeypatch)
+    saved = torch.zeros_like(want)
+    pool._pipelined(chosen, into_blocks=False)(saved)
+    assert torch.equal(saved, want)
+    log = streams.log
+    assert log[0] == ("side", "wait_stream", "copy")
+    dmas = [i for i, e in enumerate(log) if e == ("copy", "dma")]
+    assert len(dmas) == len(pieces)
+    assert {e[0] for e in log if e[1] == "gather"} == {"side"}
+    for k, at in enumerate(dmas):
+        (event,) = [e[2] for e in log[:at] if e[:2] == ("side", "record")][k:k + 1]
+        assert log[at - 1] == ("copy", "wait_event", event)     # its own gather, then the DMA
+    # the copy stream waits for no later gather: the next one runs during a DMA
+    assert ("copy", "wait_stream", "side") not in log
+
+    targets = BlockPool([torch.zeros_like(t) for t in kvt] if layers_major else torch.zeros_like(kvt),
+                        lay)
+    dst = [3, 4, 5, 6, 0, 1]
+    log.clear()
+    targets._pipelined(dst, into_blocks=True)(saved)
+    for b_src, b_dst in zip(chosen, dst):
+        assert raw(targets, b_dst) == raw(pool, b_src)
+    assert {e[0] for e in log if e[1] == "scatter"} == {"side"}
+    assert [e[0] for e in log if e[1] == "dma"] == ["copy"] * len(pieces)
+    waits = [i for i, e in enumerate(log) if e[:2] == ("side", "wait_event")]
+    assert len(waits) == len(pieces)
+    for at in waits:
+        assert log[at - 1][:2] == ("copy", "record") and log[at - 2] == ("copy", "dma")
+        assert log[at + 1] == ("side", "scatter")
+    assert log[-1] == ("copy", "wait_stream", "side")
