@@ -344,6 +344,35 @@ def test_cuda_round_trip():   # pragma: no cover - needs a CUDA device
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@cuda
+@pytest.mark.parametrize("layers_major", [False, True])
+def test_cuda_round_trip_in_pieces(monkeypatch, layers_major):   # pragma: no cover - needs CUDA
+    """Save and restore through the store on the device, pipelined in pieces
+    of three block rows (so a piece ends inside a layer's share): every byte."""
+    from kvproto.gpu import blocks as gpu_blocks
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, layers_major=layers_major)
+    kvt = ([torch.zeros((12, *lay.layer_block_shape), dtype=torch.bfloat16, device="cuda")
+            for _ in range(3)] if layers_major else
+           torch.zeros(lay.tensor_shape(12), dtype=torch.bfloat16, device="cuda"))
+    pool = BlockPool(kvt, lay)
+    monkeypatch.setattr(gpu_blocks, "PIECE_BYTES", 3 * pool._rows[0].shape[1])
+    with kvproto.embedded(storage_nodes=1, segment_size="16MiB") as c, \
+            DeviceKV(c.client(), pool, max_blocks=6) as kv:
+        r = kv.request()
+        src = [7, 8, 2, 0, 1, 10]
+        r.acquire(12)
+        r.release([b for b in range(12) if b not in src])
+        for t in (pool.layers or [pool.kv]):
+            t[src] = torch.randn(t[src].shape, device="cuda").to(t.dtype)
+        want = [raw(pool, b) for b in src]
+        assert len(pool.pieces(len(src), gpu_blocks.PIECE_BYTES)) > 1
+        assert r.save(b"pieces/" + lay.tag().encode(), src).wait(10) is SaveState.PUBLISHED
+        dst = r.acquire(6)
+        assert r.restore(b"pieces/" + lay.tag().encode(), dst).wait(10) is RestoreState.CONSUMABLE
+        r.consume(dst)
+        assert [raw(pool, b) for b in dst] == want
+
+
 def test_gpu_check_cpu_smoke():
     import pathlib
     import runpy
