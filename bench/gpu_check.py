@@ -34,6 +34,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 
 
 def main(argv=None) -> int:
@@ -78,13 +79,15 @@ def main(argv=None) -> int:
                           load_timeout=60) as kv:
                 print(f"layout {layout.tag()} ({'one tensor per layer' if layers_major else 'one tensor'}); "
                       f"backend {kv.backend.kind}")
-                _round_trips(torch, kv, pool, layout, sizes, block_kib, iters, device, sync, failures,
-                             SaveState, RestoreState)
+                _guarded(f"round trips {layout.tag()}", failures, _round_trips, torch, kv, pool, layout, sizes,
+                         block_kib, iters, device, sync, failures, SaveState, RestoreState)
                 if device == "cuda":
-                    _pieces(torch, kv, pool, layout, sizes, block_kib, iters, sync, failures)
+                    _guarded(f"copy unit {layout.tag()}", failures, _pieces, torch, kv, pool, layout, sizes,
+                             block_kib, iters, sync, failures)
                 if not layers_major:
-                    _late_completion(torch, kv, pool, layout, sync, failures, T)
-        _host_path(np, client, iters, failures)
+                    _guarded(f"late completion {layout.tag()}", failures, _late_completion, torch, kv, pool,
+                             layout, sync, failures, T)
+        _guarded("host path", failures, _host_path, np, client, iters, failures)
         client.close()
     for f in failures:
         print("FAIL", f)
@@ -92,9 +95,30 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
+def _guarded(name: str, failures: list, section, *args) -> None:
+    """Run one section: an exception fails that section, with its traceback
+    printed, and the sections after it still run (one device run gives every
+    figure it can)."""
+    try:
+        section(*args)
+    except Exception as e:   # noqa: BLE001 - reported, and the run goes on
+        traceback.print_exc()
+        failures.append(f"{name}: {type(e).__name__}: {e}")
+
+
 def _round_trips(torch, kv, pool, layout, sizes, block_kib, iters, device, sync, failures,
                  SaveState, RestoreState) -> None:
     r = kv.request()
+    try:
+        _round_trips_of(r, torch, kv, pool, layout, sizes, block_kib, iters, device, sync,
+                        failures, SaveState, RestoreState)
+    except BaseException:
+        r.cancel()      # its blocks free for the sections after
+        raise
+
+
+def _round_trips_of(r, torch, kv, pool, layout, sizes, block_kib, iters, device, sync, failures,
+                    SaveState, RestoreState) -> None:
     max_blocks = max(sizes) // block_kib
     src, dst = r.acquire(max_blocks), r.acquire(max_blocks)
     for size in sizes:
