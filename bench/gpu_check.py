@@ -95,6 +95,15 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
+def _plain_copy(host, devbuf, d2h: bool, sync) -> float:
+    """Seconds of one plain copy, device to host (``d2h``) or back: the baseline."""
+    sync()
+    t0 = time.perf_counter()
+    host.copy_(devbuf, non_blocking=True) if d2h else devbuf.copy_(host, non_blocking=True)
+    sync()
+    return time.perf_counter() - t0
+
+
 def _guarded(name: str, failures: list, section, *args) -> None:
     """Run one section: an exception fails that section, with its traceback
     printed, and the sections after it still run (one device run gives every
@@ -133,11 +142,7 @@ def _round_trips_of(r, torch, kv, pool, layout, sizes, block_kib, iters, device,
         devbuf = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
         def plain(d2h: bool) -> float:
-            sync()
-            t0 = time.perf_counter()
-            host.copy_(devbuf, non_blocking=True) if d2h else devbuf.copy_(host, non_blocking=True)
-            sync()
-            return time.perf_counter() - t0
+            return _plain_copy(host, devbuf, d2h, sync)
 
         saves, restores, bare, wrong = [], [], [], 0
         for i in range(2 * iters + 2):
@@ -227,11 +232,7 @@ def _pieces(torch, kv, pool, layout, sizes, block_kib, iters, sync, failures) ->
                 return t
 
             def plain(d2h: bool) -> float:
-                sync()
-                t0 = time.perf_counter()
-                host.copy_(devbuf, non_blocking=True) if d2h else devbuf.copy_(host, non_blocking=True)
-                sync()
-                return time.perf_counter() - t0
+                return _plain_copy(host, devbuf, d2h, sync)
 
             unit(False, 0)
             want.copy_(host)
