@@ -20,6 +20,18 @@ def counters(c):
     return s["counters"], s["client"]
 
 
+def space_returned(c, timeout: float = 10.0) -> None:
+    """Until the allocator has back every region the directory freed: a
+    direct writer's region returns once its node acknowledges the free
+    (spec/DirectWrite.tla), a moment after the remove or eviction that freed
+    it; a put in between may find no room."""
+    deadline = time.monotonic() + timeout
+    while any(s["allocator_free"] != s["free"] for s in c.stats()["segments"].values()
+              if s["live"]):
+        assert time.monotonic() < deadline, "the freed regions did not return"
+        time.sleep(0.005)
+
+
 def test_a_read_slower_than_its_lease_is_rejected_and_classified():
     with kvproto.embedded(storage_nodes=1, segment_size="4MiB", storage_debug=True,
                           lease_ttl=0.3) as cluster:
@@ -100,6 +112,7 @@ def test_eviction_spares_leased_objects_and_takes_them_after_release():
         assert all(c.exists_many(keys[3:10]))
         master, _ = counters(c)
         assert master["evictions"] == 2
+        space_returned(c)
         c.release([lease])
         c.put(keys[10], b"a" * size)
         c.put(keys[11], b"b" * size)                     # past the watermark again
