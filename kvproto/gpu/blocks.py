@@ -212,22 +212,21 @@ class BlockPool(MachinePool):
             side.wait_stream(copy)      # after what the copy stream waits for (the KV's producer)
             for piece in self.pieces(n, PIECE_BYTES):
                 lo, hi = self.span(n, piece)
-                if into_blocks:
+                if into_blocks:         # DMA, then scatter once it landed
                     staged[lo:hi].copy_(host[lo:hi], non_blocking=True)
                     landed = torch.cuda.Event()
                     landed.record(copy)
                     side.wait_event(landed)
-                with torch.cuda.stream(side):
-                    for part, first, end in piece:
-                        if into_blocks:
+                    with torch.cuda.stream(side):
+                        for part, first, end in piece:
                             cache[part].index_copy_(0, idx[first:end], parts[part][first:end])
-                        else:
+                else:                   # gather, then DMA once it is done
+                    with torch.cuda.stream(side):
+                        for part, first, end in piece:
                             torch.index_select(cache[part], 0, idx[first:end],
                                                out=parts[part][first:end])
-                    if not into_blocks:
                         gathered = torch.cuda.Event()
                         gathered.record(side)
-                if not into_blocks:
                     copy.wait_event(gathered)
                     host[lo:hi].copy_(staged[lo:hi], non_blocking=True)
             if into_blocks:
