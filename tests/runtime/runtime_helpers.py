@@ -30,6 +30,16 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str
         time.sleep(interval)
 
 
+def space_returned(client, timeout: float = 10.0) -> None:
+    """Until the allocator has back every region the directory freed: a
+    direct writer's region returns once its node acknowledges the free
+    (spec/DirectWrite.tla), a moment after the remove or eviction that freed
+    it; a put in between may find no room."""
+    wait_for(lambda: all(s["allocator_free"] == s["free"]
+                         for s in client.stats()["segments"].values() if s["live"]),
+             timeout, 0.005, "the freed regions to return")
+
+
 class Raw:
     """A raw DEALER for sending arbitrary frames to a server."""
 

@@ -12,24 +12,14 @@ import pytest
 import kvproto
 from kvproto import errors
 
+from runtime_helpers import space_returned
+
 KiB = 1 << 10
 
 
 def counters(c):
     s = c.stats()
     return s["counters"], s["client"]
-
-
-def space_returned(c, timeout: float = 10.0) -> None:
-    """Until the allocator has back every region the directory freed: a
-    direct writer's region returns once its node acknowledges the free
-    (spec/DirectWrite.tla), a moment after the remove or eviction that freed
-    it; a put in between may find no room."""
-    deadline = time.monotonic() + timeout
-    while any(s["allocator_free"] != s["free"] for s in c.stats()["segments"].values()
-              if s["live"]):
-        assert time.monotonic() < deadline, "the freed regions did not return"
-        time.sleep(0.005)
 
 
 def test_a_read_slower_than_its_lease_is_rejected_and_classified():
